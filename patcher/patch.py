@@ -1,0 +1,116 @@
+"""The patch pipeline: source -> survey -> transforms -> runtime block -> source.
+
+`patch_source` works on Python source text (a wrapper's payload, already
+decompressed by `patcher.source`). It never writes files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+
+from patcher import render
+from patcher.survey import Survey, survey
+from patcher.transforms import copy_stream, env_toggles, mlp_fusion, train_prefetch
+from patcher.transforms.base import FEATURES, Context, Note
+
+# Order matters: env_toggles defines what the others referenced.
+TRANSFORMS = [train_prefetch, copy_stream, mlp_fusion, env_toggles]
+
+
+@dataclass
+class PatchResult:
+    """What one patch run did.
+
+    source: the patched source (equal to the input when nothing applied).
+    notes: one `Note` per feature decision. already_patched: the input carries
+    this tool's runtime already, so nothing was changed.
+    """
+
+    source: str
+    notes: list[Note] = field(default_factory=list)
+    already_patched: bool = False
+    survey: Survey | None = None
+
+    @property
+    def applied(self) -> list[str]:
+        seen = []
+        for n in self.notes:
+            if n.applied and n.feature not in seen:
+                seen.append(n.feature)
+        return seen
+
+    @property
+    def skipped(self) -> list[Note]:
+        return [n for n in self.notes if not n.applied]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.applied)
+
+
+def features_from(only: list[str] | None, skip: list[str] | None) -> set[str]:
+    """The enabled feature set for `--only` / `--skip`. Raises ValueError on an unknown name."""
+    for name in (only or []) + (skip or []):
+        if name not in FEATURES:
+            raise ValueError(f"unknown feature {name!r}; choose from {', '.join(FEATURES)}")
+    enabled = set(only) if only else set(FEATURES)
+    if only and ({"train_prefetch", "copy_stream"} & enabled):
+        enabled.add("env_toggles")  # the switches come with the behaviour they switch
+    return enabled - set(skip or [])
+
+
+def patch_source(source: str, enabled: set[str] | None = None, module: cst.Module | None = None) -> PatchResult:
+    """Patch one script's source. Returns a `PatchResult`.
+
+    Raises libcst.ParserSyntaxError when `source` is not valid Python.
+    """
+    enabled = set(FEATURES) if enabled is None else enabled
+    module = module if module is not None else cst.parse_module(source)
+    surveyed = survey(module)
+    if surveyed.already_patched:
+        names = ", ".join(sorted(surveyed.already_patched))
+        return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)
+    ctx = Context(surveyed, enabled)
+    notes: list[Note] = []
+    for transform in TRANSFORMS:
+        if transform.FEATURE not in enabled:
+            continue
+        module, new_notes = transform.apply(module, ctx)
+        notes.extend(new_notes)
+    if ctx.templates or ctx.constants:
+        module = _insert_runtime(module, ctx)
+    return PatchResult(module.code, notes, False, surveyed)
+
+
+def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
+    """Put constants and templates after the leading imports, before the first def or class."""
+    body = list(module.body)
+    at = next((i for i, s in enumerate(body) if isinstance(s, (cst.ClassDef, cst.FunctionDef))), len(body))
+    imports = _top_level_imports(module)
+    block: list[cst.BaseStatement] = []
+    if ctx.constants:
+        if "os" not in imports:
+            block.append(cst.parse_statement("import os\n"))
+        block.extend(cst.SimpleStatementLine(body=[s]) for s in ctx.constants)
+    if ctx.templates:
+        toggles = [n for n in ctx.toggles_used]
+        block.extend(render.runtime_block(ctx.templates, imports, ctx.minified, toggles))
+    if block and not ctx.minified:
+        block[-1] = block[-1]
+        if at < len(body):
+            body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()] if not body[at].leading_lines else body[at].leading_lines)
+    return module.with_changes(body=body[:at] + block + body[at:])
+
+
+def _top_level_imports(module: cst.Module) -> set[str]:
+    names = set()
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Import):
+                    for alias in small.names:
+                        if alias.asname is None:
+                            names.add(module.code_for_node(alias.name))
+    return names

@@ -1,0 +1,790 @@
+"""Read-only analysis of a training script: where the transforms may act, and why not.
+
+`survey(module)` walks a parsed script (libcst) once and returns a `Survey`: the data
+loader classes and their family, the training loader's construction sites and
+`next_batch` call sites (with whether each argument is a run constant), whether a
+loader already prefetches, the Hyperparameters class and its idiom, the script's log
+function, the MLP `.square()` sites, and the script's style (minified or readable).
+Nodes are kept by identity so that transforms run on the same `Module` object can
+find them; positions (1-based lines) are kept for reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+# Names of the runtime pieces injected by the transforms: their presence at module
+# level means the script was already patched.
+INJECTED_NAMES = {
+    "train_prefetch": "_make_train_loader",
+    "copy_stream": "_h2d",
+}
+
+ACTIVATIONS = {"relu", "leaky_relu", "gelu", "silu", "relu6", "elu", "mish", "softplus"}
+GLOBAL_RNG_TORCH = {"rand", "randn", "randint", "randperm", "manual_seed", "bernoulli", "multinomial", "normal", "seed"}
+GLOBAL_RNG_NUMPY_OK = {"Generator", "PCG64", "default_rng", "RandomState", "SeedSequence", "Philox", "MT19937", "SFC64", "BitGenerator"}
+THREAD_NAMES = {"ThreadPoolExecutor", "Thread", "ProcessPoolExecutor"}
+
+
+@dataclass
+class LoaderClass:
+    """A class that defines `next_batch`.
+
+    family: "tokenstream" | "coprime" | "shuffled" | "document_packing" | "custom".
+    next_batch_params: parameter names after `self`. device_index: position (after
+    `self`) of the `__init__` parameter that takes the device, or None.
+    h2d_calls: the `<expr>.to(self.<device attr>, non_blocking=True)` nodes in
+    `next_batch`. reshape_only: index of a `next_batch` parameter used only as the
+    trailing dimension of `.reshape(-1, p)` of every returned tensor, or None.
+    prefetches: the class already builds batches on threads. unsafe: why prefetching
+    it would not be exact (global RNG, torch.distributed, device use), or None.
+    """
+
+    name: str
+    node: cst.ClassDef
+    line: int
+    family: str = "custom"
+    next_batch_params: list[str] = field(default_factory=list)
+    init_params: list[str] = field(default_factory=list)
+    device_index: int | None = None
+    device_attr: str | None = None
+    h2d_calls: list[cst.Call] = field(default_factory=list)
+    reshape_only: int | None = None
+    prefetches: bool = False
+    unsafe: str | None = None
+
+
+@dataclass
+class Construction:
+    """`target = LoaderClass(...)`: node is the `Assign`, call its value."""
+
+    target: str
+    class_name: str
+    node: cst.Assign
+    call: cst.Call
+    line: int
+    scope: cst.CSTNode
+    binding: object = None
+    training: bool = False
+    reason: str | None = None
+
+
+@dataclass
+class CallSite:
+    """`receiver.next_batch(args…)`; constant[i] says whether argument i is a run constant."""
+
+    receiver: str
+    node: cst.Call
+    line: int
+    scope: cst.CSTNode
+    args: list[str]
+    constant: list[bool]
+    binding: object = None
+
+
+@dataclass
+class Hyperparameters:
+    """The Hyperparameters class. style: "class" | "dataclass" | "oneline".
+
+    sample: an existing `name = int(<getter>("NAME", default))` statement whose
+    idiom new toggles copy.
+    """
+
+    name: str
+    node: cst.ClassDef
+    line: int
+    style: str
+    sample: cst.BaseSmallStatement | None
+
+
+@dataclass
+class SquareSite:
+    """A `.square()` of an activation in an MLP forward: kind "relu2" | "leaky_relu2" | "banked" | "act2"."""
+
+    node: cst.Call
+    function: cst.FunctionDef
+    line: int
+    kind: str
+
+
+@dataclass
+class Survey:
+    """Everything the transforms need to know about one script."""
+
+    module: cst.Module
+    minified: bool
+    uses_torch: bool
+    loader_classes: dict[str, LoaderClass] = field(default_factory=dict)
+    constructions: list[Construction] = field(default_factory=list)
+    calls: list[CallSite] = field(default_factory=list)
+    hyperparameters: Hyperparameters | None = None
+    log_function: tuple[str, cst.CSTNode] | None = None
+    squares: list[SquareSite] = field(default_factory=list)
+    already_patched: set[str] = field(default_factory=set)
+    collector: "_SiteCollector | None" = field(default=None, repr=False)
+    _line_cache: dict = field(default_factory=dict, repr=False)
+    _line_starts: dict = field(default_factory=dict, repr=False)
+
+    def line_of(self, node: cst.CSTNode) -> int:
+        """1-based line of `node` in the surveyed source.
+
+        Positions are computed for the one top-level statement that holds `node`
+        (whole-module position metadata costs more than the rest of the survey).
+        """
+        top = self.top_level_of(node)
+        if top not in self._line_cache:
+            self._line_cache[top] = _positions_in_statement(self.module, top, self._line_starts)
+        start, positions = self._line_cache[top]
+        return start + positions[node].start.line - 1
+
+    def top_level_of(self, node: cst.CSTNode) -> cst.CSTNode:
+        """The statement of `module.body` that contains `node`."""
+        top = self.collector.top_of.get(node) if self.collector else None
+        if top is not None:
+            return top
+        for stmt in self.module.body:
+            if stmt is node or any(n is node for n in _walk(stmt)):
+                return stmt
+        raise KeyError("node is not in the surveyed module")
+
+    def training_constructions(self) -> list[Construction]:
+        return [c for c in self.constructions if c.training]
+
+    def calls_on(self, construction: Construction) -> list[CallSite]:
+        """`next_batch` calls whose receiver is the construction's variable."""
+        return [c for c in self.calls if c.binding is construction.binding and c.receiver == construction.target]
+
+
+def _positions_in_statement(module: cst.Module, top: cst.CSTNode, starts: dict) -> tuple[int, dict]:
+    if not starts:
+        line = 1 + len(module.header)
+        for stmt in module.body:
+            starts[stmt] = line
+            line += module.code_for_node(stmt).count("\n")
+    alone = cst.Module(body=[top], default_indent=module.default_indent, default_newline=module.default_newline)
+    positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
+    return starts[top], positions
+
+
+def survey(module: cst.Module) -> Survey:
+    """Analyse `module` (not modified). Returns a `Survey` whose nodes belong to `module`.
+
+    One pass of `_SiteCollector` over the module; loader classes and MLP forwards,
+    which are small, are then read on their own.
+    """
+    result = Survey(module=module, minified=_is_minified(module), uses_torch=_imports(module, "torch"))
+    top_names = _module_level_names(module)
+    result.already_patched = {feature for feature, name in INJECTED_NAMES.items() if name in top_names}
+    classes = {n.name.value: n for n in module.body if isinstance(n, cst.ClassDef)}
+    collector = _SiteCollector()
+    module.visit(collector)
+    result.collector = collector
+    for cls in classes.values():
+        if _method(cls, "next_batch") is not None:
+            result.loader_classes[cls.name.value] = _survey_loader(cls, classes, result)
+    _find_constructions_and_calls(collector, result)
+    result.hyperparameters = _find_hyperparameters(module, result)
+    result.log_function = _find_log_function(collector)
+    result.squares = _find_squares(collector, result)
+    return result
+
+
+@dataclass
+class AttributeUse:
+    """`base.attr` read or written in `scope`."""
+
+    base: str
+    attr: str
+    scope: "_Scope"
+
+
+class _Scope:
+    """A function (or the module): its bindings, for run-constant analysis."""
+
+    def __init__(self, node: cst.CSTNode, parent: "_Scope | None"):
+        self.node = node
+        self.parent = parent
+        # name -> list of (kind, value): kind "param" | "assign" | "loop" | "aug" | "other"
+        self.bindings: dict[str, list[tuple[str, cst.BaseExpression | None]]] = {}
+
+    def bind(self, name: str, kind: str, value: cst.BaseExpression | None = None) -> None:
+        self.bindings.setdefault(name, []).append((kind, value))
+
+    def resolve(self, name: str) -> "_Scope | None":
+        scope = self
+        while scope is not None:
+            if name in scope.bindings:
+                return scope
+            scope = scope.parent
+        return None
+
+
+class _SiteCollector(cst.CSTVisitor):
+    """One pass over the module: scopes and bindings, attribute assignments, the
+    `next_batch` calls, `name = Call(...)` assignments, functions, and the top-level
+    statement that holds each of them."""
+
+    def __init__(self) -> None:
+        self.module_scope = _Scope(None, None)
+        self.scope = self.module_scope
+        self.stack = [self.module_scope]
+        self.scope_of: dict[cst.CSTNode, _Scope] = {}
+        self.loop_depth = [0]
+        self.top: cst.CSTNode | None = None
+        self.top_of: dict[cst.CSTNode, cst.CSTNode] = {}
+        self.assigned_attributes: set[tuple[str, str]] = set()
+        self.calls: list[tuple[cst.Call, _Scope]] = []
+        self.call_assigns: list[tuple[cst.Assign, _Scope]] = []
+        self.functions: list[cst.FunctionDef] = []
+        self.attribute_uses: list[AttributeUse] = []
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self.top is None:
+            self.top = node if not isinstance(node, cst.Module) else None
+        self.top_of[node] = self.top
+        return super().on_visit(node)
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        super().on_leave(original_node)
+        if original_node is self.top:
+            self.top = None
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.scope.bind(node.name.value, "other")
+        self.functions.append(node)
+        self.top_of[node] = self.top
+        # Python resolves names in a method past the class body, to the enclosing function.
+        parent = self.scope
+        while parent.node is not None and isinstance(parent.node, cst.ClassDef):
+            parent = parent.parent
+        self._push(_Scope(node, parent))
+        self.scope_of[node] = self.scope
+        for p in list(node.params.posonly_params) + list(node.params.params) + list(node.params.kwonly_params):
+            self.scope.bind(p.name.value, "param")
+        for star in (node.params.star_arg, node.params.star_kwarg):
+            if isinstance(star, cst.Param):
+                self.scope.bind(star.name.value, "param")
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
+        self._pop()
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.scope.bind(node.name.value, "other")
+        self._push(_Scope(node, self.scope))
+
+    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
+        self._pop()
+
+    def _push(self, scope: _Scope) -> None:
+        self.stack.append(scope)
+        self.scope = scope
+        self.loop_depth.append(0)
+
+    def _pop(self) -> None:
+        self.stack.pop()
+        self.scope = self.stack[-1]
+        self.loop_depth.pop()
+
+    def visit_For(self, node: cst.For) -> None:
+        self.loop_depth[-1] += 1
+        for name in _target_names(node.target):
+            self.scope.bind(name, "loop")
+
+    def leave_For(self, original_node: cst.For) -> None:
+        self.loop_depth[-1] -= 1
+
+    def visit_While(self, node: cst.While) -> None:
+        self.loop_depth[-1] += 1
+
+    def leave_While(self, original_node: cst.While) -> None:
+        self.loop_depth[-1] -= 1
+
+    def visit_Assign(self, node: cst.Assign) -> None:
+        for t in node.targets:
+            names = _target_names(t.target)
+            for name in names:
+                kind = "assign" if isinstance(t.target, cst.Name) and len(node.targets) == 1 else "other"
+                self.scope.bind(name, kind, node.value if kind == "assign" else None)
+            self._note_attribute(t.target)
+        if isinstance(node.value, cst.Call):
+            self.call_assigns.append((node, self.scope))
+            self.top_of[node] = self.top
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        for name in _target_names(node.target):
+            self.scope.bind(name, "assign" if node.value is not None else "other", node.value)
+        self._note_attribute(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        for name in _target_names(node.target):
+            self.scope.bind(name, "aug")
+        self._note_attribute(node.target)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        for name in _target_names(node.target):
+            self.scope.bind(name, "other")
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        if node.asname is not None:
+            for name in _target_names(node.asname.name):
+                self.scope.bind(name, "other")
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        for name in _target_names(node.target):
+            self.scope.bind(name, "loop")
+
+    def visit_Global(self, node: cst.Global) -> None:
+        for item in node.names:
+            self.scope.bind(item.name.value, "other")
+
+    def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
+        for item in node.names:
+            self.scope.bind(item.name.value, "other")
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if m.matches(node, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("next_batch")))):
+            self.calls.append((node, self.scope))
+            self.top_of[node] = self.top
+        if m.matches(node, m.Call(func=m.Name("setattr"), args=[m.Arg(m.Name()), m.Arg(m.SimpleString()), m.ZeroOrMore()])):
+            self.assigned_attributes.add((node.args[0].value.value, node.args[1].value.evaluated_value))
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if isinstance(node.value, cst.Name) and node.value.value != "self":
+            self.attribute_uses.append(AttributeUse(node.value.value, node.attr.value, self.scope))
+
+    def _note_attribute(self, target: cst.BaseExpression) -> None:
+        for element in _flatten_targets(target):
+            if isinstance(element, cst.Attribute) and isinstance(element.value, cst.Name):
+                self.assigned_attributes.add((element.value.value, element.attr.value))
+
+
+def _flatten_targets(target: cst.BaseExpression) -> list[cst.BaseExpression]:
+    if isinstance(target, (cst.Tuple, cst.List)):
+        out = []
+        for e in target.elements:
+            out.extend(_flatten_targets(e.value))
+        return out
+    if isinstance(target, cst.StarredElement):
+        return _flatten_targets(target.value)
+    return [target]
+
+
+def _target_names(target: cst.BaseExpression) -> list[str]:
+    return [t.value for t in _flatten_targets(target) if isinstance(t, cst.Name)]
+
+
+# ----------------------------------------------------------------------------- style
+
+
+def _is_minified(module: cst.Module) -> bool:
+    """Minified scripts indent with tabs or put several statements on one line."""
+    if module.default_indent == "\t":
+        return True
+    lines = [s for s in module.body if isinstance(s, cst.SimpleStatementLine)]
+    multi = sum(1 for s in lines if len(s.body) > 2)
+    return bool(lines) and multi * 4 > len(lines)
+
+
+def _imports(module: cst.Module, top: str) -> bool:
+    for node in _walk(module):
+        if isinstance(node, cst.Import):
+            for alias in node.names:
+                if _dotted(alias.name).split(".")[0] == top:
+                    return True
+        if isinstance(node, cst.ImportFrom) and node.module is not None and _dotted(node.module).split(".")[0] == top:
+            return True
+    return False
+
+
+def _module_level_names(module: cst.Module) -> set[str]:
+    names = set()
+    for stmt in module.body:
+        if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+            names.add(stmt.name.value)
+        elif isinstance(stmt, cst.SimpleStatementLine):
+            for small in stmt.body:
+                if isinstance(small, cst.Assign):
+                    for t in small.targets:
+                        if isinstance(t.target, cst.Name):
+                            names.add(t.target.value)
+    return names
+
+
+# ----------------------------------------------------------------------------- loaders
+
+
+def _survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], result: Survey) -> LoaderClass:
+    info = LoaderClass(name=cls.name.value, node=cls, line=result.line_of(cls))
+    next_batch = _method(cls, "next_batch")
+    info.next_batch_params = _params(next_batch)[1:]
+    init = _method(cls, "__init__")
+    info.init_params = _params(init)[1:] if init is not None else []
+    if "device" in info.init_params:
+        info.device_index = info.init_params.index("device")
+        info.device_attr = _attr_assigned_from(init, "device")
+    # Classes the loader builds (TokenStream) share its state and its risks.
+    related = [cls] + [classes[n] for n in _called_names(cls) if n in classes and n != cls.name.value]
+    names_used = set()
+    for c in related:
+        names_used |= _called_names(c)
+    info.prefetches = bool(names_used & THREAD_NAMES) or info.name == "DocumentPackingLoader"
+    if info.prefetches:
+        info.family = "document_packing" if info.name == "DocumentPackingLoader" else "custom"
+    elif any(c.name.value == "TokenStream" for c in related[1:]):
+        info.family = "tokenstream"
+    elif info.name == "ShuffledSequenceLoader":
+        info.family = "shuffled"
+    elif _method(cls, "_pick_coprime_stride") is not None or "Generator" in names_used:
+        info.family = "coprime" if info.name == "DistributedTokenLoader" else "custom"
+    info.unsafe = _unsafe_reason(related, info)
+    if info.device_attr is not None:
+        info.h2d_calls = _h2d_calls(next_batch, info.device_attr)
+    info.reshape_only = _reshape_only_param(next_batch, info.next_batch_params)
+    return info
+
+
+def _unsafe_reason(related: list[cst.ClassDef], info: LoaderClass) -> str | None:
+    for c in related:
+        for node in _walk(c):
+            if not isinstance(node, cst.Call):
+                continue
+            name = _dotted(node.func)
+            parts = name.split(".")
+            if len(parts) == 2 and parts[0] == "torch" and parts[1] in GLOBAL_RNG_TORCH:
+                return f"loader draws from the global torch RNG ({name}); a background thread would change the draw order"
+            if len(parts) >= 3 and parts[-2] == "random" and parts[0] in ("np", "numpy") and parts[-1] not in GLOBAL_RNG_NUMPY_OK:
+                return f"loader draws from the global numpy RNG ({name}); a background thread would change the draw order"
+            if len(parts) == 2 and parts[0] == "random":
+                return f"loader draws from the global random module ({name}); a background thread would change the draw order"
+            if parts[0] == "dist" or name.startswith("torch.distributed"):
+                return f"loader calls torch.distributed ({name}) inside next_batch; it must stay on the main thread"
+            if name.startswith("torch.cuda") or name.startswith("cuda."):
+                return f"loader calls {name}; it must stay on the main thread"
+    if info.device_attr is not None:
+        uses = _device_attr_uses(info.node, info.device_attr)
+        if uses:
+            return f"loader uses self.{info.device_attr} beyond the final H2D copy ({uses}); cannot build it on the CPU"
+    return None
+
+
+def _device_attr_uses(cls: cst.ClassDef, attr: str) -> str | None:
+    """Describe a use of `self.<attr>` other than its assignment and `.to(self.<attr>, …)`."""
+    device_ref = m.Attribute(value=m.Name("self"), attr=m.Name(attr))
+    allowed: set[int] = set()
+    for node in _walk(cls):
+        if m.matches(node, m.Call(func=m.Attribute(attr=m.Name("to")), args=[m.Arg(value=device_ref, keyword=None), m.ZeroOrMore()])):
+            allowed.add(id(node.args[0].value))
+        if m.matches(node, m.AssignTarget(target=device_ref)):
+            allowed.add(id(node.target))
+    for node in _walk(cls):
+        if m.matches(node, device_ref) and id(node) not in allowed:
+            return f"self.{attr}"
+    return None
+
+
+def _h2d_calls(next_batch: cst.FunctionDef, attr: str) -> list[cst.Call]:
+    pattern = m.Call(
+        func=m.Attribute(attr=m.Name("to")),
+        args=[
+            m.Arg(value=m.Attribute(value=m.Name("self"), attr=m.Name(attr)), keyword=None),
+            m.Arg(keyword=m.Name("non_blocking"), value=m.Name("True")),
+        ],
+    )
+    return [n for n in _walk(next_batch) if m.matches(n, pattern)]
+
+
+def _reshape_only_param(fn: cst.FunctionDef, params: list[str]) -> int | None:
+    """Index of a parameter used only as `n` in `<v> = <expr>.reshape(-1, n)` whose `v`s are all that is returned."""
+    returns = [n for n in _walk(fn) if isinstance(n, cst.Return)]
+    if len(returns) != 1 or returns[0].value is None:
+        return None
+    elements = _returned_names(returns[0].value)
+    if elements is None:
+        return None
+    for index, param in enumerate(params):
+        refs = [n for n in _walk(fn.body) if m.matches(n, m.Name(param))]
+        reshaped_into = set()
+        ok = bool(refs)
+        for ref in refs:
+            assign = _reshape_assignment(fn, ref)
+            if assign is None:
+                ok = False
+                break
+            reshaped_into.add(assign)
+        if ok and reshaped_into and set(elements) <= reshaped_into:
+            return index
+    return None
+
+
+def _returned_names(value: cst.BaseExpression) -> list[str] | None:
+    """Names returned, seen through `.to(...)`: `x.to(d), y.to(d)` -> ["x", "y"]."""
+    items = [e.value for e in value.elements] if isinstance(value, cst.Tuple) else [value]
+    names = []
+    for item in items:
+        while m.matches(item, m.Call(func=m.Attribute(attr=m.Name("to")))):
+            item = item.func.value
+        if not isinstance(item, cst.Name):
+            return None
+        names.append(item.value)
+    return names
+
+
+def _reshape_assignment(fn: cst.FunctionDef, ref: cst.Name) -> str | None:
+    """If `ref` is `n` in a statement `v = <expr>.reshape(-1, n)` of `fn`, return `v`."""
+    for node in _walk(fn.body):
+        if not isinstance(node, cst.Assign) or len(node.targets) != 1 or not isinstance(node.targets[0].target, cst.Name):
+            continue
+        call = node.value
+        if m.matches(
+            call,
+            m.Call(
+                func=m.Attribute(attr=m.Name("reshape") | m.Name("view")),
+                args=[m.Arg(value=m.UnaryOperation(operator=m.Minus(), expression=m.Integer("1"))), m.Arg()],
+            ),
+        ) and call.args[1].value is ref:
+            return node.targets[0].target.value
+    return None
+
+
+# ----------------------------------------------------------------------------- sites
+
+
+def _find_constructions_and_calls(collector: _SiteCollector, result: Survey) -> None:
+    module = result.module
+    loader_names = set(result.loader_classes)
+    for assign, scope in collector.call_assigns:
+        func, target = assign.value.func, assign.targets[0].target
+        if len(assign.targets) == 1 and isinstance(func, cst.Name) and func.value in loader_names and isinstance(target, cst.Name):
+            result.constructions.append(
+                Construction(
+                    target=target.value,
+                    class_name=func.value,
+                    node=assign,
+                    call=assign.value,
+                    line=result.line_of(assign),
+                    scope=scope.node,
+                    binding=scope.resolve(target.value),
+                )
+            )
+    for call, scope in collector.calls:
+        receiver = call.func.value.value
+        binding = scope.resolve(receiver)
+        if not any(c.binding is binding and c.target == receiver for c in result.constructions):
+            continue  # not a loader this script builds here (e.g. a parameter of a helper)
+        result.calls.append(
+            CallSite(
+                receiver=receiver,
+                node=call,
+                line=result.line_of(call),
+                scope=scope.node,
+                args=[module.code_for_node(a.value) for a in call.args],
+                constant=[_is_run_constant(a.value, scope, collector, depth=0) for a in call.args],
+                binding=binding,
+            )
+        )
+    for c in result.constructions:
+        if "calib" in c.target.lower() or "val" in c.target.lower():
+            c.reason = f"`{c.target}` is not the training loader"
+        elif not result.calls_on(c):
+            c.reason = f"`{c.target}` has no next_batch call where it is built"
+        else:
+            c.training = True
+
+
+def _is_run_constant(expr: cst.BaseExpression, scope: _Scope, collector: _SiteCollector, depth: int) -> bool:
+    """True when `expr` has the same value every time the statement holding it runs.
+
+    Literals; attributes `a.b` never assigned anywhere in the script (the
+    Hyperparameters idiom `args.train_seq_len`); names bound once in their scope
+    (a parameter, or one plain assignment of a run constant, not a loop target);
+    arithmetic and int/float/min/max of those.
+    """
+    if depth > 8:
+        return False
+    if isinstance(expr, (cst.Integer, cst.Float, cst.SimpleString)):
+        return True
+    if isinstance(expr, cst.UnaryOperation):
+        return _is_run_constant(expr.expression, scope, collector, depth + 1)
+    if isinstance(expr, cst.BinaryOperation):
+        return _is_run_constant(expr.left, scope, collector, depth + 1) and _is_run_constant(expr.right, scope, collector, depth + 1)
+    if isinstance(expr, cst.Attribute) and isinstance(expr.value, cst.Name):
+        return (expr.value.value, expr.attr.value) not in collector.assigned_attributes
+    if isinstance(expr, cst.Name):
+        owner = scope.resolve(expr.value)
+        if owner is None:
+            return False
+        bindings = owner.bindings[expr.value]
+        if len(bindings) != 1:
+            return False
+        kind, value = bindings[0]
+        if kind == "param":
+            return True
+        if kind == "assign" and value is not None:
+            return _is_run_constant(value, owner, collector, depth + 1)
+        return False
+    if isinstance(expr, cst.Call) and _dotted(expr.func) in CONSTANT_CALLS:
+        return all(_is_run_constant(a.value, scope, collector, depth + 1) for a in expr.args)
+    if m.matches(expr, m.Subscript(value=m.Attribute(value=m.Name("os"), attr=m.Name("environ")))):
+        return True
+    return False
+
+
+# Calls whose result is fixed for the whole run when their arguments are.
+CONSTANT_CALLS = {
+    "int", "float", "bool", "str", "max", "min", "len", "abs", "round",
+    "os.environ.get", "os.getenv", "math.ceil", "math.floor",
+    "dist.get_world_size", "dist.get_rank", "torch.distributed.get_world_size", "torch.distributed.get_rank",
+    "torch.cuda.device_count",
+}
+
+
+# ----------------------------------------------------------------------------- hyperparameters
+
+
+def _find_hyperparameters(module: cst.Module, result: Survey) -> Hyperparameters | None:
+    for stmt in module.body:
+        if isinstance(stmt, cst.ClassDef) and stmt.name.value in ("Hyperparameters", "Hyperparams", "HParams", "Config", "Args"):
+            dataclass = any(_dotted(d.decorator if not isinstance(d.decorator, cst.Call) else d.decorator.func).endswith("dataclass") for d in stmt.decorators)
+            body = stmt.body
+            style = "dataclass" if dataclass else ("oneline" if isinstance(body, cst.SimpleStatementSuite) or _single_line_body(body) else "class")
+            return Hyperparameters(
+                name=stmt.name.value,
+                node=stmt,
+                line=result.line_of(stmt),
+                style=style,
+                sample=_env_sample(stmt),
+            )
+    return None
+
+
+def _single_line_body(body: cst.BaseSuite) -> bool:
+    return isinstance(body, cst.IndentedBlock) and len(body.body) == 1 and isinstance(body.body[0], cst.SimpleStatementLine) and len(body.body[0].body) > 3
+
+
+ENV_INT = m.Call(func=m.Name("int"), args=[m.Arg(value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name(), args=[m.Arg(m.SimpleString()), m.Arg()]))])
+
+
+def _env_sample(cls: cst.ClassDef) -> cst.BaseSmallStatement | None:
+    """The first `name = int(<getter>("NAME", default))` (or annotated) statement in the class."""
+    for node in _walk(cls):
+        if isinstance(node, cst.Assign) and len(node.targets) == 1 and m.matches(node.value, ENV_INT):
+            return node
+        if isinstance(node, cst.AnnAssign) and node.value is not None and m.matches(node.value, ENV_INT):
+            return node
+    return None
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+def _find_log_function(collector: _SiteCollector) -> tuple[str, cst.CSTNode] | None:
+    """The script's log function and the scope that defines it: `log0` or `log`."""
+    for name in ("log0", "log", "print0", "log_print"):
+        for fn in collector.functions:
+            if fn.name.value == name:
+                return name, fn
+    return None
+
+
+# ----------------------------------------------------------------------------- MLP
+
+
+def _find_squares(collector: _SiteCollector, result: Survey) -> list[SquareSite]:
+    sites = []
+    for fn in collector.functions:
+        if fn.name.value != "forward":
+            continue
+        act_names = _names_assigned_from_activation(fn)
+        for node in _walk(fn.body):
+            if not m.matches(node, m.Call(func=m.Attribute(attr=m.Name("square")), args=[])):
+                continue
+            receiver = node.func.value
+            kind = None
+            if _is_activation(receiver):
+                kind = _activation_kind(receiver)
+            elif isinstance(receiver, cst.Name) and receiver.value in act_names:
+                kind = act_names[receiver.value]
+            if kind is not None:
+                collector.top_of[node] = collector.top_of[fn]
+                sites.append(SquareSite(node=node, function=fn, line=result.line_of(node), kind=kind))
+    return sites
+
+
+def _is_activation(expr: cst.BaseExpression) -> bool:
+    return isinstance(expr, cst.Call) and _dotted(expr.func).split(".")[-1] in ACTIVATIONS
+
+
+def _activation_kind(call: cst.Call) -> str:
+    name = _dotted(call.func).split(".")[-1]
+    inner = call.args[0].value if call.args else None
+    if inner is not None and _dotted(getattr(inner, "func", cst.Name("x"))).endswith("linear"):
+        return "banked"
+    return {"relu": "relu2", "leaky_relu": "leaky_relu2"}.get(name, "act2")
+
+
+def _names_assigned_from_activation(fn: cst.FunctionDef) -> dict[str, str]:
+    found = {}
+    for node in _walk(fn.body):
+        if isinstance(node, cst.Assign) and len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
+            if _is_activation(node.value):
+                found[node.targets[0].target.value] = _activation_kind(node.value)
+            else:
+                found.pop(node.targets[0].target.value, None)
+    return found
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _walk(node: cst.CSTNode):
+    """Every node below `node` (pre-order), `node` included."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(reversed(current.children))
+
+
+def _dotted(node: cst.BaseExpression) -> str:
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        return f"{_dotted(node.value)}.{node.attr.value}"
+    return ""
+
+
+def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    body = cls.body.body if isinstance(cls.body, cst.IndentedBlock) else []
+    for stmt in body:
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value == name:
+            return stmt
+    return None
+
+
+def _params(fn: cst.FunctionDef | None) -> list[str]:
+    if fn is None:
+        return []
+    return [p.name.value for p in list(fn.params.posonly_params) + list(fn.params.params)]
+
+
+def _attr_assigned_from(fn: cst.FunctionDef, param: str) -> str | None:
+    for node in _walk(fn.body):
+        if isinstance(node, cst.Assign) and m.matches(node.value, m.Name(param)):
+            for t in node.targets:
+                if m.matches(t.target, m.Attribute(value=m.Name("self"))):
+                    return t.target.attr.value
+    return None
+
+
+def _called_names(cls: cst.ClassDef) -> set[str]:
+    names = set()
+    for node in _walk(cls):
+        if isinstance(node, cst.Call):
+            dotted = _dotted(node.func)
+            if dotted:
+                names.add(dotted.split(".")[-1])
+    return names

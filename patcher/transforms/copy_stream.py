@@ -1,0 +1,45 @@
+"""Transform `copy_stream`: the training loader's H2D copies go through `_h2d`.
+
+In the loader class's `next_batch`, each `t.to(self.device, non_blocking=True)`
+becomes `_h2d(t, self.device, <TRAIN_COPY_STREAM>)` (runtime:
+`templates/copy_stream.py`): on CUDA the copy runs on a dedicated stream, the compute
+stream `wait_stream`s on it and `record_stream` guards the result; on the CPU, or
+with the toggle off, it is the original call. Applies to loaders that already
+prefetch too (their batches still cross H2D on the compute stream).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from patcher.transforms.base import Context, Note, replace_nodes
+
+FEATURE = "copy_stream"
+
+
+def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
+    """Route the training loader's `.to(self.device, non_blocking=True)` through `_h2d`."""
+    survey = ctx.survey
+    if not survey.uses_torch:
+        return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
+    classes = {c.class_name for c in survey.training_constructions()}
+    if not classes:
+        return module, [Note(FEATURE, False, "no training loader construction found")]
+    notes, replacements = [], {}
+    for name in sorted(classes):
+        cls = survey.loader_classes[name]
+        if not cls.h2d_calls:
+            notes.append(Note(FEATURE, False, f"{name}.next_batch has no `.to(self.device, non_blocking=True)` copy", cls.line))
+            continue
+        toggle = ctx.toggle("TRAIN_COPY_STREAM")
+        sep = ctx.code(", ", ",")
+        for call in cls.h2d_calls:
+            tensor = module.code_for_node(call.func.value)
+            device = module.code_for_node(call.args[0].value)
+            replacements[call] = cst.parse_expression(f"_h2d({tensor}{sep}{device}{sep}{toggle})")
+        lines = ", ".join(str(survey.line_of(c)) for c in cls.h2d_calls)
+        notes.append(Note(FEATURE, True, f"{name}.next_batch H2D at line {lines} on the copy stream", cls.line))
+    if replacements:
+        ctx.need("copy_stream")
+        module = replace_nodes(module, replacements, ctx)
+    return module, notes

@@ -1,0 +1,113 @@
+"""Transform `env_toggles`: run-time switches for everything injected, plus a log line.
+
+`TRAIN_PREFETCH` (1), `TRAIN_PREFETCH_QUEUE` (2) and `TRAIN_COPY_STREAM` (1) are
+added in the script's own Hyperparameters idiom, copied from one of its existing
+`name = int(os.environ.get("NAME", default))` lines (a `;`-joined one-liner in a
+minified script, annotated fields in a dataclass), or as module constants where
+there is no such class. A log line through the script's own log function, just
+before the training loader is first built, records which mode ran. With every
+toggle at 0 the script runs its original code paths.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from patcher.transforms.base import TOGGLES, Context, Note, Tracking, edit_tops, insert_before, small_statement
+
+FEATURE = "env_toggles"
+
+
+def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
+    """Define the toggles the other transforms referenced (`ctx.toggles_used`)."""
+    if not ctx.toggles_used:
+        return module, [Note(FEATURE, False, "no injected behaviour to switch")]
+    survey = ctx.survey
+    names = [n for n in TOGGLES if n in ctx.toggles_used]
+    hp = survey.hyperparameters
+    notes = []
+    if hp is not None:
+        if hp.sample is None:
+            return module, [Note(FEATURE, False, f"{hp.name} has no `int(os.environ.get(...))` line to copy", hp.line)]
+        new = [_like(hp.sample, name) for name in names]
+        module = edit_tops(module, ctx, {hp.node}, _AppendAfter(hp.sample, new, ctx.minified))
+        notes.append(Note(FEATURE, True, f"{', '.join(names)} added to {hp.name}", hp.line))
+    else:
+        ctx.constants = [small_statement(_constant_code(name, ctx)) for name in names]
+        notes.append(Note(FEATURE, True, f"{', '.join(names)} added as module constants"))
+    module, log_note = _log_line(module, ctx, names)
+    notes.append(log_note)
+    return module, notes
+
+
+def _like(sample: cst.BaseSmallStatement, env_name: str) -> cst.BaseSmallStatement:
+    """A copy of `sample` (`x = int(os.environ.get("X", 3))`) for toggle `env_name`."""
+    attr, default = TOGGLES[env_name]
+    call = sample.value.args[0].value
+    quote = call.args[0].value.value[0]
+    new_call = call.with_changes(
+        args=[
+            call.args[0].with_changes(value=cst.SimpleString(f"{quote}{env_name}{quote}")),
+            call.args[1].with_changes(value=cst.Integer(str(default))),
+        ]
+    )
+    value = sample.value.with_changes(args=[sample.value.args[0].with_changes(value=new_call)])
+    if isinstance(sample, cst.AnnAssign):
+        return sample.with_changes(target=cst.Name(attr), value=value, semicolon=cst.MaybeSentinel.DEFAULT)
+    return sample.with_changes(targets=[sample.targets[0].with_changes(target=cst.Name(attr))], value=value, semicolon=cst.MaybeSentinel.DEFAULT)
+
+
+def _constant_code(env_name: str, ctx: Context) -> str:
+    _, default = TOGGLES[env_name]
+    return ctx.code(f'{env_name} = int(os.environ.get("{env_name}", {default}))', f'{env_name}=int(os.environ.get("{env_name}",{default}))')
+
+
+class _AppendAfter(Tracking):
+    """Put `new` small statements after the statement that holds `sample`."""
+
+    def __init__(self, sample, new, minified):
+        super().__init__()
+        self.sample, self.new, self.minified = sample, new, minified
+
+    def prepare(self, ctx: Context) -> None:
+        super().prepare(ctx)
+        self.sample = ctx.resolve(self.sample)
+
+    def leave_SimpleStatementLine(self, original_node, updated_node):
+        if not any(s is self.sample for s in original_node.body):
+            return updated_node
+        if len(original_node.body) == 1 and not self.minified:
+            lines = [cst.SimpleStatementLine(body=[s]) for s in self.new]
+            return cst.FlattenSentinel([updated_node] + lines)
+        return updated_node.with_changes(body=_joined(list(updated_node.body), self.new))
+
+    def leave_SimpleStatementSuite(self, original_node, updated_node):
+        if not any(s is self.sample for s in original_node.body):
+            return updated_node
+        return updated_node.with_changes(body=_joined(list(updated_node.body), self.new))
+
+
+def _joined(body, new):
+    semicolon = cst.Semicolon(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
+    last = body[-1].with_changes(semicolon=semicolon)
+    tail = [s.with_changes(semicolon=semicolon) for s in new[:-1]] + [new[-1]]
+    return body[:-1] + [last] + tail
+
+
+def _log_line(module: cst.Module, ctx: Context, names: list[str]):
+    survey = ctx.survey
+    sites = sorted(survey.training_constructions(), key=lambda c: c.line)
+    if survey.log_function is None or not sites:
+        return module, Note(FEATURE, False, "no log function in reach of the loader construction; toggles not logged")
+    log_name, log_fn = survey.log_function
+    first = sites[0]
+    defined_in = survey.collector.scope_of[log_fn].parent
+    scope = first.binding
+    while scope is not None and scope is not defined_in:
+        scope = scope.parent
+    if scope is None:
+        return module, Note(FEATURE, False, f"{log_name} is not visible where the loader is built; toggles not logged", first.line)
+    fields = " ".join(f"{TOGGLES[n][0]}:{{{ctx.toggle(n)}}}" for n in names)
+    statement = small_statement(f'{log_name}(f"patch_prefetch {fields}")')
+    module = insert_before(module, first.node, [statement], ctx)
+    return module, Note(FEATURE, True, f"toggles logged through {log_name} before line {first.line}", first.line)

@@ -1,0 +1,138 @@
+"""Transform `train_prefetch`: build training batches ahead on a background thread.
+
+Every construction of the training loader, `train_loader = Loader(..., device)`,
+becomes `train_loader = _make_train_loader(lambda loader_device: Loader(...,
+loader_device), device, prefetch=…, queue_depth=…, copy_stream=…)`; the runtime is
+`templates/prefetch_loader.py`. The loader class itself is not touched.
+
+Skipped, with the reason, where the data could differ: a loader that already
+prefetches, draws from a global RNG, calls torch.distributed, or uses its device
+for more than the final H2D copy; a `next_batch` argument that changes during the
+run (other than one the loader only reshapes with).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from patcher.transforms.base import Context, Note, replace_nodes
+
+FEATURE = "train_prefetch"
+
+
+def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
+    """Rewrite the training loader's construction sites. Returns (module, notes)."""
+    survey = ctx.survey
+    if not survey.uses_torch:
+        return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
+    sites = survey.training_constructions()
+    if not sites:
+        return module, [Note(FEATURE, False, _no_site_reason(survey), _first_line(survey))]
+    notes: list[Note] = []
+    replacements: dict[cst.CSTNode, cst.CSTNode] = {}
+    for target in sorted({c.target for c in sites}):
+        group = [c for c in sites if c.target == target]
+        reason, line, reshape_arg = _blocker(group, ctx)
+        if reason is not None:
+            notes.append(Note(FEATURE, False, reason, line))
+            continue
+        for site in group:
+            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, module)
+        lines = ", ".join(str(c.line) for c in group)
+        extra = ""
+        direct = _direct_uses(survey, group)
+        if direct:
+            extra = f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
+        notes.append(Note(FEATURE, True, f"`{target}` built at line {lines} prefetches{extra}", group[0].line))
+    if replacements:
+        ctx.need("prefetch_loader")
+        module = replace_nodes(module, replacements, ctx)
+    return module, notes
+
+
+def _no_site_reason(survey) -> str:
+    if not survey.loader_classes:
+        return "no loader with next_batch found"
+    if not survey.constructions:
+        names = ", ".join(survey.loader_classes)
+        return f"{names} defined but never built as `name = {next(iter(survey.loader_classes))}(...)`"
+    return "; ".join(sorted({c.reason for c in survey.constructions if c.reason}))
+
+
+def _first_line(survey) -> int | None:
+    lines = [c.line for c in survey.loader_classes.values()]
+    return min(lines) if lines else None
+
+
+def _blocker(group, ctx: Context) -> tuple[str | None, int | None, int | None]:
+    """Why this loader variable cannot be prefetched exactly, else (None, None, reshape_arg)."""
+    survey = ctx.survey
+    cls = survey.loader_classes[group[0].class_name]
+    if cls.prefetches:
+        return f"{cls.name} already prefetches (threads in the loader); not wrapped again", cls.line, None
+    if cls.unsafe:
+        return cls.unsafe, cls.line, None
+    if cls.device_index is None:
+        return f"{cls.name}.__init__ takes no `device` parameter to build it on the CPU", cls.line, None
+    for site in group:
+        if _device_arg(site.call, cls) is None:
+            return f"`{site.target} = {cls.name}(...)` passes no device argument", site.line, None
+    reshape_arg = None
+    for call in (c for site in group for c in survey.calls_on(site)):
+        changing = [i for i, const in enumerate(call.constant) if not const]
+        if not changing:
+            continue
+        if changing == [cls.reshape_only] and cls.reshape_only is not None:
+            reshape_arg = cls.reshape_only
+            continue
+        names = ", ".join(f"`{call.args[i]}`" for i in changing)
+        return (
+            f"next_batch gets per-step argument {names}; queued batches could be built with stale values",
+            call.line,
+            None,
+        )
+    return None, None, reshape_arg
+
+
+def _direct_uses(survey, group) -> list[str]:
+    """`train_loader.<attr>` reads other than next_batch (served after a replay)."""
+    return sorted({f"{a.base}.{a.attr}" for a in _attribute_uses(survey, group) if a.attr != "next_batch"})
+
+
+def _attribute_uses(survey, group):
+    binding = group[0].binding
+    return [a for a in survey.collector.attribute_uses if a.base == group[0].target and a.scope.resolve(a.base) is binding]
+
+
+def _device_arg(call: cst.Call, cls) -> int | None:
+    """Index in call.args of the device argument (positional at device_index, or device=)."""
+    for index, arg in enumerate(call.args):
+        if arg.keyword is not None and arg.keyword.value == cls.init_params[cls.device_index]:
+            return index
+    positional = [i for i, a in enumerate(call.args) if a.keyword is None and a.star == ""]
+    if cls.device_index < len(positional):
+        return positional[cls.device_index]
+    return None
+
+
+def _wrapped_call(site, ctx: Context, reshape_arg: int | None, module: cst.Module) -> cst.Call:
+    cls = ctx.survey.loader_classes[site.class_name]
+    index = _device_arg(site.call, cls)
+    device_expr = module.code_for_node(site.call.args[index].value)
+    args = list(site.call.args)
+    args[index] = args[index].with_changes(value=cst.Name("loader_device"))
+    inner = module.code_for_node(site.call.with_changes(args=args))
+    sep = ctx.code(", ", ",")
+    eq = "="
+    parts = [
+        ctx.code(f"lambda loader_device: {inner}", f"lambda loader_device:{inner}"),
+        device_expr,
+        f"prefetch{eq}{ctx.toggle('TRAIN_PREFETCH')}",
+        f"queue_depth{eq}{ctx.toggle('TRAIN_PREFETCH_QUEUE')}",
+        f"copy_stream{eq}{ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
+    ]
+    if reshape_arg is not None:
+        parts.append(f"reshape_arg{eq}{reshape_arg}")
+    if site.target != "train_loader":
+        parts.append(f"slot{eq}{site.target!r}")
+    return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")

@@ -1,0 +1,246 @@
+"""Injected runtime: train-batch prefetch on a background thread (feature `train_prefetch`).
+
+`patch-prefetch` renders the body of this module into a training script after the
+body of `templates/copy_stream.py`, and rewrites each construction of the training
+loader, e.g.
+
+    train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)
+
+into
+
+    train_loader = _make_train_loader(
+        lambda device: DistributedTokenLoader(args.train_files, rank, world_size, device),
+        device, prefetch=..., queue_depth=..., copy_stream=...)
+
+The script's own loader class is not changed. The wrapper builds it with
+`device=cpu`, so its `next_batch` returns host tensors; a daemon thread calls it
+ahead of the training loop and stages each batch in pinned memory (a bounded queue
+of `queue_depth` batches); `next_batch` hands the batches out in order and does the
+H2D copy (on the copy stream when enabled).
+
+Exactness: the worker calls `next_batch` with the arguments of the caller's latest
+call, in the same order the original would, on the same loader state. The caller's
+arguments are checked on every call; when they differ from the ones the queued
+batches were built with, the queued batches are thrown away and the loader is
+rebuilt and replayed to exactly where the caller is, so a changed argument costs
+time, never different data. An argument that the loader only uses as the trailing
+dimension of `.reshape(-1, n)` (the sequence length in the TokenStream family, where
+the stream advances by a span that does not depend on it) is left out of that check
+and applied when the batch is handed out.
+"""
+
+import queue
+import threading
+import traceback
+import warnings
+
+import torch
+
+from templates.copy_stream import _h2d
+
+# One live prefetcher per loader variable: building a new one shuts the old one down.
+_live_prefetchers = {}
+
+
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader"):
+    """Build the training loader, prefetching when `prefetch` is on.
+
+    Takes: make_loader: `device -> loader`, the script's own construction expression;
+    device: where batches must end up; prefetch: bool (`TRAIN_PREFETCH`); queue_depth:
+    int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
+    (`TRAIN_COPY_STREAM`); reshape_arg: index of a `next_batch` argument used only as
+    the trailing dimension of `.reshape(-1, n)`, or None; slot: the variable name,
+    so that a rebuild (the warm-up reset) shuts the previous worker down first.
+    Returns: `make_loader(device)` itself when prefetch is off (the original
+    behaviour), else a `_PrefetchLoader`.
+    """
+    old = _live_prefetchers.pop(slot, None)
+    if old is not None:
+        old.shutdown()
+    if not prefetch:
+        return make_loader(device)
+    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg)
+    _live_prefetchers[slot] = loader
+    return loader
+
+
+class _PrefetchLoader:
+    """A training loader whose `next_batch` batches are built ahead on a daemon thread.
+
+    `next_batch(*args)` returns what the wrapped loader's `next_batch(*args)` returns
+    (e.g. `x, y: int64 [batch, seq_len]` on `device`), bit for bit and in order.
+    A worker's exception is re-raised in the caller with the worker's traceback.
+    """
+
+    _POLL_S = 0.1  # how often a blocked caller or worker looks at the stop event
+
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None):
+        self._make_loader = make_loader
+        self._device = torch.device(device)
+        self._pin = self._device.type == "cuda" and torch.cuda.is_available()
+        self._copy_stream = copy_stream
+        self._reshape_arg = reshape_arg
+        self._depth = max(1, int(queue_depth))
+        self._loader = make_loader(torch.device("cpu"))
+        self._handed_out = []  # arguments of every batch handed out, for replay
+        self._worker = None
+        self._worker_key = None
+        self._settled = False
+
+    def next_batch(self, *args):
+        if self._settled:
+            # The caller has used the loader directly: no more building ahead.
+            return self._to_device(_stage(self._loader.next_batch(*args), self._pin), args)
+        key = self._key(args)
+        if self._worker is None:
+            self._start(args)
+        elif key != self._worker_key:
+            self._resync(args)
+        item = self._take()
+        self._handed_out.append(args)
+        return self._to_device(item, args)
+
+    def shutdown(self):
+        """Stop the worker and drop queued batches; returns within about `_POLL_S` s."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        worker.stop.set()
+        _drain(worker.queue)
+        worker.thread.join(timeout=1.0)
+
+    close = shutdown
+
+    def __getattr__(self, name):
+        # Anything but next_batch (e.g. `train_loader.stream.take(n)` for calibration)
+        # must see the loader exactly where the caller's batches left it.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._settle()
+        return getattr(self._loader, name)
+
+    def _settle(self):
+        """Bring the wrapped loader to the state the original would be in now.
+
+        The worker has built batches ahead; rebuild the loader and replay the batches
+        handed out. Costs one pass over them, once. After this the caller may change
+        the loader directly, so `next_batch` stops building ahead.
+        """
+        if self._settled:
+            return
+        self.shutdown()
+        self._replay()
+        self._settled = True
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+    def _key(self, args):
+        if self._reshape_arg is None or self._reshape_arg >= len(args):
+            return args
+        return args[: self._reshape_arg] + args[self._reshape_arg + 1 :]
+
+    def _start(self, args):
+        worker = _Worker(self._loader, args, self._depth, self._pin)
+        self._worker, self._worker_key = worker, self._key(args)
+        worker.thread.start()
+
+    def _resync(self, args):
+        # Batches queued with other arguments are wrong for this call: rebuild the
+        # loader and replay every batch handed out so far, then speculate anew.
+        warnings.warn(
+            f"prefetch: next_batch arguments changed to {args}; replaying {len(self._handed_out)} batches to stay exact",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.shutdown()
+        self._replay()
+        self._start(args)
+
+    def _replay(self):
+        self._loader = self._make_loader(torch.device("cpu"))
+        for old_args in self._handed_out:
+            self._loader.next_batch(*old_args)
+
+    def _take(self):
+        worker = self._worker
+        while True:
+            try:
+                item = worker.queue.get(timeout=self._POLL_S)
+            except queue.Empty:
+                if not worker.thread.is_alive() and worker.queue.empty():
+                    raise RuntimeError("prefetch worker exited without a batch")
+                continue
+            if isinstance(item, _WorkerError):
+                self.shutdown()
+                raise item.error.with_traceback(item.error.__traceback__)
+            return item
+
+    def _to_device(self, item, args):
+        if isinstance(item, torch.Tensor):
+            if self._reshape_arg is not None and self._reshape_arg < len(args):
+                item = item.reshape(-1, args[self._reshape_arg])
+            return _h2d(item, self._device, self._copy_stream)
+        if isinstance(item, (tuple, list)):
+            return type(item)(self._to_device(t, args) for t in item)
+        return item
+
+
+class _WorkerError:
+    """An exception raised in the worker, carried to the caller with its traceback."""
+
+    def __init__(self, error):
+        self.error = error
+        self.text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+class _Worker:
+    """Daemon thread: `loader.next_batch(*args)` in a loop into a bounded queue."""
+
+    def __init__(self, loader, args, depth, pin):
+        self.loader, self.args, self.pin = loader, args, pin
+        self.queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
+
+    def _run(self):
+        try:
+            while not self.stop.is_set():
+                self._put(_stage(self.loader.next_batch(*self.args), self.pin))
+        except BaseException as error:  # handed to the caller, which re-raises it
+            self._put(_WorkerError(error))
+
+    def _put(self, item):
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=_PrefetchLoader._POLL_S)
+                return
+            except queue.Full:
+                continue
+
+
+def _stage(item, pin):
+    """Copy the host tensors of one batch into fresh (pinned when `pin`) memory.
+
+    A copy, so that a loader that reuses its buffers cannot change a queued batch.
+    """
+    if isinstance(item, torch.Tensor):
+        if item.device.type != "cpu":
+            return item
+        out = torch.empty(item.shape, dtype=item.dtype, pin_memory=pin)
+        out.copy_(item)
+        return out
+    if isinstance(item, (tuple, list)):
+        return type(item)(_stage(t, pin) for t in item)
+    return item
+
+
+def _drain(q):
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            return

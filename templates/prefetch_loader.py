@@ -29,8 +29,10 @@ the stream advances by a span that does not depend on it) is left out of that ch
 and applied when the batch is handed out.
 """
 
+import atexit
 import queue
 import threading
+import time
 import traceback
 import warnings
 
@@ -40,6 +42,21 @@ from templates.copy_stream import _h2d
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
+# Every running worker, stopped at interpreter exit: a daemon thread still inside a
+# torch op while Python finalizes aborts the process.
+_running_workers = set()
+
+
+def _stop_workers_at_exit():
+    for worker in list(_running_workers):
+        worker.stop.set()
+        _drain(worker.queue)
+    deadline = time.monotonic() + 10.0  # a shard load takes well under this, even on a loaded host
+    for worker in list(_running_workers):
+        worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_stop_workers_at_exit)
 
 
 def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader"):
@@ -108,6 +125,7 @@ class _PrefetchLoader:
         worker.stop.set()
         _drain(worker.queue)
         worker.thread.join(timeout=1.0)
+        _running_workers.discard(worker)
 
     close = shutdown
 
@@ -146,6 +164,7 @@ class _PrefetchLoader:
     def _start(self, args):
         worker = _Worker(self._loader, args, self._depth, self._pin)
         self._worker, self._worker_key = worker, self._key(args)
+        _running_workers.add(worker)
         worker.thread.start()
 
     def _resync(self, args):

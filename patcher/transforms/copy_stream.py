@@ -37,7 +37,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             tensor = module.code_for_node(call.func.value)
             device = module.code_for_node(call.args[0].value)
             replacements[call] = cst.parse_expression(f"_h2d({tensor}{sep}{device}{sep}{toggle})")
-        lines = ", ".join(str(survey.line_of(c)) for c in cls.h2d_calls)
+        lines = ", ".join(sorted({str(survey.line_of(c)) for c in cls.h2d_calls}, key=int))
         notes.append(Note(FEATURE, True, f"{name}.next_batch H2D at line {lines} on the copy stream", cls.line))
     if replacements:
         ctx.need("copy_stream")

@@ -54,7 +54,8 @@ def template_body(name: str, minified: bool) -> list[cst.BaseStatement]:
             continue
         body.append(stmt)
     if minified:
-        body = [s.visit(_StripDocsAndComments()) for s in body]
+        body = [s.visit(_StripDocsAndComments()).visit(_JoinSimpleLines()) for s in body]
+        body = _join_runs(body)
     body = [s.with_changes(leading_lines=[]) for s in body]
     # one blank line between definitions, as the script's own code usually has
     return [s.with_changes(leading_lines=[cst.EmptyLine()]) if i and not minified else s for i, s in enumerate(body)]
@@ -97,7 +98,7 @@ def runtime_block(names: list[str], script_imports: set[str], minified: bool, to
 
 
 class _StripDocsAndComments(cst.CSTTransformer):
-    """Drop docstrings and full-line comments (minified scripts keep code bytes low)."""
+    """Drop docstrings, comment lines and blank lines (minified scripts keep code bytes low)."""
 
     def leave_IndentedBlock(self, original_node, updated_node):
         body = list(updated_node.body)
@@ -106,9 +107,33 @@ class _StripDocsAndComments(cst.CSTTransformer):
         return updated_node.with_changes(body=body)
 
     def leave_EmptyLine(self, original_node, updated_node):
-        if updated_node.comment is not None:
-            return cst.RemovalSentinel.REMOVE
-        return updated_node
+        return cst.RemovalSentinel.REMOVE
 
     def leave_TrailingWhitespace(self, original_node, updated_node):
         return updated_node.with_changes(comment=None, whitespace=cst.SimpleWhitespace(""))
+
+
+_SEMICOLON = cst.Semicolon(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
+
+
+def _join_runs(statements: list) -> list:
+    """Merge each run of simple statement lines into one `;`-joined line."""
+    out: list = []
+    for stmt in statements:
+        previous = out[-1] if out else None
+        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(previous, cst.SimpleStatementLine) and not stmt.leading_lines:
+            body = list(previous.body[:-1]) + [previous.body[-1].with_changes(semicolon=_SEMICOLON)] + list(stmt.body)
+            out[-1] = previous.with_changes(body=body, trailing_whitespace=stmt.trailing_whitespace)
+        else:
+            out.append(stmt)
+    return out
+
+
+class _JoinSimpleLines(cst.CSTTransformer):
+    """Minified style: `a=1;b=2` on one line, and a one-line body after the colon."""
+
+    def leave_IndentedBlock(self, original_node, updated_node):
+        body = _join_runs(list(updated_node.body))
+        if len(body) == 1 and isinstance(body[0], cst.SimpleStatementLine) and not body[0].leading_lines:
+            return cst.SimpleStatementSuite(body=body[0].body, leading_whitespace=cst.SimpleWhitespace(""))
+        return updated_node.with_changes(body=body)

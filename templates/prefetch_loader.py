@@ -170,11 +170,8 @@ class _PrefetchLoader:
     def _resync(self, args):
         # Batches queued with other arguments are wrong for this call: rebuild the
         # loader and replay every batch handed out so far, then speculate anew.
-        warnings.warn(
-            f"prefetch: next_batch arguments changed to {args}; replaying {len(self._handed_out)} batches to stay exact",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        message = f"prefetch: next_batch arguments changed to {args}; replaying {len(self._handed_out)} batches to stay exact"
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.shutdown()
         self._replay()
         self._start(args)

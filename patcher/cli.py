@@ -70,6 +70,12 @@ def _run(args) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     result = patch_source(script.source, enabled)
+    for note in result.skipped:
+        if note.feature == "py310_fstrings" and note.reason.startswith("cannot rewrite"):
+            where = " payload" if script.wrapped else ""
+            raise SourceError(in_path, f"{note.reason}; nothing written", note.line) if not where else SourceError(
+                in_path, f"payload line {note.line}: {note.reason}; nothing written"
+            )
     wrote = False
     text = script.raw
     if result.changed:

@@ -12,11 +12,11 @@ import libcst as cst
 
 from patcher import render
 from patcher.survey import Survey, survey
-from patcher.transforms import copy_stream, env_toggles, mlp_fusion, train_prefetch
+from patcher.transforms import copy_stream, env_toggles, mlp_fusion, py310_fstrings, train_prefetch
 from patcher.transforms.base import FEATURES, Context, Note
 
 # Order matters: env_toggles defines what the others referenced.
-TRANSFORMS = [train_prefetch, copy_stream, mlp_fusion, env_toggles]
+TRANSFORMS = [train_prefetch, copy_stream, mlp_fusion, env_toggles, py310_fstrings]
 
 
 @dataclass

@@ -125,6 +125,7 @@ class Survey:
     log_function: tuple[str, cst.CSTNode] | None = None
     squares: list[SquareSite] = field(default_factory=list)
     already_patched: set[str] = field(default_factory=set)
+    pep701_fstrings: list[cst.FormattedString] = field(default_factory=list)
     collector: "_SiteCollector | None" = field(default=None, repr=False)
     _line_cache: dict = field(default_factory=dict, repr=False)
     _line_starts: dict = field(default_factory=dict, repr=False)
@@ -190,6 +191,9 @@ def survey(module: cst.Module) -> Survey:
     result.hyperparameters = _find_hyperparameters(module, result)
     result.log_function = _find_log_function(collector)
     result.squares = _find_squares(collector, result)
+    from patcher.transforms.py310_fstrings import needs_rewrite
+
+    result.pep701_fstrings = [f for f in collector.fstrings if needs_rewrite(f, module)]
     return result
 
 
@@ -241,6 +245,8 @@ class _SiteCollector(cst.CSTVisitor):
         self.call_assigns: list[tuple[cst.Assign, _Scope]] = []
         self.functions: list[cst.FunctionDef] = []
         self.attribute_uses: list[AttributeUse] = []
+        self.fstrings: list[cst.FormattedString] = []  # outermost f-strings
+        self.fstring_depth = 0
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self.top is None:
@@ -351,6 +357,14 @@ class _SiteCollector(cst.CSTVisitor):
             self.top_of[node] = self.top
         if m.matches(node, m.Call(func=m.Name("setattr"), args=[m.Arg(m.Name()), m.Arg(m.SimpleString()), m.ZeroOrMore()])):
             self.assigned_attributes.add((node.args[0].value.value, node.args[1].value.evaluated_value))
+
+    def visit_FormattedString(self, node: cst.FormattedString) -> None:
+        if self.fstring_depth == 0:
+            self.fstrings.append(node)
+        self.fstring_depth += 1
+
+    def leave_FormattedString(self, original_node: cst.FormattedString) -> None:
+        self.fstring_depth -= 1
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if isinstance(node.value, cst.Name) and node.value.value != "self":

@@ -51,7 +51,9 @@ def _stop_workers_at_exit():
     for worker in list(_running_workers):
         worker.stop.set()
         _drain(worker.queue)
-    deadline = time.monotonic() + 10.0  # a shard load takes well under this, even on a loaded host
+    # Long enough for a batch or a shard load in progress, short enough that Ctrl-C with
+    # a worker stuck in a read still ends the process promptly.
+    deadline = time.monotonic() + 3.0
     for worker in list(_running_workers):
         worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
 

@@ -8,7 +8,7 @@ import libcst as cst
 
 from patcher.survey import Survey
 
-FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion"]
+FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings"]
 
 # Toggle name -> (attribute in the Hyperparameters idiom, default)
 TOGGLES = {

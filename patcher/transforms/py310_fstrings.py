@@ -1,0 +1,120 @@
+"""Transform `py310_fstrings`: PEP 701 f-strings rewritten so Python 3.10 compiles them.
+
+Python 3.12 (PEP 701) lets a replacement field reuse the f-string's own quote,
+`f"{", ".join(xs)}"`; Python 3.10 and 3.11 stop at the inner quote. Five of the seven
+wrapped parameter-golf leaderboard scripts do this inside their lzma payload, where
+`py_compile` and ruff on the wrapper cannot see it. The rewrite changes quoting only:
+the string literals (and nested f-strings) inside the replacement fields take the
+other quote, `f"{', '.join(xs)}"`. Where one of them would need an escape in that
+quote there is no 3.10 spelling without restructuring the code, and the site is
+reported instead.
+
+Backslashes and comments inside a replacement field (also 3.12-only) cannot be fixed by
+quoting; they are reported with their line and the output is not written.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from patcher.transforms.base import Context, Note, replace_nodes
+
+FEATURE = "py310_fstrings"
+
+
+class Unfixable(Exception):
+    """A 3.12-only f-string form that quoting cannot fix (message names the form)."""
+
+
+def needs_rewrite(node: cst.FormattedString, module: cst.Module) -> bool:
+    """True when a replacement field of `node` reuses its quote, or holds a backslash or comment."""
+    quote = _quote(node)
+    for part in node.parts:
+        if isinstance(part, cst.FormattedStringExpression):
+            code = module.code_for_node(part)
+            if "\\" in code or "#" in _outside_strings(part, module) or (len(quote) == 1 and quote in code):
+                return True
+    return False
+
+
+def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
+    """Rewrite each surveyed PEP 701 f-string (`survey.pep701_fstrings`)."""
+    sites = ctx.survey.pep701_fstrings
+    if not sites:
+        return module, [Note(FEATURE, False, "no Python 3.12-only f-string")]
+    replacements, notes = {}, []
+    for node in sites:
+        line = ctx.survey.line_of(node)
+        try:
+            replacements[node] = rewrite(node, ctx.survey.module)
+        except Unfixable as error:
+            notes.append(Note(FEATURE, False, f"cannot rewrite for Python 3.10: {error}", line))
+            continue
+        notes.append(Note(FEATURE, True, "nested same-quote f-string (PEP 701) requoted for Python 3.10", line))
+    module = replace_nodes(module, replacements, ctx)
+    return module, notes
+
+
+def rewrite(node: cst.FormattedString, module: cst.Module) -> cst.FormattedString:
+    """Return `node` requoted so that Python 3.10 parses it; raises `Unfixable`."""
+    quote = _quote(node)
+    for part in node.parts:
+        if isinstance(part, cst.FormattedStringExpression):
+            code = module.code_for_node(part)
+            if "\\" in code:
+                raise Unfixable("backslash inside a replacement field (PEP 701, Python 3.12+)")
+            if "#" in _outside_strings(part, module):
+                raise Unfixable("comment inside a replacement field (PEP 701, Python 3.12+)")
+    if len(quote) == 3:
+        return node
+    other = "'" if quote == '"' else '"'
+    return node.visit(_RequoteInner(node, quote, other))
+
+
+def _quote(node: cst.FormattedString) -> str:
+    return node.start.lstrip("fFrRbBuU")
+
+
+class _RequoteInner(cst.CSTTransformer):
+    """Give every string literal inside the replacement fields the other quote."""
+
+    def __init__(self, outer: cst.FormattedString, quote: str, other: str):
+        super().__init__()
+        self.outer, self.quote, self.other = outer, quote, other
+
+    def leave_SimpleString(self, original_node, updated_node):
+        prefix = updated_node.prefix
+        body = updated_node.value[len(prefix) + len(updated_node.quote) : -len(updated_node.quote)]
+        if updated_node.quote != self.quote:
+            if self.quote in body:
+                raise Unfixable("a string inside a replacement field holds the f-string's own quote (no Python 3.10 spelling)")
+            return updated_node
+        if self.other in body or "\\" in body:
+            raise Unfixable("a string inside a replacement field would need an escape in the other quote (no Python 3.10 spelling)")
+        return updated_node.with_changes(value=f"{prefix}{self.other}{body}{self.other}")
+
+    def leave_FormattedString(self, original_node, updated_node):
+        if original_node is self.outer:
+            return updated_node
+        quote = _quote(updated_node)
+        if quote == self.quote:
+            texts = [p.value for p in updated_node.parts if isinstance(p, cst.FormattedStringText)]
+            if any(self.other in t for t in texts):
+                raise Unfixable("a nested f-string holds the other quote character (no Python 3.10 spelling)")
+            prefix = updated_node.start[: -len(quote)]
+            return updated_node.with_changes(start=prefix + self.other, end=self.other)
+        return updated_node
+
+
+def _outside_strings(part: cst.FormattedStringExpression, module: cst.Module) -> str:
+    """The replacement field's code with string literals blanked (to look for `#`)."""
+    blanked = part.visit(_BlankStrings())
+    return module.code_for_node(blanked)
+
+
+class _BlankStrings(cst.CSTTransformer):
+    def leave_SimpleString(self, original_node, updated_node):
+        return updated_node.with_changes(value=updated_node.prefix + updated_node.quote * 2)
+
+    def leave_FormattedStringText(self, original_node, updated_node):
+        return updated_node.with_changes(value="")

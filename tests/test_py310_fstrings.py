@@ -1,0 +1,107 @@
+"""py310_fstrings: PEP 701 f-strings requoted so a real Python 3.10 compiles them."""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from patcher.cli import EXIT_BAD_INPUT, main
+from patcher.patch import features_from, patch_source
+
+ONLY = features_from(["py310_fstrings"], None)
+
+
+def _interpreter(version: str) -> str | None:
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    found = sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))
+    return found[-1] if found else None
+
+
+PY310, PY312 = _interpreter("3.10"), _interpreter("3.12")
+needs_310 = pytest.mark.skipif(PY310 is None, reason="no real CPython 3.10 (pyenv) on this machine")
+needs_312 = pytest.mark.skipif(PY312 is None, reason="no real CPython 3.12 (pyenv) on this machine")
+
+
+def compiles_with(python: str, source: str) -> bool:
+    done = subprocess.run([python, "-c", "import sys; compile(sys.stdin.read(), 'x', 'exec')"], input=source, text=True, capture_output=True)
+    return done.returncode == 0
+
+
+def ast_dump_312(source: str) -> str:
+    done = subprocess.run([PY312, "-c", "import ast, sys; print(ast.dump(ast.parse(sys.stdin.read())))"], input=source, text=True, capture_output=True, check=True)
+    return done.stdout
+
+
+REWRITES = [
+    pytest.param('log(f"  {cat}: {", ".join(sorted(c))}")\n', "log(f\"  {cat}: {', '.join(sorted(c))}\")\n", id="join-separator"),
+    pytest.param('x = f"{getattr(m, "layers", [])} n"\n', "x = f\"{getattr(m, 'layers', [])} n\"\n", id="getattr-name"),
+    pytest.param('x = f"{"a" if ok else "b"}"\n', "x = f\"{'a' if ok else 'b'}\"\n", id="conditional"),
+    pytest.param("x = f'{d['k']}'\n", "x = f'{d[\"k\"]}'\n", id="single-quoted-outer"),
+    pytest.param('x = f"say {f"{n}"}!"\n', "x = f\"say {f'{n}'}!\"\n", id="nested-f-string"),
+]
+
+
+@pytest.mark.parametrize("before, after", REWRITES)
+def test_rewrites(before, after):
+    result = patch_source(before, ONLY)
+    assert result.source == after
+    assert result.applied == ["py310_fstrings"]
+
+
+@pytest.mark.parametrize("before, after", REWRITES)
+@needs_310
+@needs_312
+def test_rewrites_compile_on_real_310_with_the_same_ast(before, after):
+    if before == after:
+        pytest.skip("not a rewrite case")
+    assert not compiles_with(PY310, before)
+    assert compiles_with(PY310, after)
+    assert ast_dump_312(before) == ast_dump_312(after)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param('x = f"{d[\'k\']}"\n', id="already-310-style"),
+        pytest.param('x = f"""{d["k"]}"""\n', id="triple-quoted-outer-is-fine-on-310"),
+        pytest.param('x = "{}".format(d["k"])\n', id="not-an-f-string"),
+        pytest.param('x = f"{a!r:>{width}}"\n', id="nested-format-spec"),
+    ],
+)
+def test_noop(source):
+    result = patch_source(source, ONLY)
+    assert result.source == source
+    assert not result.applied
+
+
+@pytest.mark.parametrize(
+    "source, form",
+    [
+        pytest.param('x = f"{"\\n".join(xs)}"\n', "backslash", id="backslash-in-field"),
+        pytest.param('x = f"{a # note\n}"\n', "comment", id="comment-in-field"),
+        pytest.param('x = f"{d["it\'s"]}"\n', "other quote", id="inner-text-holds-other-quote"),
+    ],
+)
+def test_unfixable_forms_are_reported_with_line_and_nothing_written(tmp_path, capsys, source, form):
+    script = tmp_path / "train_gpt.py"
+    script.write_text("import os\n\n" + source)
+    out = tmp_path / "out.py"
+    assert main([str(script), "-o", str(out), "--only", "py310_fstrings"]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{script}:3" in err and form in err
+    assert not out.exists()
+
+
+def test_only_py310_fstrings_leaves_the_loader_alone():
+    source = Path(__file__).resolve().parent.parent.joinpath("fixtures", "tokenstream_readable.py").read_text()
+    source += '\nlabel = f"{", ".join(["a", "b"])}"\n'
+    result = patch_source(source, ONLY)
+    assert result.applied == ["py310_fstrings"]
+    assert result.source == source.replace('f"{", ".join(["a", "b"])}"', "f\"{', '.join(['a', 'b'])}\"")
+    compile(result.source, "x", "exec")
+    ast.parse(result.source, feature_version=(3, 10))

@@ -679,15 +679,35 @@ def _single_line_body(body: cst.BaseSuite) -> bool:
     return isinstance(body, cst.IndentedBlock) and len(body.body) == 1 and isinstance(body.body[0], cst.SimpleStatementLine) and len(body.body[0].body) > 3
 
 
-ENV_INT = m.Call(func=m.Name("int"), args=[m.Arg(value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name(), args=[m.Arg(m.SimpleString()), m.Arg()]))])
-
-
 def _env_sample(cls: cst.ClassDef) -> cst.BaseSmallStatement | None:
-    """The first `name = int(<getter>("NAME", default))` (or annotated) statement in the class."""
-    for node in _walk(cls):
-        if isinstance(node, cst.Assign) and len(node.targets) == 1 and m.matches(node.value, ENV_INT):
-            return node
-        if isinstance(node, cst.AnnAssign) and node.value is not None and m.matches(node.value, ENV_INT):
+    """The first class-body statement in the script's env idiom whose default is an int.
+
+    `seed = int(os.environ.get("SEED", 1337))`, `seed: int = ...`, or a helper such
+    as `seed = _e("SEED", 1337, int)`: an assignment whose value holds a call with the
+    upper-cased name as a string literal and an integer literal right after it.
+    """
+    body = cls.body.body if isinstance(cls.body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else []
+    for stmt in body:
+        smalls = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt] if isinstance(stmt, cst.BaseSmallStatement) else []
+        for small in smalls:
+            if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
+                name, value = small.targets[0].target.value, small.value
+            elif isinstance(small, cst.AnnAssign) and small.value is not None and isinstance(small.target, cst.Name):
+                name, value = small.target.value, small.value
+            else:
+                continue
+            if env_idiom_call(value, name) is not None:
+                return small
+    return None
+
+
+def env_idiom_call(value: cst.BaseExpression, name: str) -> cst.Call | None:
+    """The call inside `value` shaped `f("NAME", <int>, …)` for attribute `name`, or None."""
+    for node in _walk(value):
+        if not isinstance(node, cst.Call) or len(node.args) < 2:
+            continue
+        first, second = node.args[0].value, node.args[1].value
+        if isinstance(first, cst.SimpleString) and isinstance(second, cst.Integer) and first.evaluated_value == name.upper():
             return node
     return None
 

@@ -105,6 +105,7 @@ class _PrefetchLoader:
         self._worker = None
         self._worker_key = None
         self._settled = False
+        self._ahead = False  # the loader has built batches nobody took (after a shutdown)
 
     def next_batch(self, *args):
         if self._settled:
@@ -112,6 +113,8 @@ class _PrefetchLoader:
             return self._to_device(_stage(self._loader.next_batch(*args), self._pin), args)
         key = self._key(args)
         if self._worker is None:
+            if self._ahead:
+                self._replay()
             self._start(args)
         elif key != self._worker_key:
             self._resync(args)
@@ -120,10 +123,15 @@ class _PrefetchLoader:
         return self._to_device(item, args)
 
     def shutdown(self):
-        """Stop the worker and drop queued batches; returns within about `_POLL_S` s."""
+        """Stop the worker and drop queued batches; returns within about `_POLL_S` s.
+
+        The loader has then run ahead of the caller; a later `next_batch` replays it
+        to the caller's position first.
+        """
         worker, self._worker = self._worker, None
         if worker is None:
             return
+        self._ahead = True
         worker.stop.set()
         _drain(worker.queue)
         worker.thread.join(timeout=1.0)
@@ -182,6 +190,7 @@ class _PrefetchLoader:
         self._loader = self._make_loader(torch.device("cpu"))
         for old_args in self._handed_out:
             self._loader.next_batch(*old_args)
+        self._ahead = False
 
     def _take(self):
         worker = self._worker

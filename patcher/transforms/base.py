@@ -57,12 +57,20 @@ class Context:
         constant `TRAIN_PREFETCH` otherwise, the default itself when `env_toggles` is off.
         """
         attr, default = TOGGLES[env_name]
-        if "env_toggles" not in self.enabled:
+        if self.toggle_home == "literal":
             return repr(default)
         if env_name not in self.toggles_used:
             self.toggles_used.append(env_name)
+        return f"{self.survey.hyperparameters.name}.{attr}" if self.toggle_home == "class" else env_name
+
+    @property
+    def toggle_home(self) -> str:
+        """Where toggles live: "class" (Hyperparameters has an env line to copy),
+        "module" (module constants), or "literal" (env_toggles off: defaults inline)."""
+        if "env_toggles" not in self.enabled:
+            return "literal"
         hp = self.survey.hyperparameters
-        return f"{hp.name}.{attr}" if hp is not None else env_name
+        return "class" if hp is not None and hp.sample is not None else "module"
 
     def resolve(self, node: cst.CSTNode) -> cst.CSTNode:
         """The present version of a node of the surveyed module (edits rebuild ancestors)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import libcst as cst
 
+from patcher.survey import env_idiom_call
 from patcher.transforms.base import TOGGLES, Context, Note, Tracking, edit_tops, insert_before, small_statement
 
 FEATURE = "env_toggles"
@@ -26,35 +27,45 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     names = [n for n in TOGGLES if n in ctx.toggles_used]
     hp = survey.hyperparameters
     notes = []
-    if hp is not None:
-        if hp.sample is None:
-            return module, [Note(FEATURE, False, f"{hp.name} has no `int(os.environ.get(...))` line to copy", hp.line)]
+    if ctx.toggle_home == "class":
         new = [_like(hp.sample, name) for name in names]
         module = edit_tops(module, ctx, {hp.node}, _AppendAfter(hp.sample, new, ctx.minified))
         notes.append(Note(FEATURE, True, f"{', '.join(names)} added to {hp.name}", hp.line))
     else:
         ctx.constants = [small_statement(_constant_code(name, ctx)) for name in names]
-        notes.append(Note(FEATURE, True, f"{', '.join(names)} added as module constants"))
+        why = f" ({hp.name} has no env line with an int default to copy)" if hp is not None else ""
+        notes.append(Note(FEATURE, True, f"{', '.join(names)} added as module constants{why}"))
     module, log_note = _log_line(module, ctx, names)
     notes.append(log_note)
     return module, notes
 
 
 def _like(sample: cst.BaseSmallStatement, env_name: str) -> cst.BaseSmallStatement:
-    """A copy of `sample` (`x = int(os.environ.get("X", 3))`) for toggle `env_name`."""
+    """A copy of `sample` (`x = int(os.environ.get("X", 3))`, `x = _e("X", 3, int)`, …) for `env_name`."""
     attr, default = TOGGLES[env_name]
-    call = sample.value.args[0].value
-    quote = call.args[0].value.value[0]
+    old_name = sample.targets[0].target.value if isinstance(sample, cst.Assign) else sample.target.value
+    call = env_idiom_call(sample.value, old_name)
+    quote = call.args[0].value.quote
     new_call = call.with_changes(
         args=[
             call.args[0].with_changes(value=cst.SimpleString(f"{quote}{env_name}{quote}")),
             call.args[1].with_changes(value=cst.Integer(str(default))),
+            *call.args[2:],
         ]
     )
-    value = sample.value.with_changes(args=[sample.value.args[0].with_changes(value=new_call)])
+    value = sample.value.visit(_Swap(call, new_call))
     if isinstance(sample, cst.AnnAssign):
         return sample.with_changes(target=cst.Name(attr), value=value, semicolon=cst.MaybeSentinel.DEFAULT)
     return sample.with_changes(targets=[sample.targets[0].with_changes(target=cst.Name(attr))], value=value, semicolon=cst.MaybeSentinel.DEFAULT)
+
+
+class _Swap(cst.CSTTransformer):
+    def __init__(self, old, new):
+        super().__init__()
+        self.old, self.new = old, new
+
+    def on_leave(self, original_node, updated_node):
+        return self.new if original_node is self.old else updated_node
 
 
 def _constant_code(env_name: str, ctx: Context) -> str:

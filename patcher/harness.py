@@ -1,0 +1,290 @@
+"""Drive a script's own training loader outside its training loop (for verify and bench).
+
+`load_module` imports a script's source as a module that is not `__main__` (so its
+`main()` does not run), registered in `sys.modules` before it executes (the dataclass
+import trap), with imports that are not installed (flash_attn_interface, ...)
+replaced by stubs. `LoaderRecipe` knows, from the survey, how the script builds its
+training loader and calls `next_batch`; `build` and `arguments` evaluate the script's
+own expressions in a namespace that stands in for the enclosing function: the
+Hyperparameters instance as `args`/`h`, `rank`, `world_size`, `device`, and the
+run constants the expressions name (e.g. `grad_accum_steps = 8 // world_size`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import itertools
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+
+import libcst as cst
+import torch
+
+from patcher.survey import Construction, Survey, survey
+
+_counter = itertools.count()
+
+
+class HarnessError(Exception):
+    """The loader cannot be driven outside the script (one line, says why)."""
+
+
+class _Stub(types.ModuleType):
+    """A module for an import that is not installed: every attribute is a stub."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubObject(f"{self.__name__}.{name}")
+
+
+class _StubObject:
+    def __init__(self, name):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        return _StubObject(self._name + "()")
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubObject(f"{self._name}.{name}")
+
+    def __getitem__(self, key):
+        return _StubObject(f"{self._name}[...]")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds only what no other finder can, for imports the script itself makes
+    (a library's own optional imports keep failing as they expect): records the
+    name and hands out a `_Stub`."""
+
+    def __init__(self, module_name: str | None = None):
+        self.stubbed: list[str] = []
+        self.module_name = module_name
+
+    def _imported_by_script(self) -> bool:
+        if self.module_name is None:
+            return True
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_globals.get("__name__", "")
+            if not name.startswith("importlib") and frame.f_code.co_filename != __file__ and "<frozen" not in frame.f_code.co_filename:
+                return name == self.module_name
+            frame = frame.f_back
+        return False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not self._imported_by_script():
+            return None
+        top = fullname.split(".")[0]
+        if top in sys.modules and not isinstance(sys.modules[top], _Stub):
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            try:
+                if finder.find_spec(fullname, path) is not None:
+                    return None
+            except Exception:
+                continue
+        if top not in self.stubbed:
+            self.stubbed.append(top)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        module = _Stub(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+@contextlib.contextmanager
+def stub_missing_imports(module_name: str | None = None):
+    """Context in which imports of `module_name` (any module when None) that are not
+    installed give stubs; yields the finder."""
+    finder = _StubFinder(module_name)
+    sys.meta_path.append(finder)
+    try:
+        yield finder
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def load_module(source: str, filename: str) -> types.ModuleType:
+    """Import `source` as a fresh module (not `__main__`). Raises what the script raises."""
+    name = f"_patch_prefetch_script_{next(_counter)}"
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module  # before executing: dataclasses look the module up here
+    module.__name__ = name
+    with stub_missing_imports(name):
+        exec(compile(source, filename, "exec"), module.__dict__)
+    return module
+
+
+@dataclass
+class LoaderRecipe:
+    """How a script builds and feeds its training loader.
+
+    constructions: the training loader's construction sites in source order (the
+    first builds it, later ones rebuild it). call: the training loop's `next_batch`
+    call. varying: indices of per-step `next_batch` arguments.
+    """
+
+    survey: Survey
+    constructions: list[Construction]
+    call_args: list[str]
+    varying: list[int] = field(default_factory=list)
+    call_scope: object = None
+
+    @classmethod
+    def from_source(cls, source: str) -> "LoaderRecipe":
+        """Raises HarnessError when the script has no training loader with a next_batch call."""
+        surveyed = survey(cst.parse_module(source))
+        sites = sorted(surveyed.training_constructions(), key=lambda c: c.line)
+        if not sites:
+            reasons = "; ".join(sorted({c.reason for c in surveyed.constructions if c.reason})) or "no training loader found"
+            raise HarnessError(reasons)
+        calls = surveyed.calls_on(sites[0])
+        call = calls[-1]  # the main loop's call comes after the warm-up's
+        varying = [i for i, const in enumerate(call.constant) if not const]
+        scope = surveyed.collector.scope_of.get(call.scope, surveyed.collector.module_scope)
+        return cls(surveyed, sites, call.args, varying, scope)
+
+    def namespace(self, module: types.ModuleType, hparams, rank: int, world_size: int, device) -> dict:
+        """Names the construction and call expressions may use, as `main()` would have them."""
+        ns = dict(module.__dict__)
+        ns.update(args=hparams, h=hparams, hparams=hparams, rank=rank, world_size=world_size, local_rank=0, device=device, distributed=world_size > 1)
+        ns.setdefault("grad_accum_steps", getattr(hparams, "grad_accum_steps", max(1, 8 // world_size)))
+        return ns
+
+    def build(self, site: Construction, ns: dict):
+        """Evaluate construction `site`'s expression (the script's own code) in `ns`."""
+        return self._eval_constant(self.survey.module.code_for_node(site.call), ns, scope=site.binding)
+
+    def evaluate(self, code: str, ns: dict, scope=None):
+        """Evaluate script code in `ns`, resolving run-constant locals through `scope`."""
+        return self._eval_constant(code, ns, scope=scope)
+
+    def arguments(self, ns: dict, step: int, seq_lens: list[int] | None = None) -> tuple:
+        """`next_batch` arguments for `step`: run constants evaluated; a per-step one
+        cycles every 5 calls through `seq_lens` (a sequence length) or through the
+        Hyperparameters batch size and half of it (a token count)."""
+        values = []
+        for index, code in enumerate(self.call_args):
+            if index in self.varying:
+                schedule = seq_lens
+                hp = ns.get("args", ns.get("h"))
+                if "tok" in code and hasattr(hp, "train_batch_tokens"):
+                    schedule = [hp.train_batch_tokens, hp.train_batch_tokens // 2]
+                if not schedule:
+                    raise HarnessError(f"next_batch argument `{code}` changes during the run; no schedule for it")
+                values.append(schedule[(step // 5) % len(schedule)])
+            else:
+                values.append(self._eval_constant(code, ns))
+        return tuple(values)
+
+    def _eval_constant(self, code: str, ns: dict, depth: int = 0, scope=None):
+        """Evaluate a run-constant expression; a local it names is evaluated from its one assignment."""
+        scope = scope if scope is not None else self.call_scope
+        try:
+            return eval(code, ns)
+        except NameError as error:
+            name = getattr(error, "name", None)
+            owner = scope.resolve(name) if name and scope is not None else None
+            bindings = owner.bindings.get(name, []) if owner is not None else []
+            if depth > 8 or len(bindings) != 1 or bindings[0][1] is None:
+                raise HarnessError(f"cannot evaluate `{code}` outside the script: {error}") from None
+            ns[name] = self._eval_constant(self.survey.module.code_for_node(bindings[0][1]), ns, depth + 1, owner)
+            return self._eval_constant(code, ns, depth + 1, scope)
+
+
+def patched_constructions(source: str, recipe: LoaderRecipe) -> list[str]:
+    """Code of the patched script's constructions of the same loader variable, in order."""
+    surveyed = survey(cst.parse_module(source))
+    target = recipe.constructions[0].target
+    names = {recipe.constructions[0].class_name, "_make_train_loader"}
+    found = []
+    for assign, _scope in surveyed.collector.call_assigns:
+        t, func = assign.targets[0].target, assign.value.func
+        if isinstance(t, cst.Name) and t.value == target and isinstance(func, cst.Name) and func.value in names:
+            found.append(surveyed.module.code_for_node(assign.value))
+    return found
+
+
+@contextlib.contextmanager
+def host_only_pinning(notes: list[str]):
+    """Without CUDA, pinning raises; make `pin_memory()` the identity and drop `pin_memory=True` (values are the same)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    originals = {name: getattr(torch, name) for name in ("empty", "zeros", "ones", "full")}
+    original_pin = torch.Tensor.pin_memory
+
+    def unpinned(factory):
+        def make(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return make
+
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    for name, factory in originals.items():
+        setattr(torch, name, unpinned(factory))
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory = original_pin
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
+        notes.append("no CUDA here: pinned-memory requests treated as plain host memory (values are the same)")
+
+
+def hparams_factory(recipe: LoaderRecipe, module, world_size: int, data_dir: str):
+    """`rank -> Hyperparameters instance` for a simulated world, its train_files on `data_dir`."""
+    hp_info = recipe.survey.hyperparameters
+    cls = getattr(module, hp_info.name) if hp_info is not None else None
+    pattern = os.path.join(data_dir, "fineweb_train_*.bin")
+
+    def make(rank: int):
+        hp = cls() if cls is not None else type("Hyperparameters", (), {})()
+        for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", 0)):
+            _set(hp, name, value)
+        point_at_shards(hp, data_dir, pattern)
+        if hasattr(hp, "grad_accum_steps"):
+            _set(hp, "grad_accum_steps", max(1, 8 // world_size))
+        return hp
+
+    return make
+
+
+def point_at_shards(hp, data_dir: str, pattern: str) -> None:
+    """Make `hp.train_files` name the synthetic shards (an attribute, or a property of a data dir)."""
+    try:
+        _set(hp, "train_files", pattern)
+        return
+    except AttributeError:
+        pass
+    for name in ("data_path", "data_dir", "datasets_dir", "dataset_dir"):
+        if hasattr(hp, name):
+            _set(hp, name, data_dir)
+    if os.path.dirname(str(getattr(hp, "train_files", ""))) != data_dir:
+        raise HarnessError("cannot point Hyperparameters.train_files at the synthetic shards")
+
+
+def _set(obj, name, value):
+    try:
+        setattr(obj, name, value)
+    except TypeError:  # frozen dataclass
+        object.__setattr__(obj, name, value)

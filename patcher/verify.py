@@ -1,0 +1,203 @@
+"""`patch-prefetch verify ORIGINAL PATCHED`: the patched loader hands out exactly the original's batches.
+
+Both scripts are imported (not run), their training loaders are built the way each
+script builds them, for every rank of a simulated world, on synthetic shards in the
+real format sized so that the run crosses shard boundaries and wraps around. The
+first construction is drawn from for the warm-up, then the loader is rebuilt by the
+script's second construction (the warm-up reset) and drawn from again. Every tensor
+of every batch is compared: dtype, shape and bytes, in order.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
+from patcher.patch import features_from, patch_source
+from patcher.shards import write_shards
+from patcher.source import read_script
+
+EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
+
+
+class CannotVerify(Exception):
+    """Verification cannot run (one line, says why)."""
+
+
+@dataclass
+class Difference:
+    """The first mismatch: rank, phase ("warmup" or "train"), batch index, field index, what differs."""
+
+    rank: int
+    phase: str
+    batch: int
+    field: int
+    what: str
+
+
+@dataclass
+class VerifyResult:
+    """identical: every batch matched. batches_compared: per rank, both phases. notes: how it ran."""
+
+    identical: bool
+    world_size: int
+    batches_compared: int
+    difference: Difference | None = None
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = {
+            "identical": self.identical,
+            "world_size": self.world_size,
+            "batches_compared": self.batches_compared,
+            "difference": None if self.difference is None else vars(self.difference),
+            "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+        }
+        return d
+
+
+def verify(original: str | Path, patched: str | Path, batches: int = 64, world_size: int = 2, seed: int = 0, warmup: int = 4) -> VerifyResult:
+    """Compare the training batches of `original` and `patched` for ranks 0..world_size-1.
+
+    Returns a `VerifyResult`. Raises `CannotVerify` when the loader cannot be driven
+    outside the script, and `SourceError` for unreadable input.
+    """
+    started = time.perf_counter()
+    notes: list[str] = []
+    original_source = _importable(read_script(original).source, notes, "original")
+    patched_source = _importable(read_script(patched).source, notes, "patched")
+    try:
+        recipe = LoaderRecipe.from_source(original_source)
+    except HarnessError as error:
+        raise CannotVerify(f"{original}: {error}") from None
+    patched_sites = patched_constructions(patched_source, recipe)
+    if len(patched_sites) != len(recipe.constructions):
+        raise CannotVerify(f"{patched}: {len(patched_sites)} constructions of `{recipe.constructions[0].target}`, the original has {len(recipe.constructions)}")
+    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, host_only_pinning(notes):
+        modules = (_load(original_source, original), _load(patched_source, patched))
+        difference = None
+        try:
+            plan = _plan(recipe, modules[0], world_size, batches, warmup, data_dir, seed, notes)
+            for rank in range(world_size):
+                difference = _compare_rank(recipe, patched_sites, modules, plan, rank)
+                if difference is not None:
+                    break
+        except HarnessError as error:
+            raise CannotVerify(f"{original}: {error}") from None
+    per_rank = plan.warmup + plan.batches
+    return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - started)
+
+
+def _importable(source: str, notes: list[str], which: str) -> str:
+    """The source, with PEP 701 f-strings requoted when the running Python needs it (same AST)."""
+    try:
+        compile(source, which, "exec")
+        return source
+    except SyntaxError:
+        fixed = patch_source(source, features_from(["py310_fstrings"], None)).source
+        notes.append(f"{which}: Python 3.12-only f-strings requoted to import it here (same AST)")
+        return fixed
+
+
+def _load(source: str, path):
+    try:
+        return load_module(source, str(path))
+    except Exception as error:  # the script's own import-time failure
+        raise CannotVerify(f"{path}: importing it failed: {type(error).__name__}: {error}") from None
+
+
+@dataclass
+class _Plan:
+    hparams_for: object
+    warmup: int
+    batches: int
+    seq_lens: list[int]
+
+
+def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes) -> _Plan:
+    """Write shards sized for the run and decide the per-rank hyperparameters."""
+    make_hparams = hparams_factory(recipe, module, world_size, data_dir)
+    ns = recipe.namespace(module, make_hparams(0), 0, world_size, torch.device("cpu"))
+    seq_len = int(getattr(make_hparams(0), "train_seq_len", 1024))
+    seq_lens = [seq_len, max(1, seq_len // 2)] if recipe.varying else None
+    args = recipe.arguments(ns, 0, seq_lens)
+    tokens_per_call = int(args[0]) if args and isinstance(args[0], int) else seq_len * 64
+    total = tokens_per_call * (batches + warmup)
+    # Four shards holding about 2/3 of what the run reads: boundaries are crossed and the
+    # stream wraps around; every shard still fits several sequences.
+    tokens_per_shard = max(math.ceil(total / 6), 8 * (seq_len + 1))
+    write_shards(data_dir, train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=256, seed=seed, bos_id=1)
+    notes.append(f"4 shards x {tokens_per_shard} tokens; {tokens_per_call} tokens per next_batch; {warmup} warm-up + {batches} batches per rank")
+    if recipe.varying:
+        notes.append(f"per-step argument(s) {[recipe.call_args[i] for i in recipe.varying]} driven with {seq_lens}, changing every 5 calls")
+    return _Plan(make_hparams, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [])
+
+
+def _compare_rank(recipe, patched_sites, modules, plan: _Plan, rank: int) -> Difference | None:
+    cpu = torch.device("cpu")
+    spaces = [recipe.namespace(m, plan.hparams_for(rank), rank, recipe_world(plan), cpu) for m in modules]
+    for ns in spaces:
+        ns["world_size"] = spaces[0]["world_size"]
+    builders = [lambda i: recipe.build(recipe.constructions[i], spaces[0]), lambda i: recipe.evaluate(patched_sites[i], spaces[1], recipe.constructions[i].binding)]
+    phases = [("warmup", 0, plan.warmup), ("train", len(recipe.constructions) - 1, plan.batches)] if plan.warmup else [("train", 0, plan.batches)]
+    loaders = [None, None]
+    try:
+        for phase, site, count in phases:
+            for side in (0, 1):
+                _close(loaders[side])
+                loaders[side] = builders[side](site)
+            for batch in range(count):
+                args = recipe.arguments(spaces[0], batch, plan.seq_lens)
+                try:
+                    reference = loaders[0].next_batch(*args)
+                except Exception as error:
+                    raise CannotVerify(f"the original loader fails here (rank {rank}, batch {batch}): {type(error).__name__}: {error}") from None
+                got = [reference, loaders[1].next_batch(*args)]
+                diff = _first_difference(got[0], got[1])
+                if diff is not None:
+                    return Difference(rank, phase, batch, diff[0], diff[1])
+    finally:
+        for loader in loaders:
+            _close(loader)
+    return None
+
+
+def recipe_world(plan: _Plan) -> int:
+    return getattr(plan.hparams_for(0), "world_size", 1)
+
+
+def _close(loader) -> None:
+    shutdown = getattr(type(loader), "shutdown", None)
+    if shutdown is not None:
+        shutdown(loader)
+
+
+def _first_difference(a, b) -> tuple[int, str] | None:
+    a = a if isinstance(a, (tuple, list)) else (a,)
+    b = b if isinstance(b, (tuple, list)) else (b,)
+    if len(a) != len(b):
+        return 0, f"{len(a)} fields vs {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.dtype != y.dtype:
+                return i, f"dtype {x.dtype} vs {y.dtype}"
+            if x.shape != y.shape:
+                return i, f"shape {tuple(x.shape)} vs {tuple(y.shape)}"
+            if not torch.equal(_bytes(x), _bytes(y)):
+                return i, "bytes differ"
+        elif x != y:
+            return i, f"{x!r} vs {y!r}"
+    return None
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as uint8 (so -0.0 and 0.0, or two NaNs, compare as stored)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,540 @@
+"""Tests for patcher.check: compile under a real target Python, import smoke, one-file warnings.
+
+Tests that need a real interpreter of a given version skip (saying which) when none is
+installed; the grammar-check fallback is tested by making `find_python` find nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import lzma
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+import patcher.check as check
+from patcher.check import CheckResult, check_file, compile_source, find_python, import_smoke
+from patcher.source import SourceError
+
+# Line 3 holds a nested same-quote f-string: fine on 3.12, a SyntaxError on 3.10 / 3.11.
+PEP701 = 'import os\nd = {"k": 1}\nmsg = f"value {d["k"]}"\n'
+PEP701_LINE, PEP701_COL = 3, 7  # the f-string starts at column 7 of line 3
+
+PY310, PY310_VERSION = find_python("3.10")
+PY312, _ = find_python("3.12")
+needs_310 = pytest.mark.skipif(PY310 is None, reason="no real Python 3.10 installed (pyenv or PATH)")
+needs_312 = pytest.mark.skipif(PY312 is None, reason="no real Python 3.12 installed (pyenv or PATH)")
+
+
+def _src(text: str) -> str:
+    return textwrap.dedent(text).lstrip("\n")
+
+
+def _line_of(source: str, needle: str) -> int:
+    """1-based line of the first line containing `needle`."""
+    return next(i for i, line in enumerate(source.splitlines(), 1) if needle in line)
+
+
+def _no_python(monkeypatch) -> None:
+    monkeypatch.setattr(check, "find_python", lambda target="3.10": (None, ""))
+
+
+# --------------------------------------------------------------------------- find_python
+
+
+@needs_310
+def test_find_python_finds_310_through_pyenv_without_path(monkeypatch):
+    """With no python3.10 on PATH the pyenv versions folder still supplies one."""
+    root = check._pyenv_root()
+    if not list((Path(root) / "versions").glob("3.10*/bin/python3.10")):
+        pytest.skip(f"no Python 3.10 under pyenv root {root}")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    path, version = find_python("3.10")
+    assert path is not None and os.path.realpath(path).startswith(os.path.realpath(root))
+    assert version.startswith("3.10.")
+    assert "shims" not in path  # the real executable, not a pyenv shim
+
+
+@needs_310
+def test_find_python_reports_the_version_it_ran():
+    path, version = find_python("3.10")
+    out = subprocess.run([path, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True, text=True)
+    assert out.stdout.strip() == version
+
+
+def test_find_python_accepts_an_explicit_path():
+    path, version = find_python(sys.executable)
+    assert path == sys.executable
+    assert version == platform.python_version()
+
+
+@pytest.mark.parametrize("target", ["9.99", "/no/such/python", "not-a-python-xyz"])
+def test_find_python_gives_none_for_what_does_not_exist(target):
+    assert find_python(target) == (None, "")
+
+
+# --------------------------------------------------------------------------- compile_source
+
+
+@needs_310
+def test_compile_on_real_310_names_the_pep701_fstring_and_its_position():
+    result = compile_source(PEP701, "t.py", "3.10")
+    assert result.real and not result.ok
+    assert result.python.startswith("3.10.") and PY310 in result.python
+    assert (result.line, result.col) == (PEP701_LINE, PEP701_COL)
+    assert "PEP 701" in result.error and "3.12" in result.error
+    assert "py310_fstrings" in result.error
+
+
+@needs_310
+@pytest.mark.parametrize(
+    "line, kind",
+    [
+        ("y = f\"{'\\n'.join(xs)}\"\n", "backslash"),
+        ('y = f"""{len(xs) # count\n}"""\n', "comment"),
+    ],
+    ids=["backslash", "comment"],
+)
+def test_compile_on_real_310_names_other_pep701_forms(line, kind):
+    result = compile_source("xs = []\n" + line, "t.py", "3.10")
+    assert not result.ok and result.line == 2
+    assert f"{kind} inside an f-string replacement field" in result.error
+    assert "py310_fstrings" not in result.error  # the rewrite cannot fix these
+
+
+@needs_310
+def test_compile_on_real_310_plain_error_has_no_fstring_hint():
+    result = compile_source("x = 1\ndef f(:\n    pass\n", "t.py", "3.10")
+    assert not result.ok and result.line == 2
+    assert "PEP 701" not in result.error
+
+
+@needs_312
+def test_compile_on_312_accepts_the_pep701_fstring():
+    result = compile_source(PEP701, "t.py", "3.12")
+    assert result.real and result.ok and result.error is None
+    assert result.python.startswith("3.12.")
+
+
+def test_fallback_without_interpreter_still_flags_pep701(monkeypatch):
+    _no_python(monkeypatch)
+    result = compile_source(PEP701, "t.py", "3.10")
+    assert not result.real and result.python is None
+    assert not result.ok
+    assert (result.line, result.col) == (PEP701_LINE, PEP701_COL)
+    assert "PEP 701" in result.error
+    assert "no real Python 3.10 ran" in result.error
+
+
+def test_fallback_scan_catches_pep701_when_the_running_parser_accepts_it(monkeypatch):
+    """On a 3.12+ running Python ast.parse(feature_version=(3, 10)) passes PEP 701 f-strings."""
+    _no_python(monkeypatch)
+    monkeypatch.setattr(check, "ast", types.SimpleNamespace(parse=lambda *args, **kwargs: None))
+    result = compile_source(PEP701, "t.py", "3.10")
+    assert not result.ok and not result.real
+    assert (result.line, result.col) == (PEP701_LINE, PEP701_COL)
+    assert "nested same-quote f-string" in result.error
+
+
+def test_fallback_passes_a_clean_file_and_says_no_real_python_ran(monkeypatch):
+    _no_python(monkeypatch)
+    result = compile_source("import os\nprint(f\"{os.sep!r} {'x'}\")\n", "t.py", "3.10")
+    assert result.ok and not result.real and result.python is None
+    assert "no real Python 3.10 ran; grammar check only" in result.error
+
+
+def test_fallback_uses_the_target_grammar(monkeypatch):
+    """A 3.11-only construct fails the 3.10 grammar check even on a newer running Python."""
+    if sys.version_info < (3, 11):
+        pytest.skip("needs a running Python >= 3.11 to parse except*")
+    _no_python(monkeypatch)
+    code = "try:\n    pass\nexcept* ValueError:\n    pass\n"
+    assert not compile_source(code, "t.py", "3.10").ok
+    assert compile_source(code, "t.py", "3.11").ok
+
+
+# --------------------------------------------------------------------------- import_smoke
+
+DATACLASS_MODULE = _src(
+    """
+    from __future__ import annotations
+    from dataclasses import dataclass
+
+    @dataclass
+    class Hyperparameters:
+        steps: int = 10
+        lr: float = 0.1
+    """
+)
+
+NAIVE_LOADER = _src(
+    """
+    import importlib.util, sys
+    spec = importlib.util.spec_from_file_location("naive_mod", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not registered in sys.modules first
+    """
+)
+
+
+def test_dataclass_trap_naive_loader_fails_import_smoke_passes(tmp_path):
+    path = tmp_path / "naive_mod.py"
+    path.write_text(DATACLASS_MODULE)
+    naive = subprocess.run([sys.executable, "-c", NAIVE_LOADER, str(path)], capture_output=True, text=True)
+    assert naive.returncode != 0
+    assert "AttributeError" in naive.stderr
+
+    result = import_smoke(DATACLASS_MODULE, "naive_mod.py")
+    assert result.ok, result.error
+    assert result.stopped_at is None
+
+
+def test_guarded_script_is_not_run_as_main(tmp_path):
+    marker = tmp_path / "main_ran"
+    code = f'import os\ndef main():\n    open({str(marker)!r}, "w").close()\nif __name__ == "__main__":\n    main()\n'
+    result = import_smoke(code, "train_gpt.py")
+    assert result.ok, result.error
+    assert not marker.exists()
+    assert result.stopped_at is None  # a guarded script is imported whole
+
+
+STUB_SCRIPT = _src(
+    """
+    import numpy as np
+    from flash_attn_interface import flash_attn_func
+    import some_missing_pkg.sub
+    import triton_like_missing as tlm
+
+    @tlm.jit
+    def kernel(x):
+        return x
+
+    class Op(some_missing_pkg.sub.Function):
+        pass
+
+    OP = Op()
+    BLOCK = tlm.next_power_of_2(64) * 2
+    ATTN = flash_attn_func
+    assert callable(kernel) and kernel(3) == 3  # a stub decorator keeps the function
+    """
+)
+
+
+def test_missing_gpu_packages_are_stubbed_and_reported():
+    result = import_smoke(STUB_SCRIPT, "train_gpt.py")
+    assert result.ok, result.error
+    for name in ("flash_attn_interface", "some_missing_pkg", "some_missing_pkg.sub", "triton_like_missing"):
+        assert name in result.stubbed
+    assert "numpy" not in result.stubbed
+
+
+def test_only_the_scripts_own_imports_are_stubbed(tmp_path, monkeypatch):
+    """A library's optional import of a missing module still fails inside that library."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "optional_user.py").write_text(
+        "try:\n    import missing_optional_dep\n    HAVE = True\nexcept ImportError:\n    HAVE = False\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(lib))
+    code = "import optional_user\nassert optional_user.HAVE is False, 'stubbed inside a library'\n"
+    result = import_smoke(code, "train_gpt.py")
+    assert result.ok, result.error
+    assert result.stubbed == []
+
+
+def test_error_reports_type_message_and_script_line():
+    code = _src(
+        """
+        import os
+
+        def load_config():
+            raise ValueError("bad")
+
+        CONFIG = load_config()
+
+        if __name__ == "__main__":
+            pass
+        """
+    )
+    result = import_smoke(code, "train_gpt.py")
+    assert not result.ok
+    assert "ValueError: bad" in result.error
+    raise_line = _line_of(code, "raise ValueError")
+    assert f"line {raise_line} in load_config" in result.error
+    assert result.line == raise_line
+
+
+def test_script_printing_to_stdout_does_not_confuse_the_result():
+    code = 'import sys\nprint("{not json")\nsys.stdout = open("/dev/null", "w")\nprint("x")\nif __name__ == "__main__": pass\n'
+    result = import_smoke(code, "train_gpt.py")
+    assert result.ok, result.error
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch):
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("SMOKE_PID_FILE", str(pid_file))
+    code = _src(
+        """
+        import os, subprocess, time
+        child = subprocess.Popen(["sleep", "600"])
+        open(os.environ["SMOKE_PID_FILE"], "w").write(str(child.pid))
+
+        def wait_forever():
+            while True:
+                time.sleep(1)
+
+        wait_forever()
+
+        if __name__ == "__main__":
+            pass
+        """
+    )
+    start = time.monotonic()
+    result = import_smoke(code, "train_gpt.py", timeout=3)
+    elapsed = time.monotonic() - start
+    assert not result.ok
+    assert "timed out after 3 s" in result.error
+    assert elapsed < 3 + 5
+    if Path("/proc").is_dir() and pid_file.exists():
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 3
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the script's own child process outlived the timeout"
+
+
+# A miniature modded-nanogpt: definitions, then training at top level, no __main__ guard.
+TOP_LEVEL_HEAD = _src(
+    '''
+    """Miniature top-level training script."""
+    from __future__ import annotations
+    import functools
+    import os
+    from dataclasses import dataclass
+    from typing import TYPE_CHECKING
+
+    import torch
+    import torch.distributed as dist
+    try:
+        from flash_attn_interface import flash_attn_func
+    except ImportError:
+        flash_attn_func = None
+    if TYPE_CHECKING:
+        from collections.abc import Iterator
+
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    MARKER = os.environ.get("SMOKE_MARKER", "marker.txt")
+    RANK = int(os.environ.get("RANK", "0"))
+
+    @dataclass
+    class Hyperparameters:
+        steps: int = int(os.environ.get("STEPS", 3))
+        lr: float = 0.02
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    @functools.lru_cache
+    def schedule(step: int) -> float:
+        return 1.0 - step / 10
+
+    def start_training():
+        with open(MARKER, "w") as f:
+            f.write("training started")
+    '''
+)
+
+FIRST_EXECUTABLE = {
+    "dist_init": 'dist.init_process_group(backend="gloo")',
+    "call": "start_training()",
+    "for_loop": "for step in range(3):\n    start_training()",
+    "with_block": "with open(MARKER, 'w') as f:\n    f.write('started')",
+    "if_block": "if RANK == 0:\n    start_training()",
+    "assign_from_call": "model = Model()",
+    "assert": "assert RANK == 0",
+    "cuda_in_default": "def pick(n=torch.cuda.device_count()):\n    return n",
+}
+
+
+@pytest.mark.parametrize("name", list(FIRST_EXECUTABLE), ids=list(FIRST_EXECUTABLE))
+def test_top_level_training_script_imports_only_its_definitions(name, tmp_path, monkeypatch):
+    marker = tmp_path / "marker.txt"
+    monkeypatch.setenv("SMOKE_MARKER", str(marker))
+    code = TOP_LEVEL_HEAD + "\n" + FIRST_EXECUTABLE[name] + "\nstart_training()\nfor step in range(3):\n    start_training()\n"
+    expected_stop = len(TOP_LEVEL_HEAD.splitlines()) + 2
+    assert code.splitlines()[expected_stop - 1] == FIRST_EXECUTABLE[name].splitlines()[0]
+
+    result = import_smoke(code, "train_gpt.py")
+    assert result.ok, result.error
+    assert not marker.exists(), "importing started training"
+    assert result.stopped_at == expected_stop
+    assert "flash_attn_interface" in result.stubbed
+
+
+def test_top_level_stop_keeps_line_numbers_for_errors():
+    code = "import os\n\ndef f():\n    raise KeyError('RANK')\n\nX = f  # cheap\nf()\n"
+    # No guard: the import stops at `f()` (line 7), so nothing raises.
+    result = import_smoke(code, "train_gpt.py")
+    assert result.ok and result.stopped_at == 7
+
+
+# --------------------------------------------------------------------------- check_file
+
+
+def _wrap(payload: str) -> str:
+    """An lzma + base85 exec wrapper in the records' style."""
+    blob = lzma.compress(payload.encode(), format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2}])
+    encoded = base64.b85encode(blob).decode()
+    return (
+        "import lzma as L,base64 as B\n"
+        f'exec(L.decompress(B.b85decode("{encoded}"),format=L.FORMAT_RAW,filters=[{{"id":L.FILTER_LZMA2}}]))\n'
+    )
+
+
+@needs_310
+def test_wrapped_script_wrapper_compiles_but_payload_fails_on_310(tmp_path):
+    """py_compile on the file passes on 3.10; the payload inside does not."""
+    path = tmp_path / "train_gpt.py"
+    path.write_text(_wrap(PEP701))
+    py_compile = subprocess.run([PY310, "-m", "py_compile", str(path)], capture_output=True)
+    assert py_compile.returncode == 0  # what existing checkers see
+
+    result = check_file(path, "3.10", run_import=False)
+    assert result.wrapper_compile is not None
+    assert result.wrapper_compile.ok and result.wrapper_compile.where == "file"
+    assert not result.compile.ok and result.compile.where == "payload"
+    assert result.compile.line == PEP701_LINE  # a payload line, not the wrapper's line 2
+    assert "PEP 701" in result.compile.error
+    assert not result.ok
+    assert result.code_bytes == path.stat().st_size
+
+
+def test_wrapped_script_import_smoke_runs_the_payload(tmp_path):
+    payload = "import os\nfrom flash_attn_interface import flash_attn_func\nVALUE = 1\nif __name__ == '__main__':\n    pass\n"
+    path = tmp_path / "train_gpt.py"
+    path.write_text(_wrap(payload))
+    result = check_file(path, "3.10")
+    assert result.imports is not None and result.imports.ok, result.imports.error
+    assert result.imports.stubbed == ["flash_attn_interface"]
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the running Python compiles PEP 701 f-strings")
+def test_import_is_not_attempted_when_the_running_python_cannot_compile(tmp_path):
+    path = tmp_path / "train_gpt.py"
+    path.write_text(PEP701)
+    result = check_file(path, "3.10")
+    assert not result.imports.ok
+    assert "cannot compile" in result.imports.error and result.imports.line == PEP701_LINE
+
+
+SELF_CONTAINED = _src(
+    """
+    import glob
+    import os
+    import helper
+    from pathlib import Path
+
+    import numpy
+
+    files = sorted(glob.glob("./data/*.bin"))
+    shards = os.path.join(os.path.dirname(__file__), "data", "fineweb_train_*.bin")
+    code = open(__file__).read()
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def main():
+        exec(open(__file__.replace("train_gpt.py", "train_gpt_decode.py")).read())
+        kernel_src = (Path(__file__).parent / "kernels.cu").read_text()
+        extra = os.path.join(here, "extra_module.py")
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_self_contained_warnings_name_file_and_line(tmp_path):
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    path = tmp_path / "train_gpt.py"
+    path.write_text(SELF_CONTAINED)
+    result = check_file(path, "3.10", run_import=False)
+    text = "\n".join(result.warnings)
+    expected = {
+        "helper": _line_of(SELF_CONTAINED, "import helper"),
+        "train_gpt_decode.py": _line_of(SELF_CONTAINED, "train_gpt_decode.py"),
+        "kernels.cu": _line_of(SELF_CONTAINED, "kernels.cu"),
+        "extra_module.py": _line_of(SELF_CONTAINED, "extra_module.py"),
+    }
+    assert len(result.warnings) == len(expected), text
+    for name, line in expected.items():
+        assert any(name in w and f"line {line} " in w for w in result.warnings), (name, text)
+    assert "numpy" not in text and ".bin" not in text and "glob" not in text
+
+
+def test_no_warning_without_sibling_module(tmp_path):
+    path = tmp_path / "train_gpt.py"
+    path.write_text("import helper\nimport glob\nfiles = glob.glob('./data/*.bin')\n")
+    assert check_file(path, "3.10", run_import=False).warnings == []
+
+
+def test_wrapped_warnings_use_payload_lines(tmp_path):
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    path = tmp_path / "train_gpt.py"
+    path.write_text(_wrap("import os\n\n\nimport helper\n"))
+    result = check_file(path, "3.10", run_import=False)
+    assert len(result.warnings) == 1 and "payload line 4 imports helper" in result.warnings[0]
+
+
+def test_as_dict_has_the_documented_keys(tmp_path):
+    path = tmp_path / "train_gpt.py"
+    path.write_text("import os\nif __name__ == '__main__':\n    pass\n")
+    result = check_file(path, "3.10")
+    assert isinstance(result, CheckResult) and result.ok
+    data = result.as_dict()
+    json.dumps(data)
+    assert {"file", "compile", "import", "code_bytes", "warnings"} <= set(data)
+    assert {"python", "ok", "error", "line"} <= set(data["compile"])
+    assert {"ok", "stubbed", "stopped_at", "error"} <= set(data["import"])
+    assert data["file"] == str(path) and data["code_bytes"] == path.stat().st_size
+    assert check_file(path, "3.10", run_import=False).as_dict()["import"] is None
+
+
+@pytest.mark.parametrize("content", [None, "", "   \n"], ids=["missing", "empty", "blank"])
+def test_check_file_raises_source_error_on_bad_input(tmp_path, content):
+    path = tmp_path / "train_gpt.py"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SourceError):
+        check_file(path)
+
+
+def test_check_of_a_150kb_script_is_fast(tmp_path):
+    """About the size of the largest records, importing torch, within 10 s."""
+    body = "".join(
+        f"def helper_{i}(x, scale={i}):\n    '''Helper {i}.'''\n    y = x * scale + {i}\n    return y\n\n\n"
+        for i in range(1800)
+    )
+    code = "import os\nimport torch\n\n\n" + body + "if __name__ == '__main__':\n    pass\n"
+    path = tmp_path / "train_gpt.py"
+    path.write_text(code)
+    assert path.stat().st_size > 140_000
+    start = time.monotonic()
+    result = check_file(path, "3.10")
+    assert result.ok, result.as_dict()
+    assert time.monotonic() - start < 10

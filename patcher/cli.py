@@ -1,7 +1,10 @@
-"""`patch-prefetch IN -o OUT`: arguments, reports and exit codes; the work is elsewhere.
+"""`patch-prefetch IN -o OUT` and its subcommands: arguments, reports, exit codes.
 
-Exit codes: 0 written (or already patched: said so), 2 bad input or usage,
-3 nothing to patch (nothing written).
+The work is elsewhere (patch, check, verify, bench). Exit codes of the main job:
+0 written (or already patched: said so), 2 bad input or usage, 3 nothing to patch
+(nothing written), 4 written but the check of the output failed.
+`patch-prefetch check FILE…`: 0 every check passed, 1 one failed, 2 bad input.
+`patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 differ, 2 cannot verify.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import difflib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +21,8 @@ from patcher.patch import features_from, patch_source
 from patcher.source import SourceError, code_bytes, read_script, render, write_atomic
 from patcher.transforms.base import FEATURES
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING = 0, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
+SUBCOMMANDS = ("check", "verify", "bench")
 
 
 class UsageError(Exception):
@@ -43,18 +48,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", action="append", metavar="FEATURE", choices=FEATURES, help=f"apply only these ({', '.join(FEATURES)})")
     parser.add_argument("--skip", action="append", metavar="FEATURE", choices=FEATURES, help="do not apply this feature")
     parser.add_argument("--no-rewrap", action="store_true", help="write a wrapped input's patched payload as plain source")
+    parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
+    parser.add_argument("--python", default="3.10", help="target Python for the check: a version (default 3.10) or an interpreter path")
+    parser.epilog = "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT (each has --help)."
+    return parser
+
+
+def build_check_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.")
+    parser.add_argument("files", nargs="+", help="training scripts (plain or wrapped)")
+    parser.add_argument("--python", default="3.10", help="target version (default 3.10) or interpreter path")
+    parser.add_argument("--timeout", type=float, default=60.0, help="import smoke timeout in seconds (default 60)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per file, one per line")
+    return parser
+
+
+def build_verify_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.")
+    parser.add_argument("original")
+    parser.add_argument("patched")
+    parser.add_argument("--batches", type=int, default=64, help="batches per rank after the rebuild (default 64)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to simulate (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic shards")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `patch-prefetch` command. Returns the exit code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    if command == "bench":
+        from patcher import bench
+
+        return bench.main(argv[1:])
+    parser = {"check": build_check_parser, "verify": build_verify_parser}.get(command, build_parser)()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(argv[1:] if command else argv)
     except SystemExit as exit:
         return EXIT_BAD_INPUT if exit.code else EXIT_OK
+    run = {"check": _run_check, "verify": _run_verify}.get(command, _run)
     try:
-        return _run(args)
+        return run(args)
     except (SourceError, UsageError) as error:
         print(f"patch-prefetch: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -97,6 +132,10 @@ def _run(args) -> int:
         "wrapped": script.wrapped,
         "seconds": round(time.perf_counter() - started, 3),
     }
+    check = None
+    if wrote and not args.no_check:
+        check = _check_written(text, out_path, in_path, args)
+        report["check"] = check.as_dict()
     stream = sys.stderr if out_path == "-" else sys.stdout
     if args.diff:
         stream.writelines(difflib.unified_diff(script.source.splitlines(True), result.source.splitlines(True), f"{in_path} (original)", f"{in_path} (patched)"))
@@ -104,9 +143,83 @@ def _run(args) -> int:
         print(json.dumps(report), file=stream)
     else:
         _print_report(report, result, stream)
+        if check is not None:
+            print(f"  check: {'ok' if check.ok else 'FAILED (exit 4)'}", file=stream)
+            _print_check(check, stream, indent="    ")
+    if check is not None and not check.ok:
+        return EXIT_CHECK_FAILED
     if result.already_patched:
         return EXIT_OK
     return EXIT_OK if result.changed else EXIT_NOTHING
+
+
+def _check_written(text: str, out_path, in_path: Path, args):
+    """Run `check` on what was written (a temporary copy for stdout)."""
+    from patcher.check import check_file
+
+    if out_path != "-":
+        return check_file(out_path, target=args.python)
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / in_path.name
+        copy.write_text(text)
+        return check_file(copy, target=args.python)
+
+
+def _run_check(args) -> int:
+    from patcher.check import check_file
+
+    failed = False
+    for name in args.files:
+        result = check_file(name, target=args.python, timeout=args.timeout)
+        failed |= not result.ok
+        if args.json:
+            print(json.dumps(result.as_dict()))
+        else:
+            print(f"{name}: {'ok' if result.ok else 'FAILED'}")
+            _print_check(result, sys.stdout, indent="  ")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _print_check(result, stream, indent: str) -> None:
+    c = result.compile
+    python = c.python or "no real interpreter (grammar check only)"
+    where = " payload" if c.where == "payload" else ""
+    status = "ok" if c.ok else f"FAILED{where} line {c.line}:{c.col}: {c.error}"
+    print(f"{indent}compile ({python}): {status}", file=stream)
+    pad = indent
+    if result.wrapper_compile is not None:
+        w = result.wrapper_compile
+        print(f"{pad}wrapper compile: {'ok' if w.ok else 'FAILED line ' + str(w.line) + ': ' + str(w.error)}", file=stream)
+    imp = result.imports
+    if imp is not None:
+        status = "ok" if imp.ok else f"FAILED: {imp.error}"
+        extra = f"; stubbed: {', '.join(imp.stubbed)}" if imp.stubbed else ""
+        extra += f"; stopped before line {imp.stopped_at} (top-level training)" if imp.stopped_at else ""
+        print(f"{pad}import smoke: {status}{extra}", file=stream)
+    for warning in result.warnings:
+        print(f"{pad}warning: {warning}", file=stream)
+    print(f"{pad}code bytes: {result.code_bytes}", file=stream)
+
+
+def _run_verify(args) -> int:
+    from patcher.verify import CannotVerify, verify
+
+    try:
+        result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed)
+    except CannotVerify as error:
+        print(f"patch-prefetch verify: cannot verify: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        for note in result.notes:
+            print(f"  {note}")
+        if result.identical:
+            print(f"identical: {result.batches_compared} batches over {result.world_size} ranks ({result.seconds:.1f} s)")
+        else:
+            d = result.difference
+            print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}, field {d.field}: {d.what}")
+    return EXIT_OK if result.identical else EXIT_FAILED
 
 
 def _output_path(args, in_path: Path):

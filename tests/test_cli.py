@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from patcher.cli import EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_OK, main
+from patcher.cli import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_FAILED, EXIT_NOTHING, EXIT_OK, main
 from patcher.source import read_script
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
-def run(argv, capsys):
-    code = main([str(a) for a in argv])
+def run(argv, capsys, check=False):
+    argv = [str(a) for a in argv]
+    if not check and argv and argv[0] not in ("check", "verify", "bench"):
+        argv.append("--no-check")  # the check has tests of its own; keep these fast
+    code = main(argv)
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -143,9 +146,50 @@ def test_usage_error_exits_2(capsys):
 def test_console_script_runs(tmp_path):
     out = tmp_path / "out.py"
     done = subprocess.run(
-        [sys.executable, "-m", "patcher.cli", str(FIXTURES / "coprime_dataclass.py"), "-o", str(out)],
+        [sys.executable, "-m", "patcher.cli", str(FIXTURES / "coprime_dataclass.py"), "-o", str(out), "--no-check"],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr
     assert "applied  train_prefetch" in done.stdout
+
+
+def test_patch_then_check_reports_and_passes(tmp_path, capsys):
+    out = tmp_path / "out.py"
+    code, stdout, _ = run([FIXTURES / "shuffled_minified.py", "-o", out, "--json"], capsys, check=True)
+    report = json.loads(stdout)
+    assert code == EXIT_OK
+    assert report["check"]["compile"]["ok"] and report["check"]["import"]["ok"]
+
+
+def test_failed_check_exits_4_but_writes(tmp_path, capsys):
+    source = (FIXTURES / "tokenstream_readable.py").read_text()
+    broken = tmp_path / "train_gpt.py"
+    broken.write_text(source.replace('if __name__ == "__main__":', 'raise RuntimeError("import-time failure")\nif __name__ == "__main__":'))
+    out = tmp_path / "out.py"
+    code, stdout, _ = run([broken, "-o", out], capsys, check=True)
+    assert code == EXIT_CHECK_FAILED
+    assert out.exists() and "_make_train_loader(" in out.read_text()
+    assert "FAILED" in stdout and "RuntimeError" in stdout
+
+
+def test_check_subcommand_exit_codes(tmp_path, capsys):
+    good = FIXTURES / "coprime_dataclass.py"
+    pep701 = tmp_path / "train_gpt.py"
+    pep701.write_text('import os\nnames = ["a"]\nprint(f"{", ".join(names)}")\n')
+    code, stdout, _ = run(["check", good, "--json"], capsys)
+    assert code == EXIT_OK and json.loads(stdout)["compile"]["ok"]
+    code, stdout, _ = run(["check", good, pep701], capsys)
+    if "grammar check only" in stdout:
+        pytest.skip("no real Python 3.10 here")
+    assert code == EXIT_FAILED and f"{pep701}: FAILED" in stdout and "PEP 701" in stdout
+    assert run(["check", tmp_path / "missing.py"], capsys)[0] == EXIT_BAD_INPUT
+
+
+def test_verify_subcommand(tmp_path, capsys):
+    out = tmp_path / "out.py"
+    assert run([FIXTURES / "tokenstream_readable.py", "-o", out], capsys)[0] == EXIT_OK
+    code, stdout, _ = run(["verify", FIXTURES / "tokenstream_readable.py", out, "--batches", "16", "--json"], capsys)
+    assert code == EXIT_OK and json.loads(stdout)["identical"] is True
+    code, _, stderr = run(["verify", FIXTURES / "no_loader.py", FIXTURES / "no_loader.py"], capsys)
+    assert code == EXIT_BAD_INPUT and "cannot verify" in stderr

@@ -120,10 +120,12 @@ class ImportResult:
     error: str | None = None
     seconds: float = 0.0
     line: int | None = None
+    note: str | None = None
 
     def as_dict(self) -> dict:
-        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds."""
+        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds, note."""
         return {
+            "note": self.note,
             "ok": self.ok,
             "stubbed": list(self.stubbed),
             "stopped_at": self.stopped_at,
@@ -928,6 +930,18 @@ def check_file(
     )
 
 
+def _requoted(source: str) -> str | None:
+    """`source` with PEP 701 f-strings requoted when that makes it compile here, else None."""
+    from patcher.patch import features_from, patch_source
+
+    try:
+        fixed = patch_source(source, features_from(["py310_fstrings"], None)).source
+        compile(fixed, "requoted", "exec", dont_inherit=True)
+    except Exception:
+        return None
+    return fixed
+
+
 def _import_if_compiles(source: str, filename: str, timeout: float) -> ImportResult:
     """import_smoke, unless the running Python cannot compile `source` (then say so)."""
     code = source[1:] if source.startswith(_BOM) else source
@@ -936,6 +950,12 @@ def _import_if_compiles(source: str, filename: str, timeout: float) -> ImportRes
             warnings.simplefilter("ignore")
             compile(code, filename, "exec", dont_inherit=True)
     except SyntaxError as e:
+        requoted = _requoted(code)
+        if requoted is not None:
+            # Same AST with PEP 701 f-strings requoted: import that, and say so.
+            result = import_smoke(requoted, filename, timeout)
+            result.note = f"imported with its Python 3.12-only f-strings requoted (same AST); the running Python {platform.python_version()} cannot compile them"
+            return result
         why = (
             f"not imported: the running Python {platform.python_version()} cannot compile it either "
             f"({e.msg}, line {e.lineno})"

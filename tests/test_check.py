@@ -436,12 +436,20 @@ def test_wrapped_script_import_smoke_runs_the_payload(tmp_path):
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="the running Python compiles PEP 701 f-strings")
-def test_import_is_not_attempted_when_the_running_python_cannot_compile(tmp_path):
+def test_pep701_payload_is_imported_requoted_and_says_so(tmp_path):
     path = tmp_path / "train_gpt.py"
     path.write_text(PEP701)
     result = check_file(path, "3.10")
+    assert result.imports.ok, result.imports.error
+    assert "requoted" in result.imports.note
+
+
+def test_import_is_not_attempted_when_nothing_makes_it_compile(tmp_path):
+    path = tmp_path / "train_gpt.py"
+    path.write_text('import os\n\nx = f"{"\\n".join(["a"])}"\n')
+    result = check_file(path, "3.10")
     assert not result.imports.ok
-    assert "cannot compile" in result.imports.error and result.imports.line == PEP701_LINE
+    assert "cannot compile" in result.imports.error and result.imports.line == 3
 
 
 SELF_CONTAINED = _src(

@@ -42,6 +42,8 @@ class LoaderClass:
     trailing dimension of `.reshape(-1, p)` of every returned tensor, or None.
     prefetches: the class already builds batches on threads. unsafe: why prefetching
     it would not be exact (global RNG, torch.distributed, device use), or None.
+    in_place: where the loader changes a container or array in place (then its state
+    cannot be snapshot cheaply for a rollback), or None.
     """
 
     name: str
@@ -56,6 +58,7 @@ class LoaderClass:
     reshape_only: int | None = None
     prefetches: bool = False
     unsafe: str | None = None
+    in_place: str | None = None
 
 
 @dataclass
@@ -458,7 +461,36 @@ def _survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], result: 
     if info.device_attr is not None:
         info.h2d_calls = _h2d_calls(next_batch, info.device_attr)
     info.reshape_only = _reshape_only_param(next_batch, info.next_batch_params)
+    info.in_place = _in_place_mutation(related)
     return info
+
+
+IN_PLACE_METHODS = {"shuffle", "fill", "sort", "resize", "put", "itemset", "append", "extend", "pop", "insert", "remove", "clear", "update", "setdefault"}
+
+
+def _in_place_mutation(classes: list[cst.ClassDef]) -> str | None:
+    """Where the loader changes one of its containers or arrays in place, if anywhere.
+
+    A snapshot of such a loader would have to copy every array; loaders that only
+    rebind attributes (the TokenStream family: `self.pos += k`, `self.tokens = ...`)
+    can be snapshot cheaply, sharing their read-only shard arrays.
+    """
+    self_attr = m.Attribute(value=m.Name("self"))
+    for cls in classes:
+        for node in _walk(cls):
+            if isinstance(node, (cst.AssignTarget, cst.AugAssign)):
+                target = node.target
+                if m.matches(target, m.Subscript(value=self_attr | m.Subscript())):
+                    return f"{cls.name.value} assigns into {cst.Module([]).code_for_node(target)}"
+            if m.matches(node, m.Call(func=m.Attribute(value=self_attr))):
+                method = node.func.attr.value
+                if method in IN_PLACE_METHODS or (method.endswith("_") and not method.startswith("_")):
+                    return f"{cls.name.value} calls self.{node.func.value.attr.value}.{method}()"
+            if m.matches(node, m.Call(func=m.Attribute(value=m.Subscript(value=self_attr)))):
+                method = node.func.attr.value
+                if method in IN_PLACE_METHODS or method.endswith("_"):
+                    return f"{cls.name.value} changes {cst.Module([]).code_for_node(node.func.value)} in place"
+    return None
 
 
 def _unsafe_reason(related: list[cst.ClassDef], info: LoaderClass) -> str | None:

@@ -30,6 +30,7 @@ and applied when the batch is handed out.
 """
 
 import atexit
+import copy
 import queue
 import threading
 import time
@@ -61,7 +62,7 @@ def _stop_workers_at_exit():
 atexit.register(_stop_workers_at_exit)
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader"):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -69,7 +70,10 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
     (`TRAIN_COPY_STREAM`); reshape_arg: index of a `next_batch` argument used only as
     the trailing dimension of `.reshape(-1, n)`, or None; slot: the variable name,
-    so that a rebuild (the warm-up reset) shuts the previous worker down first.
+    so that a rebuild (the warm-up reset) shuts the previous worker down first;
+    rollback: snapshot the loader before each batch built ahead, so that a changed
+    argument discards the queued batches by restoring a snapshot instead of a replay
+    (only for loaders that never change an array in place; the survey checks that).
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
@@ -78,7 +82,7 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
         old.shutdown()
     if not prefetch:
         return make_loader(device)
-    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg)
+    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg, rollback)
     _live_prefetchers[slot] = loader
     return loader
 
@@ -93,12 +97,13 @@ class _PrefetchLoader:
 
     _POLL_S = 0.1  # how often a blocked caller or worker looks at the stop event
 
-    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None):
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False):
         self._make_loader = make_loader
         self._device = torch.device(device)
         self._pin = self._device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = copy_stream
         self._reshape_arg = reshape_arg
+        self._rollback = rollback
         self._depth = max(1, int(queue_depth))
         self._loader = make_loader(torch.device("cpu"))
         self._handed_out = []  # arguments of every batch handed out, for replay
@@ -172,14 +177,22 @@ class _PrefetchLoader:
         return args[: self._reshape_arg] + args[self._reshape_arg + 1 :]
 
     def _start(self, args):
-        worker = _Worker(self._loader, args, self._depth, self._pin)
+        worker = _Worker(self._loader, args, self._depth, self._pin, self._rollback)
         self._worker, self._worker_key = worker, self._key(args)
         _running_workers.add(worker)
         worker.thread.start()
 
     def _resync(self, args):
-        # Batches queued with other arguments are wrong for this call: rebuild the
-        # loader and replay every batch handed out so far, then speculate anew.
+        # Batches queued with other arguments are wrong for this call. With snapshots,
+        # the next queued batch carries the loader state from just before it was built,
+        # which is where the caller is: restore it. Else rebuild the loader and replay
+        # every batch handed out so far. Then speculate anew.
+        if self._rollback:
+            head = self._take_built()
+            self.shutdown()
+            self._loader, self._ahead = head.before, False
+            self._start(args)
+            return
         message = f"prefetch: next_batch arguments changed to {args}; replaying {len(self._handed_out)} batches to stay exact"
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.shutdown()
@@ -193,6 +206,9 @@ class _PrefetchLoader:
         self._ahead = False
 
     def _take(self):
+        return self._take_built().batch
+
+    def _take_built(self):
         worker = self._worker
         while True:
             try:
@@ -224,11 +240,20 @@ class _WorkerError:
         self.text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
+class _Built:
+    """One batch built ahead, and (with rollback) the loader state from before it."""
+
+    __slots__ = ("batch", "before")
+
+    def __init__(self, batch, before):
+        self.batch, self.before = batch, before
+
+
 class _Worker:
     """Daemon thread: `loader.next_batch(*args)` in a loop into a bounded queue."""
 
-    def __init__(self, loader, args, depth, pin):
-        self.loader, self.args, self.pin = loader, args, pin
+    def __init__(self, loader, args, depth, pin, rollback=False):
+        self.loader, self.args, self.pin, self.rollback = loader, args, pin, rollback
         self.queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
@@ -236,7 +261,8 @@ class _Worker:
     def _run(self):
         try:
             while not self.stop.is_set():
-                self._put(_stage(self.loader.next_batch(*self.args), self.pin))
+                before = _snapshot(self.loader) if self.rollback else None
+                self._put(_Built(_stage(self.loader.next_batch(*self.args), self.pin), before))
         except BaseException as error:  # handed to the caller, which re-raises it
             self._put(_WorkerError(error))
 
@@ -263,6 +289,33 @@ def _stage(item, pin):
     if isinstance(item, (tuple, list)):
         return type(item)(_stage(t, pin) for t in item)
     return item
+
+
+def _snapshot(loader):
+    """A deep copy of the loader's state that shares its tensors and arrays.
+
+    The shards are read-only; everything else (positions, file index, lists) is
+    copied, so the copy is the loader as it was, at the cost of a few small objects.
+    """
+    memo = {}
+    _share_arrays(loader, memo, 0)
+    return copy.deepcopy(loader, memo)
+
+
+def _share_arrays(obj, memo, depth):
+    if depth > 6 or id(obj) in memo:
+        return
+    if isinstance(obj, torch.Tensor) or (hasattr(obj, "__array_interface__") and hasattr(obj, "shape")):
+        memo[id(obj)] = obj
+        return
+    if isinstance(obj, dict):
+        children = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        children = obj
+    else:
+        children = getattr(obj, "__dict__", {}).values()
+    for child in children:
+        _share_arrays(child, memo, depth + 1)
 
 
 def _drain(q):

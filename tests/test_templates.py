@@ -769,3 +769,40 @@ def test_process_exits_when_worker_is_stuck_in_loader(stuck_children):
     out, err = finish_child(child, 20)
     assert child.returncode == 0, err
     assert "done" in out
+
+
+# ---------------------------------------------------------------------------
+# Rollback: a changed argument restores the snapshot taken before the next batch
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_rollback_on_changed_batch_size_is_exact_without_replay(depth):
+    make = lambda d: FakeTokenLoader(3001, d)
+    schedule = [(512, 16, 2)] * 6 + [(1024, 16, 2)] * 4 + [(256, 16, 2)] * 7
+    want, _ = direct_batches(make, schedule)
+    built = []
+
+    def counting(d):
+        loader = make(d)
+        built.append(loader)
+        return loader
+
+    wrapper = _make_train_loader(counting, CPU, queue_depth=depth, rollback=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a replay would warn
+        for args, w in zip(schedule, want):
+            assert_batch_equal(wrapper.next_batch(*args), w)
+    assert len(built) == 1  # never rebuilt: rolled back from snapshots
+
+
+def test_snapshot_shares_arrays_and_copies_positions():
+    from templates.prefetch_loader import _snapshot
+
+    loader = FakeTokenLoader(1000, CPU)
+    loader.next_batch(*ARGS)
+    copy = _snapshot(loader)
+    assert copy.tokens is loader.tokens  # the shard is shared, not copied
+    assert copy.pos == loader.pos
+    loader.next_batch(*ARGS)
+    assert copy.pos != loader.pos  # positions are the copy's own

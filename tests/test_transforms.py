@@ -63,17 +63,7 @@ for step in range(10):
 @pytest.mark.parametrize(
     "body, reason_part",
     [
-        pytest.param(
-            """
-            train_loader = DistributedTokenLoader("x", 0, 1, device)
-            batch_tokens = 512
-            for step in range(10):
-                batch_tokens = batch_tokens * 2
-                x, y = train_loader.next_batch(batch_tokens, 64, 1)
-            """,
-            "per-step argument `batch_tokens`",
-            id="batch-size-curriculum",
-        ),
+
         pytest.param(
             """
             calib_loader = DistributedTokenLoader("x", 0, 1, device)
@@ -130,6 +120,29 @@ def test_train_prefetch_rewrites_every_construction_and_keeps_the_rest():
     untouched = [l for l in source.splitlines() if "DistributedTokenLoader(" not in l and ".to(self.device" not in l]
     remaining = iter(result.source.splitlines())
     assert all(any(line == p for p in remaining) for line in untouched)  # a subsequence
+
+
+BATCH_SWITCH = """
+train_loader = DistributedTokenLoader("x", 0, 1, device)
+batch_tokens = 512
+for step in range(10):
+    batch_tokens = batch_tokens * 2
+    x, y = train_loader.next_batch(batch_tokens, 64, 1)
+"""
+
+
+def test_batch_size_curriculum_gets_rollback():
+    result, notes = notes_for(script(BATCH_SWITCH), "train_prefetch")
+    assert notes[0].applied and "per-step argument `batch_tokens`" in notes[0].reason
+    assert "rollback=True" in result.source
+
+
+def test_batch_size_curriculum_on_an_in_place_loader_is_skipped():
+    loader = LOADER.replace("        self.pos += n\n", "        self.pos += n\n        self.seen[0] = n\n").replace("self.pos = 0", "self.pos = 0\n        self.seen = [0]")
+    result, notes = notes_for(script(BATCH_SWITCH, loader), "train_prefetch")
+    assert not notes[0].applied
+    assert "per-step argument `batch_tokens`" in notes[0].reason and "self.seen[0]" in notes[0].reason
+    assert "_make_train_loader(" not in result.source
 
 
 def test_seq_len_curriculum_is_prefetched_with_reshape_arg():

@@ -8,7 +8,10 @@ loader_device), device, prefetch=…, queue_depth=…, copy_stream=…)`; the ru
 Skipped, with the reason, where the data could differ: a loader that already
 prefetches, draws from a global RNG, calls torch.distributed, or uses its device
 for more than the final H2D copy; a `next_batch` argument that changes during the
-run (other than one the loader only reshapes with).
+run, for a loader that changes arrays in place (its state cannot be snapshot cheaply).
+A changing argument the loader only reshapes with (`seq_len` in the TokenStream
+family) is applied at hand-out; any other changing argument gets `rollback=True`:
+the worker snapshots the loader before each batch and a change restores it.
 """
 
 from __future__ import annotations
@@ -32,17 +35,19 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     replacements: dict[cst.CSTNode, cst.CSTNode] = {}
     for target in sorted({c.target for c in sites}):
         group = [c for c in sites if c.target == target]
-        reason, line, reshape_arg = _blocker(group, ctx)
+        reason, line, reshape_arg, rollback = _blocker(group, ctx)
         if reason is not None:
             notes.append(Note(FEATURE, False, reason, line))
             continue
         for site in group:
-            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, module)
+            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module)
         lines = ", ".join(str(c.line) for c in group)
         extra = ""
         direct = _direct_uses(survey, group)
         if direct:
             extra = f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
+        if rollback:
+            extra += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
         notes.append(Note(FEATURE, True, f"`{target}` built at line {lines} prefetches{extra}", group[0].line))
     if replacements:
         ctx.need("prefetch_loader")
@@ -64,34 +69,41 @@ def _first_line(survey) -> int | None:
     return min(lines) if lines else None
 
 
-def _blocker(group, ctx: Context) -> tuple[str | None, int | None, int | None]:
-    """Why this loader variable cannot be prefetched exactly, else (None, None, reshape_arg)."""
+def _blocker(group, ctx: Context) -> tuple[str | None, int | None, int | None, str | None]:
+    """Why this loader variable cannot be prefetched exactly, else (None, None, reshape_arg, rollback).
+
+    rollback names the per-step arguments (beyond a reshape-only one) that need the
+    snapshot rollback; it is allowed for loaders that change no array in place.
+    """
     survey = ctx.survey
     cls = survey.loader_classes[group[0].class_name]
     if cls.prefetches:
-        return f"{cls.name} already prefetches (threads in the loader); not wrapped again", cls.line, None
+        return f"{cls.name} already prefetches (threads in the loader); not wrapped again", cls.line, None, None
     if cls.unsafe:
-        return cls.unsafe, cls.line, None
+        return cls.unsafe, cls.line, None, None
     if cls.device_index is None:
-        return f"{cls.name}.__init__ takes no `device` parameter to build it on the CPU", cls.line, None
+        return f"{cls.name}.__init__ takes no `device` parameter to build it on the CPU", cls.line, None, None
     for site in group:
         if _device_arg(site.call, cls) is None:
-            return f"`{site.target} = {cls.name}(...)` passes no device argument", site.line, None
-    reshape_arg = None
+            return f"`{site.target} = {cls.name}(...)` passes no device argument", site.line, None, None
+    reshape_arg, rollback = None, []
     for call in (c for site in group for c in survey.calls_on(site)):
         changing = [i for i, const in enumerate(call.constant) if not const]
+        if cls.reshape_only is not None and cls.reshape_only in changing:
+            reshape_arg = cls.reshape_only
+            changing.remove(cls.reshape_only)
         if not changing:
             continue
-        if changing == [cls.reshape_only] and cls.reshape_only is not None:
-            reshape_arg = cls.reshape_only
-            continue
         names = ", ".join(f"`{call.args[i]}`" for i in changing)
-        return (
-            f"next_batch gets per-step argument {names}; queued batches could be built with stale values",
-            call.line,
-            None,
-        )
-    return None, None, reshape_arg
+        if cls.in_place is not None:
+            return (
+                f"next_batch gets per-step argument {names} and {cls.in_place}, so queued batches cannot be rolled back cheaply",
+                call.line,
+                None,
+                None,
+            )
+        rollback.append(names)
+    return None, None, reshape_arg, ", ".join(sorted(set(rollback))) or None
 
 
 def _direct_uses(survey, group) -> list[str]:
@@ -115,7 +127,7 @@ def _device_arg(call: cst.Call, cls) -> int | None:
     return None
 
 
-def _wrapped_call(site, ctx: Context, reshape_arg: int | None, module: cst.Module) -> cst.Call:
+def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module) -> cst.Call:
     cls = ctx.survey.loader_classes[site.class_name]
     index = _device_arg(site.call, cls)
     device_expr = module.code_for_node(site.call.args[index].value)
@@ -133,6 +145,8 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, module: cst.Modul
     ]
     if reshape_arg is not None:
         parts.append(f"reshape_arg{eq}{reshape_arg}")
+    if rollback:
+        parts.append(f"rollback{eq}True")
     if site.target != "train_loader":
         parts.append(f"slot{eq}{site.target!r}")
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")

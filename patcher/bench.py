@@ -1,0 +1,263 @@
+"""`patch-prefetch bench SCRIPT`: how long the training loop waits for data, original vs patched.
+
+The script is patched in memory; the original and the patched training loaders are
+built as the scripts build them (`patcher.harness`, one rank) on synthetic shards of
+real size (3 x 100 M tokens by default, so shard loads happen), as rank 0 of an
+8-GPU run (the records' configuration), and driven
+**alternately, one step each, in one run**, so both see the same machine. After each
+`next_batch` a simulated training step runs:
+
+- `idle`: `time.sleep(compute_ms)`: a GPU-bound step; the GIL is free for the worker.
+- `gil-busy` (default): part of the step is pure-Python work that holds the GIL (about
+  5 ms, calibrated at start), the rest sleeps: closer to a loop that launches kernels
+  from Python, where a producer holding the GIL competes with the training loop.
+
+Measured per step, in ms: the main thread's wait inside `next_batch` (p50, p99, max,
+total) for each loader, and the time of the Python work of the step (to see how much
+the patched loader's worker slows the main thread). Producer throughput (batches/s)
+is measured separately: the original loader's `next_batch` in a tight loop, and the
+patched loader drained by a consumer that does nothing else (its rate is the
+worker's). The first `warmup` steps (the cold start, whose first batch is built
+synchronously) are left out of the statistics, and the report says how many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
+from patcher.patch import patch_source
+from patcher.shards import write_shards
+from patcher.source import SourceError, read_script
+
+PYTHON_WORK_MS = 5.0
+WORLD_SIZE = 8
+
+
+class BenchError(Exception):
+    """The script cannot be benchmarked (one line, says why)."""
+
+
+def run_bench(
+    script: str | Path,
+    steps: int = 300,
+    compute_ms: float = 20.0,
+    main_thread: str = "gil-busy",
+    shard_tokens: int = 100_000_000,
+    shards: int = 3,
+    queue_depth: int = 2,
+    seed: int = 0,
+    data_dir: str | None = None,
+    warmup: int = 3,
+    producer_batches: int = 30,
+) -> dict:
+    """Benchmark one script. Returns the report dict (keys in the module docstring and README).
+
+    Raises BenchError when the script has no training loader the patch prefetches.
+    """
+    if main_thread not in ("idle", "gil-busy"):
+        raise BenchError(f"--main-thread must be idle or gil-busy, not {main_thread!r}")
+    original_source = read_script(script).source
+    result = patch_source(original_source)
+    if "train_prefetch" not in result.applied:
+        reasons = "; ".join(n.reason for n in result.skipped if n.feature == "train_prefetch") or "no training loader"
+        raise BenchError(f"{script}: nothing to benchmark: {reasons}")
+    try:
+        recipe = LoaderRecipe.from_source(original_source)
+    except HarnessError as error:
+        raise BenchError(f"{script}: {error}") from None
+    patched_site = patched_constructions(result.source, recipe)[0]
+    with _shard_dir(data_dir) as directory, host_only_pinning([]):
+        _ensure_shards(directory, shards, shard_tokens, seed)
+        modules = load_module(original_source, str(script)), load_module(result.source, str(script))
+        # Rank 0 of the record's own configuration, 8 GPUs: in the TokenStream family every
+        # rank's stream advances by the global batch per step, so shard loads come as often
+        # as in a real run.
+        make_hp = hparams_factory(recipe, modules[0], WORLD_SIZE, directory)
+        spaces = [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cpu")) for mod in modules]
+        _set_queue_depth(spaces[1], queue_depth)
+        args = recipe.arguments(spaces[0], 0, [getattr(make_hp(0), "train_seq_len", 1024)])
+        build = [lambda: recipe.build(recipe.constructions[0], spaces[0]), lambda: recipe.evaluate(patched_site, spaces[1], recipe.constructions[0].binding)]
+        work_loops = _calibrate_python_work(PYTHON_WORK_MS)
+        waits, work = _alternate(build, args, steps + warmup, compute_ms, main_thread, work_loops)
+        rates = [_producer_rate(build[side], args, producer_batches, drained=side == 1) for side in (0, 1)]
+    return _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, rates)
+
+
+def _set_queue_depth(namespace: dict, depth: int) -> None:
+    """Set the TRAIN_PREFETCH_QUEUE toggle where the patched script reads it."""
+    if "TRAIN_PREFETCH_QUEUE" in namespace:
+        namespace["TRAIN_PREFETCH_QUEUE"] = depth
+    for value in namespace.values():
+        if isinstance(value, type) and "train_prefetch_queue" in vars(value):
+            setattr(value, "train_prefetch_queue", depth)
+
+
+class _shard_dir:
+    """The given directory (kept), or a temporary one (removed)."""
+
+    def __init__(self, path):
+        self.path, self.tmp = path, None
+
+    def __enter__(self):
+        if self.path is not None:
+            Path(self.path).mkdir(parents=True, exist_ok=True)
+            return str(self.path)
+        self.tmp = tempfile.TemporaryDirectory(prefix="patch-prefetch-bench-")
+        return self.tmp.name
+
+    def __exit__(self, *exc):
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def _ensure_shards(directory: str, shards: int, tokens: int, seed: int) -> None:
+    expected = 256 * 4 + 2 * tokens
+    files = sorted(Path(directory).glob("fineweb_train_*.bin"))
+    if len(files) == shards and all(f.stat().st_size == expected for f in files):
+        return  # reuse shards from an earlier run
+    write_shards(directory, train_shards=shards, val_shards=1, tokens_per_shard=tokens, vocab_size=1024, seed=seed)
+
+
+def _calibrate_python_work(target_ms: float) -> int:
+    """Loop count of `_python_work` that takes about `target_ms` here, alone."""
+    loops = 1000
+    while True:
+        t0 = time.perf_counter()
+        _python_work(loops)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        if elapsed > 1.0:
+            return max(1, int(loops * target_ms / elapsed))
+        loops *= 4
+
+
+def _python_work(loops: int) -> int:
+    """Pure-Python work that holds the GIL (dict and list operations, like a launch loop)."""
+    table, total = {}, 0
+    for i in range(loops):
+        table[i & 255] = i
+        total += table.get((i * 7) & 255, 0)
+    return total
+
+
+def _alternate(build, args, steps, compute_ms, main_thread, work_loops):
+    loaders = [make() for make in build]
+    waits: list[list[float]] = [[], []]
+    work: list[list[float]] = [[], []]
+    try:
+        for _ in range(steps):
+            for side in (0, 1):
+                t0 = time.perf_counter()
+                loaders[side].next_batch(*args)
+                waits[side].append((time.perf_counter() - t0) * 1e3)
+                work[side].append(_simulated_step(compute_ms, main_thread, work_loops))
+    finally:
+        _close(loaders[1])
+    return waits, work
+
+
+def _simulated_step(compute_ms: float, main_thread: str, work_loops: int) -> float:
+    """Run one simulated step; returns the ms spent in its Python work (0 when idle)."""
+    start = time.perf_counter()
+    spent = 0.0
+    if main_thread == "gil-busy":
+        _python_work(work_loops)
+        spent = (time.perf_counter() - start) * 1e3
+    rest = compute_ms / 1e3 - (time.perf_counter() - start)
+    if rest > 0:
+        time.sleep(rest)
+    return spent
+
+
+def _producer_rate(make, args, batches: int, drained: bool) -> float:
+    """Batches per second: a tight loop of next_batch (the patched one measures its worker)."""
+    loader = make()
+    try:
+        loader.next_batch(*args)  # cold start (shard load, worker start) left out
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            loader.next_batch(*args)
+        return batches / (time.perf_counter() - t0)
+    finally:
+        _close(loader)
+
+
+def _close(loader) -> None:
+    shutdown = getattr(type(loader), "shutdown", None)
+    if shutdown is not None:
+        shutdown(loader)
+
+
+def _stats(values: list[float]) -> dict:
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"p50": statistics.median(ordered), "p99": p99, "max": ordered[-1], "total": sum(ordered)}
+
+
+def _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, rates) -> dict:
+    report = {"script": str(script), "steps": steps, "warmup_steps_excluded": warmup, "compute_ms": compute_ms, "main_thread": main_thread, "queue_depth": queue_depth}
+    for side, name in ((0, "original"), (1, "patched")):
+        for key, value in _stats(waits[side][warmup:]).items():
+            report[f"wait_ms_{name}_{key}"] = round(value, 4)
+    report["ratio"] = round(report["wait_ms_original_total"] / max(report["wait_ms_patched_total"], 1e-9), 2)
+    report["producer_batches_per_s_original"] = round(rates[0], 2)
+    report["producer_batches_per_s_patched"] = round(rates[1], 2)
+    report["producer_ratio"] = round(rates[1] / rates[0], 3) if rates[0] else None
+    if main_thread == "gil-busy":
+        original, patched = statistics.mean(work[0][warmup:]), statistics.mean(work[1][warmup:])
+        report["main_thread_slowdown_pct"] = round(100.0 * (patched / original - 1.0), 2)
+    else:
+        report["main_thread_slowdown_pct"] = None
+    return report
+
+
+def _print_table(report: dict, stream) -> None:
+    print(f"{report['script']}: {report['steps']} steps ({report['warmup_steps_excluded']} warm-up steps left out), "
+          f"{report['compute_ms']} ms step, main thread {report['main_thread']}, queue depth {report['queue_depth']}", file=stream)
+    print(f"  {'wait per step (ms)':22} {'p50':>9} {'p99':>9} {'max':>9} {'total':>10}", file=stream)
+    for name in ("original", "patched"):
+        row = [report[f"wait_ms_{name}_{k}"] for k in ("p50", "p99", "max", "total")]
+        print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f} {row[3]:10.1f}", file=stream)
+    print(f"  total wait original / patched: {report['ratio']}x", file=stream)
+    print(f"  producer: original {report['producer_batches_per_s_original']} batches/s, patched {report['producer_batches_per_s_patched']} batches/s ({report['producer_ratio']}x)", file=stream)
+    if report["main_thread_slowdown_pct"] is not None:
+        print(f"  main thread's Python work slowed by {report['main_thread_slowdown_pct']} %", file=stream)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`patch-prefetch bench`: exit 0, or 2 with one line when it cannot run."""
+    parser = argparse.ArgumentParser(prog="patch-prefetch bench", description=__doc__.splitlines()[0])
+    parser.add_argument("script")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step time in ms (default 20)")
+    parser.add_argument("--main-thread", choices=["idle", "gil-busy"], default="gil-busy")
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
+    parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
+    parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:
+        return 2 if exit.code else 0
+    try:
+        report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, queue_depth=args.queue_depth, data_dir=args.data_dir)
+    except (BenchError, SourceError) as error:
+        print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

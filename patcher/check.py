@@ -43,6 +43,7 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from patcher.source import code_bytes, read_script
+from patcher.survey import pep701_kind
 
 __all__ = [
     "CompileResult",
@@ -431,37 +432,11 @@ class _Pep701Finder(cst.CSTVisitor):
         self.found: list[tuple[cst.FormattedString, str]] = []
 
     def visit_FormattedString(self, node: cst.FormattedString) -> bool:
-        kind = _pep701_kind(node, self.module)
+        kind = pep701_kind(node, self.module)
         if kind is None:
             return True  # an inner f-string may still be 3.12-only on its own
         self.found.append((node, kind))
         return False
-
-
-def _pep701_kind(node: cst.FormattedString, module: cst.Module) -> str | None:
-    """Which 3.12-only form a replacement field of `node` uses, or None."""
-    quote = node.start.lstrip("fFrRbBuU")
-    for part in _fields(node.parts):
-        code = module.code_for_node(part)
-        if quote in code:
-            return "quote"
-        if "\\" in module.code_for_node(part.expression):
-            return "backslash"
-        if m.findall(part, m.Comment()):
-            return "comment"
-        if len(quote) == 1 and ("\n" in code or "\r" in code):
-            return "newline"
-    return None
-
-
-def _fields(parts) -> list[cst.FormattedStringExpression]:
-    """Replacement fields of an f-string, including those nested in format specs."""
-    out = []
-    for part in parts:
-        if isinstance(part, cst.FormattedStringExpression):
-            out.append(part)
-            out.extend(_fields(part.format_spec or ()))
-    return out
 
 
 def _fix_hint(node: cst.FormattedString, module: cst.Module, kind: str) -> str:

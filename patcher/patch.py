@@ -97,10 +97,8 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
     if ctx.templates:
         toggles = [n for n in ctx.toggles_used]
         block.extend(render.runtime_block(ctx.templates, imports, ctx.minified, toggles))
-    if block and not ctx.minified:
-        block[-1] = block[-1]
-        if at < len(body):
-            body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()] if not body[at].leading_lines else body[at].leading_lines)
+    if block and not ctx.minified and at < len(body) and not body[at].leading_lines:
+        body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
     return module.with_changes(body=body[:at] + block + body[at:])
 
 

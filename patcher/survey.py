@@ -194,10 +194,50 @@ def survey(module: cst.Module) -> Survey:
     result.hyperparameters = _find_hyperparameters(module, result)
     result.log_function = _find_log_function(collector)
     result.squares = _find_squares(collector, result)
-    from patcher.transforms.py310_fstrings import needs_rewrite
-
-    result.pep701_fstrings = [f for f in collector.fstrings if needs_rewrite(f, module)]
+    result.pep701_fstrings = _pep701_fstrings(collector, module)
     return result
+
+
+def _pep701_fstrings(collector: "_SiteCollector", module: cst.Module) -> list[cst.FormattedString]:
+    """The outermost f-strings that only Python 3.12+ parses (an inner one counts when its outer one is fine)."""
+    found: list[cst.FormattedString] = []
+    for node, outer in collector.fstrings:
+        if not any(o in found for o in outer) and pep701_kind(node, module) is not None:
+            found.append(node)
+    return found
+
+
+def pep701_kind(node: cst.FormattedString, module: cst.Module) -> str | None:
+    """Which Python 3.12-only form (PEP 701) a replacement field of `node` uses, or None.
+
+    "quote": the f-string's own quote reused inside a field (`f"{", ".join(xs)}"`);
+    "backslash", "comment", "newline" (in a single-quoted f-string): the other forms
+    Python 3.10 and 3.11 reject, reported before "quote" when both occur. Fields
+    nested in format specs count too.
+    """
+    quote = node.start.lstrip("fFrRbBuU")
+    codes = [(part, module.code_for_node(part)) for part in _fstring_fields(node.parts)]
+    # The forms quoting cannot fix first, so that a rewrite never hides one of them.
+    for part, code in codes:
+        if "\\" in code:
+            return "backslash"
+        if m.findall(part, m.Comment()):
+            return "comment"
+        if len(quote) == 1 and ("\n" in code or "\r" in code):
+            return "newline"
+    if any(quote in code for _, code in codes):
+        return "quote"
+    return None
+
+
+def _fstring_fields(parts) -> list[cst.FormattedStringExpression]:
+    """Replacement fields of an f-string, including those nested in format specs."""
+    out = []
+    for part in parts:
+        if isinstance(part, cst.FormattedStringExpression):
+            out.append(part)
+            out.extend(_fstring_fields(part.format_spec or ()))
+    return out
 
 
 @dataclass
@@ -240,7 +280,6 @@ class _SiteCollector(cst.CSTVisitor):
         self.scope = self.module_scope
         self.stack = [self.module_scope]
         self.scope_of: dict[cst.CSTNode, _Scope] = {}
-        self.loop_depth = [0]
         self.top: cst.CSTNode | None = None
         self.top_of: dict[cst.CSTNode, cst.CSTNode] = {}
         self.assigned_attributes: set[tuple[str, str]] = set()
@@ -248,8 +287,9 @@ class _SiteCollector(cst.CSTVisitor):
         self.call_assigns: list[tuple[cst.Assign, _Scope]] = []
         self.functions: list[cst.FunctionDef] = []
         self.attribute_uses: list[AttributeUse] = []
-        self.fstrings: list[cst.FormattedString] = []  # outermost f-strings
-        self.fstring_depth = 0
+        # every f-string, with the f-strings it sits in
+        self.fstrings: list[tuple[cst.FormattedString, tuple]] = []
+        self.fstring_stack: list[cst.FormattedString] = []
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self.top is None:
@@ -291,26 +331,14 @@ class _SiteCollector(cst.CSTVisitor):
     def _push(self, scope: _Scope) -> None:
         self.stack.append(scope)
         self.scope = scope
-        self.loop_depth.append(0)
 
     def _pop(self) -> None:
         self.stack.pop()
         self.scope = self.stack[-1]
-        self.loop_depth.pop()
 
     def visit_For(self, node: cst.For) -> None:
-        self.loop_depth[-1] += 1
         for name in _target_names(node.target):
             self.scope.bind(name, "loop")
-
-    def leave_For(self, original_node: cst.For) -> None:
-        self.loop_depth[-1] -= 1
-
-    def visit_While(self, node: cst.While) -> None:
-        self.loop_depth[-1] += 1
-
-    def leave_While(self, original_node: cst.While) -> None:
-        self.loop_depth[-1] -= 1
 
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
@@ -362,12 +390,11 @@ class _SiteCollector(cst.CSTVisitor):
             self.assigned_attributes.add((node.args[0].value.value, node.args[1].value.evaluated_value))
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
-        if self.fstring_depth == 0:
-            self.fstrings.append(node)
-        self.fstring_depth += 1
+        self.fstrings.append((node, tuple(self.fstring_stack)))
+        self.fstring_stack.append(node)
 
     def leave_FormattedString(self, original_node: cst.FormattedString) -> None:
-        self.fstring_depth -= 1
+        self.fstring_stack.pop()
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if isinstance(node.value, cst.Name) and node.value.value != "self":

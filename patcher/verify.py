@@ -117,6 +117,7 @@ def _load(source: str, path):
 @dataclass
 class _Plan:
     hparams_for: object
+    world_size: int
     warmup: int
     batches: int
     seq_lens: list[int]
@@ -138,14 +139,12 @@ def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, s
     notes.append(f"4 shards x {tokens_per_shard} tokens; {tokens_per_call} tokens per next_batch; {warmup} warm-up + {batches} batches per rank")
     if recipe.varying:
         notes.append(f"per-step argument(s) {[recipe.call_args[i] for i in recipe.varying]} driven with {seq_lens}, changing every 5 calls")
-    return _Plan(make_hparams, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [])
+    return _Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [])
 
 
 def _compare_rank(recipe, patched_sites, modules, plan: _Plan, rank: int) -> Difference | None:
     cpu = torch.device("cpu")
-    spaces = [recipe.namespace(m, plan.hparams_for(rank), rank, recipe_world(plan), cpu) for m in modules]
-    for ns in spaces:
-        ns["world_size"] = spaces[0]["world_size"]
+    spaces = [recipe.namespace(m, plan.hparams_for(rank), rank, plan.world_size, cpu) for m in modules]
     builders = [lambda i: recipe.build(recipe.constructions[i], spaces[0]), lambda i: recipe.evaluate(patched_sites[i], spaces[1], recipe.constructions[i].binding)]
     phases = [("warmup", 0, plan.warmup), ("train", len(recipe.constructions) - 1, plan.batches)] if plan.warmup else [("train", 0, plan.batches)]
     loaders = [None, None]
@@ -168,10 +167,6 @@ def _compare_rank(recipe, patched_sites, modules, plan: _Plan, rank: int) -> Dif
         for loader in loaders:
             _close(loader)
     return None
-
-
-def recipe_world(plan: _Plan) -> int:
-    return getattr(plan.hparams_for(0), "world_size", 1)
 
 
 def _close(loader) -> None:

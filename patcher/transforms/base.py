@@ -94,6 +94,10 @@ class Tracking(cst.CSTTransformer):
 
     ctx: "Context | None" = None
 
+    def __init__(self):
+        super().__init__()
+        self.rebuilt = {}
+
     def prepare(self, ctx: "Context") -> None:
         """Called before the pass: map survey nodes to their present versions."""
         self.ctx = ctx

@@ -14,7 +14,7 @@ from __future__ import annotations
 import libcst as cst
 
 from patcher.survey import env_idiom_call
-from patcher.transforms.base import TOGGLES, Context, Note, Tracking, edit_tops, insert_before, small_statement
+from patcher.transforms.base import TOGGLES, Context, Note, ReplaceNodes, Tracking, edit_tops, insert_before, small_statement
 
 FEATURE = "env_toggles"
 
@@ -53,19 +53,10 @@ def _like(sample: cst.BaseSmallStatement, env_name: str) -> cst.BaseSmallStateme
             *call.args[2:],
         ]
     )
-    value = sample.value.visit(_Swap(call, new_call))
+    value = sample.value.visit(ReplaceNodes({call: new_call}))
     if isinstance(sample, cst.AnnAssign):
         return sample.with_changes(target=cst.Name(attr), value=value, semicolon=cst.MaybeSentinel.DEFAULT)
     return sample.with_changes(targets=[sample.targets[0].with_changes(target=cst.Name(attr))], value=value, semicolon=cst.MaybeSentinel.DEFAULT)
-
-
-class _Swap(cst.CSTTransformer):
-    def __init__(self, old, new):
-        super().__init__()
-        self.old, self.new = old, new
-
-    def on_leave(self, original_node, updated_node):
-        return self.new if original_node is self.old else updated_node
 
 
 def _constant_code(env_name: str, ctx: Context) -> str:

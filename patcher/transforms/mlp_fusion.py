@@ -14,7 +14,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.survey import _walk
-from patcher.transforms.base import Context, Note, Tracking, edit_tops, small_statement
+from patcher.transforms.base import Context, Note, ReplaceNodes, Tracking, edit_tops, small_statement
 
 FEATURE = "mlp_fusion"
 
@@ -88,7 +88,7 @@ def _plan(statement, sites, taken, ctx: Context):
             replace[site.node] = cst.parse_expression(f"{receiver.value}{mul}{receiver.value}")
             continue
         h = _fresh("h", taken)
-        activation = receiver.visit(_Swap(replace))
+        activation = receiver.visit(ReplaceNodes(replace))
         before.append(cst.Assign(targets=[cst.AssignTarget(cst.Name(h), whitespace_before_equal=cst.SimpleWhitespace(ctx.code(" ", "")), whitespace_after_equal=cst.SimpleWhitespace(ctx.code(" ", "")))], value=activation))
         replace[site.node] = cst.parse_expression(f"{h}{mul}{h}")
     return before, replace
@@ -97,15 +97,6 @@ def _plan(statement, sites, taken, ctx: Context):
 def _cast_name(cast: cst.Call) -> str:
     base = cast.func.value
     return f"{base.value}_cast" if isinstance(base, cst.Name) else "w_cast"
-
-
-class _Swap(cst.CSTTransformer):
-    def __init__(self, replace):
-        super().__init__()
-        self.replace = replace
-
-    def on_leave(self, original_node, updated_node):
-        return self.replace.get(original_node, updated_node)
 
 
 class _Rewrite(Tracking):

@@ -9,7 +9,7 @@ other quote, `f"{', '.join(xs)}"`. Where one of them would need an escape in tha
 quote there is no 3.10 spelling without restructuring the code, and the site is
 reported instead.
 
-Backslashes and comments inside a replacement field (also 3.12-only) cannot be fixed by
+Backslashes, comments and line breaks inside a replacement field (also 3.12-only) cannot be fixed by
 quoting; they are reported with their line and the output is not written.
 """
 
@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import libcst as cst
 
+from patcher.survey import pep701_kind
 from patcher.transforms.base import Context, Note, replace_nodes
 
 FEATURE = "py310_fstrings"
 
 
+UNFIXABLE = {
+    "backslash": "backslash inside a replacement field (PEP 701, Python 3.12+)",
+    "comment": "comment inside a replacement field (PEP 701, Python 3.12+)",
+    "newline": "line break inside a replacement field of a single-quoted f-string (PEP 701, Python 3.12+)",
+}
+
+
 class Unfixable(Exception):
     """A 3.12-only f-string form that quoting cannot fix (message names the form)."""
-
-
-def needs_rewrite(node: cst.FormattedString, module: cst.Module) -> bool:
-    """True when a replacement field of `node` reuses its quote, or holds a backslash or comment."""
-    quote = _quote(node)
-    for part in node.parts:
-        if isinstance(part, cst.FormattedStringExpression):
-            code = module.code_for_node(part)
-            if "\\" in code or "#" in _outside_strings(part, module) or (len(quote) == 1 and quote in code):
-                return True
-    return False
 
 
 def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
@@ -58,13 +55,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 def rewrite(node: cst.FormattedString, module: cst.Module) -> cst.FormattedString:
     """Return `node` requoted so that Python 3.10 parses it; raises `Unfixable`."""
     quote = _quote(node)
-    for part in node.parts:
-        if isinstance(part, cst.FormattedStringExpression):
-            code = module.code_for_node(part)
-            if "\\" in code:
-                raise Unfixable("backslash inside a replacement field (PEP 701, Python 3.12+)")
-            if "#" in _outside_strings(part, module):
-                raise Unfixable("comment inside a replacement field (PEP 701, Python 3.12+)")
+    kind = pep701_kind(node, module)
+    if kind in UNFIXABLE:
+        raise Unfixable(UNFIXABLE[kind])
     if len(quote) == 3:
         return node
     other = "'" if quote == '"' else '"'
@@ -104,17 +97,3 @@ class _RequoteInner(cst.CSTTransformer):
             prefix = updated_node.start[: -len(quote)]
             return updated_node.with_changes(start=prefix + self.other, end=self.other)
         return updated_node
-
-
-def _outside_strings(part: cst.FormattedStringExpression, module: cst.Module) -> str:
-    """The replacement field's code with string literals blanked (to look for `#`)."""
-    blanked = part.visit(_BlankStrings())
-    return module.code_for_node(blanked)
-
-
-class _BlankStrings(cst.CSTTransformer):
-    def leave_SimpleString(self, original_node, updated_node):
-        return updated_node.with_changes(value=updated_node.prefix + updated_node.quote * 2)
-
-    def leave_FormattedStringText(self, original_node, updated_node):
-        return updated_node.with_changes(value="")

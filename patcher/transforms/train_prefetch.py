@@ -135,18 +135,17 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
     args[index] = args[index].with_changes(value=cst.Name("loader_device"))
     inner = module.code_for_node(site.call.with_changes(args=args))
     sep = ctx.code(", ", ",")
-    eq = "="
     parts = [
         ctx.code(f"lambda loader_device: {inner}", f"lambda loader_device:{inner}"),
         device_expr,
-        f"prefetch{eq}{ctx.toggle('TRAIN_PREFETCH')}",
-        f"queue_depth{eq}{ctx.toggle('TRAIN_PREFETCH_QUEUE')}",
-        f"copy_stream{eq}{ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
+        f"prefetch={ctx.toggle('TRAIN_PREFETCH')}",
+        f"queue_depth={ctx.toggle('TRAIN_PREFETCH_QUEUE')}",
+        f"copy_stream={ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
     ]
     if reshape_arg is not None:
-        parts.append(f"reshape_arg{eq}{reshape_arg}")
+        parts.append(f"reshape_arg={reshape_arg}")
     if rollback:
-        parts.append(f"rollback{eq}True")
+        parts.append("rollback=True")
     if site.target != "train_loader":
-        parts.append(f"slot{eq}{site.target!r}")
+        parts.append(f"slot={site.target!r}")
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")

@@ -465,93 +465,8 @@ _IMPORT_RUNNER = r'''
 import importlib.abc, importlib.util, json, os, sys, traceback, types
 _OUT = os.dup(1)
 _SCRIPT, _NAME = sys.argv[1], sys.argv[2]
-_STUBBED, _STUB_TOPS = [], set()
-_IMPORTLIB = os.path.dirname(importlib.__file__)
+from patcher.stubs import StubFinder
 sys.dont_write_bytecode = True
-
-
-def _stub(name):
-    return _StubMeta(name, (), {"_is_stub": True, "__module__": name.partition(".")[0]})
-
-
-class _StubMeta(type):
-    """A stub is a class: callable, subclassable, usable as decorator, type hint or base."""
-
-    def __getattr__(cls, attr):
-        if attr == "__version__":
-            return "0.0.0"
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        return _stub(cls.__name__ + "." + attr)
-
-    def __call__(cls, *args, **kwargs):
-        if not cls.__dict__.get("_is_stub"):  # a class of the script that subclasses a stub
-            return super().__call__(*args, **kwargs)
-        if len(args) == 1 and not kwargs and callable(args[0]):
-            return args[0]  # used as a decorator: keep the function or class
-        return _stub(cls.__name__ + "()")
-
-    def __getitem__(cls, item):
-        return cls
-
-    def _op(cls, *other):
-        return _stub(cls.__name__)
-
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _op
-    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __pow__ = __neg__ = _op
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, attr):
-        if attr == "__version__":
-            return "0.0.0"
-        if attr.startswith("__") and attr.endswith("__"):
-            raise AttributeError(attr)
-        value = _stub(self.__name__ + "." + attr)
-        setattr(self, attr, value)
-        return value
-
-
-def _importer():
-    """File of the code that asked for the import, past the import machinery."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith("<frozen ") or name.startswith(_IMPORTLIB)):
-            return name
-        frame = frame.f_back
-    return None
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Last on sys.meta_path: stubs a package the script imports that no finder can find."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        top = fullname.partition(".")[0]
-        if top not in _STUB_TOPS:
-            if "." in fullname or _importer() != _SCRIPT or self._found_elsewhere(fullname):
-                return None
-            _STUB_TOPS.add(top)
-        if fullname not in _STUBBED:
-            _STUBBED.append(fullname)
-        return importlib.util.spec_from_loader(fullname, self, is_package=True)
-
-    def _found_elsewhere(self, fullname):
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            try:
-                if finder.find_spec(fullname, None) is not None:
-                    return True
-            except Exception:
-                pass
-        return False
-
-    def create_module(self, spec):
-        return _StubModule(spec.name)
-
-    def exec_module(self, module):
-        pass
 
 
 def _one_line(text, limit=400):
@@ -572,7 +487,8 @@ def _describe(exc):
 
 
 def _main():
-    sys.meta_path.append(_StubFinder())
+    finder = StubFinder(_SCRIPT)
+    sys.meta_path.append(finder)
     sys.argv = [_SCRIPT]
     result = {"ok": True, "error": None, "line": None}
     try:
@@ -583,7 +499,7 @@ def _main():
     except BaseException as exc:  # SystemExit and KeyboardInterrupt at import are failures too
         text, line = _describe(exc)
         result = {"ok": False, "error": text, "line": line}
-    result["stubbed"] = _STUBBED
+    result["stubbed"] = finder.stubbed
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -13,9 +13,6 @@ run constants the expressions name (e.g. `grad_accum_steps = 8 // world_size`).
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import itertools
 import os
 import sys
@@ -25,6 +22,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import torch
 
+from patcher.stubs import StubFinder
 from patcher.survey import Construction, Survey, survey
 
 _counter = itertools.count()
@@ -34,86 +32,10 @@ class HarnessError(Exception):
     """The loader cannot be driven outside the script (one line, says why)."""
 
 
-class _Stub(types.ModuleType):
-    """A module for an import that is not installed: every attribute is a stub."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _StubObject(f"{self.__name__}.{name}")
-
-
-class _StubObject:
-    def __init__(self, name):
-        self._name = name
-
-    def __call__(self, *args, **kwargs):
-        return _StubObject(self._name + "()")
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _StubObject(f"{self._name}.{name}")
-
-    def __getitem__(self, key):
-        return _StubObject(f"{self._name}[...]")
-
-    def __mro_entries__(self, bases):
-        return (object,)
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds only what no other finder can, for imports the script itself makes
-    (a library's own optional imports keep failing as they expect): records the
-    name and hands out a `_Stub`."""
-
-    def __init__(self, module_name: str | None = None):
-        self.stubbed: list[str] = []
-        self.module_name = module_name
-
-    def _imported_by_script(self) -> bool:
-        if self.module_name is None:
-            return True
-        frame = sys._getframe(2)
-        while frame is not None:
-            name = frame.f_globals.get("__name__", "")
-            if not name.startswith("importlib") and frame.f_code.co_filename != __file__ and "<frozen" not in frame.f_code.co_filename:
-                return name == self.module_name
-            frame = frame.f_back
-        return False
-
-    def find_spec(self, fullname, path=None, target=None):
-        if not self._imported_by_script():
-            return None
-        top = fullname.split(".")[0]
-        if top in sys.modules and not isinstance(sys.modules[top], _Stub):
-            return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            try:
-                if finder.find_spec(fullname, path) is not None:
-                    return None
-            except Exception:
-                continue
-        if top not in self.stubbed:
-            self.stubbed.append(top)
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec):
-        module = _Stub(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 @contextlib.contextmanager
-def stub_missing_imports(module_name: str | None = None):
-    """Context in which imports of `module_name` (any module when None) that are not
-    installed give stubs; yields the finder."""
-    finder = _StubFinder(module_name)
+def stub_missing_imports(script: str):
+    """Context in which the missing packages that code compiled as `script` imports are stubbed; yields the finder."""
+    finder = StubFinder(script)
     sys.meta_path.append(finder)
     try:
         yield finder
@@ -127,8 +49,7 @@ def load_module(source: str, filename: str) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__file__ = filename
     sys.modules[name] = module  # before executing: dataclasses look the module up here
-    module.__name__ = name
-    with stub_missing_imports(name):
+    with stub_missing_imports(filename):
         exec(compile(source, filename, "exec"), module.__dict__)
     return module
 

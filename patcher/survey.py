@@ -43,7 +43,9 @@ class LoaderClass:
     prefetches: the class already builds batches on threads. unsafe: why prefetching
     it would not be exact (global RNG, torch.distributed, device use), or None.
     in_place: where the loader changes a container or array in place (then its state
-    cannot be snapshot cheaply for a rollback), or None.
+    cannot be snapshot cheaply for a rollback), or None. writes_arrays: where it writes
+    into an array or tensor it keeps (`self.buf[...] = ...`, `self.buf.copy_(...)`), so a
+    batch it returned may change later and a prefetched batch must be a copy, or None.
     """
 
     name: str
@@ -59,6 +61,7 @@ class LoaderClass:
     prefetches: bool = False
     unsafe: str | None = None
     in_place: str | None = None
+    writes_arrays: str | None = None
 
 
 @dataclass
@@ -489,6 +492,7 @@ def _survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], result: 
         info.h2d_calls = _h2d_calls(next_batch, info.device_attr)
     info.reshape_only = _reshape_only_param(next_batch, info.next_batch_params)
     info.in_place = _in_place_mutation(related)
+    info.writes_arrays = _array_writes(related)
     return info
 
 
@@ -518,6 +522,57 @@ def _in_place_mutation(classes: list[cst.ClassDef]) -> str | None:
                 if method in IN_PLACE_METHODS or method.endswith("_"):
                     return f"{cls.name.value} changes {cst.Module([]).code_for_node(node.func.value)} in place"
     return None
+
+
+ARRAY_WRITE_METHODS = {"fill", "sort", "resize", "put", "itemset", "shuffle"}
+
+
+def _array_writes(classes: list[cst.ClassDef]) -> str | None:
+    """Where the loader writes into an array or tensor it keeps, if anywhere.
+
+    Subscript assignment into a `self` attribute, an in-place method on one
+    (`self.buf.copy_(x)`, `self.buf[i].fill(0)`), or `out=self.buf`. List methods
+    (`append`, `pop`) do not count: they do not change an array a batch may view.
+    """
+    self_attr = m.Attribute(value=m.Name("self"))
+    containers = _container_attrs(classes)
+    for cls in classes:
+        for node in _walk(cls):
+            if isinstance(node, (cst.AssignTarget, cst.AugAssign)):
+                target = node.target
+                while m.matches(target, m.Subscript(value=m.Subscript())):
+                    target = target.value
+                if m.matches(target, m.Subscript(value=self_attr)) and target.value.attr.value not in containers:
+                    return f"{cls.name.value} assigns into {cst.Module([]).code_for_node(node.target)}"
+            if isinstance(node, cst.Call):
+                if m.matches(node.func, m.Attribute(value=self_attr | m.Subscript(value=self_attr))):
+                    method = node.func.attr.value
+                    if method in ARRAY_WRITE_METHODS or (method.endswith("_") and not method.startswith("_")):
+                        return f"{cls.name.value} calls {cst.Module([]).code_for_node(node.func)}()"
+                for arg in node.args:
+                    if arg.keyword is not None and arg.keyword.value == "out" and m.matches(arg.value, self_attr | m.Subscript(value=self_attr)):
+                        return f"{cls.name.value} writes out={cst.Module([]).code_for_node(arg.value)}"
+    return None
+
+
+def _container_attrs(classes: list[cst.ClassDef]) -> set[str]:
+    """`self` attributes only ever bound to list, dict or set displays or comprehensions."""
+    literal = m.List() | m.Dict() | m.Set() | m.ListComp() | m.DictComp() | m.SetComp()
+    bound: dict[str, bool] = {}
+    for cls in classes:
+        for node in _walk(cls):
+            if isinstance(node, cst.Assign):
+                targets = [t.target for t in node.targets]
+            elif isinstance(node, cst.AnnAssign):
+                targets = [node.target]  # `self.x: list[int] = []`
+            else:
+                continue
+            for target in targets:
+                if m.matches(target, m.Attribute(value=m.Name("self"))):
+                    name = target.attr.value
+                    is_container = node.value is not None and m.matches(node.value, literal)
+                    bound[name] = bound.get(name, True) and is_container
+    return {name for name, only_containers in bound.items() if only_containers}
 
 
 def _unsafe_reason(related: list[cst.ClassDef], info: LoaderClass) -> str | None:

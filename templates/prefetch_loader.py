@@ -30,8 +30,8 @@ and applied when the batch is handed out.
 """
 
 import atexit
+import collections
 import copy
-import queue
 import threading
 import time
 import traceback
@@ -51,7 +51,7 @@ _running_workers = set()
 def _stop_workers_at_exit():
     for worker in list(_running_workers):
         worker.stop.set()
-        _drain(worker.queue)
+        worker.queue.clear()
     # Long enough for a batch or a shard load in progress, short enough that Ctrl-C with
     # a worker stuck in a read still ends the process promptly.
     deadline = time.monotonic() + 3.0
@@ -62,7 +62,7 @@ def _stop_workers_at_exit():
 atexit.register(_stop_workers_at_exit)
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -73,7 +73,10 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     so that a rebuild (the warm-up reset) shuts the previous worker down first;
     rollback: snapshot the loader before each batch built ahead, so that a changed
     argument discards the queued batches by restoring a snapshot instead of a replay
-    (only for loaders that never change an array in place; the survey checks that).
+    (only for loaders that never change an array in place; the survey checks that);
+    host_copy: copy each batch built ahead even when it is not pinned, for loaders
+    that may later write into an array a returned batch views (False when the survey
+    finds no such write: the batch is handed out as built).
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
@@ -82,7 +85,7 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
         old.shutdown()
     if not prefetch:
         return make_loader(device)
-    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg, rollback)
+    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg, rollback, host_copy)
     _live_prefetchers[slot] = loader
     return loader
 
@@ -97,35 +100,48 @@ class _PrefetchLoader:
 
     _POLL_S = 0.1  # how often a blocked caller or worker looks at the stop event
 
-    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False):
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True):
         self._make_loader = make_loader
         self._device = torch.device(device)
         self._pin = self._device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = copy_stream
         self._reshape_arg = reshape_arg
         self._rollback = rollback
+        self._host_copy = host_copy
         self._depth = max(1, int(queue_depth))
         self._loader = make_loader(torch.device("cpu"))
         self._handed_out = []  # arguments of every batch handed out, for replay
         self._worker = None
+        self._worker_args = None  # the arguments the worker builds with
         self._worker_key = None
+        self._on_host = self._device.type == "cpu"
         self._settled = False
         self._ahead = False  # the loader has built batches nobody took (after a shutdown)
 
     def next_batch(self, *args):
         if self._settled:
             # The caller has used the loader directly: no more building ahead.
-            return self._to_device(_stage(self._loader.next_batch(*args), self._pin), args)
-        key = self._key(args)
+            return self._to_device(_stage(self._loader.next_batch(*args), self._pin, copy=False), args)
+        if self._worker is None or args != self._worker_args:
+            self._follow(args)
+        worker = self._worker
+        item = self._take()
+        self._handed_out.append(args)
+        batch = self._to_device(item, args)
+        # Last: the woken worker competes for the GIL, and a torch call above (which
+        # releases it) would otherwise let the worker's Python run inside this call.
+        worker.queue.room()
+        return batch
+
+    def _follow(self, args):
+        """Start the worker, or make it build with the caller's new arguments."""
         if self._worker is None:
             if self._ahead:
                 self._replay()
             self._start(args)
-        elif key != self._worker_key:
+        elif self._key(args) != self._worker_key:
             self._resync(args)
-        item = self._take()
-        self._handed_out.append(args)
-        return self._to_device(item, args)
+        # Else only the reshape argument changed: the hand-out reshapes.
 
     def shutdown(self):
         """Stop the worker and drop queued batches; returns within about `_POLL_S` s.
@@ -138,7 +154,7 @@ class _PrefetchLoader:
             return
         self._ahead = True
         worker.stop.set()
-        _drain(worker.queue)
+        worker.queue.clear()
         worker.thread.join(timeout=1.0)
         _running_workers.discard(worker)
 
@@ -177,8 +193,8 @@ class _PrefetchLoader:
         return args[: self._reshape_arg] + args[self._reshape_arg + 1 :]
 
     def _start(self, args):
-        worker = _Worker(self._loader, args, self._depth, self._pin, self._rollback)
-        self._worker, self._worker_key = worker, self._key(args)
+        worker = _Worker(self._loader, args, self._depth, self._pin, self._rollback, self._host_copy)
+        self._worker, self._worker_args, self._worker_key = worker, args, self._key(args)
         _running_workers.add(worker)
         worker.thread.start()
 
@@ -211,9 +227,8 @@ class _PrefetchLoader:
     def _take_built(self):
         worker = self._worker
         while True:
-            try:
-                item = worker.queue.get(timeout=self._POLL_S)
-            except queue.Empty:
+            item = worker.queue.get(self._POLL_S)
+            if item is _EMPTY:
                 if not worker.thread.is_alive() and worker.queue.empty():
                     raise RuntimeError("prefetch worker exited without a batch")
                 continue
@@ -223,12 +238,23 @@ class _PrefetchLoader:
             return item
 
     def _to_device(self, item, args):
+        # The worker built `item` with `self._worker_args`; only a changed reshape
+        # argument (the sequence length) needs work here.
+        n = None
+        ra = self._reshape_arg
+        if ra is not None and ra < len(args) and (self._worker_args is None or args[ra] != self._worker_args[ra]):
+            n = args[ra]
+        if self._on_host and n is None:
+            return item  # already fresh host tensors: `.to("cpu")` would return them as they are
+        return self._place(item, n)
+
+    def _place(self, item, n):
         if isinstance(item, torch.Tensor):
-            if self._reshape_arg is not None and self._reshape_arg < len(args):
-                item = item.reshape(-1, args[self._reshape_arg])
+            if n is not None:
+                item = item.reshape(-1, n)
             return _h2d(item, self._device, self._copy_stream)
         if isinstance(item, (tuple, list)):
-            return type(item)(self._to_device(t, args) for t in item)
+            return type(item)(self._place(t, n) for t in item)
         return item
 
 
@@ -250,11 +276,11 @@ class _Built:
 
 
 class _Worker:
-    """Daemon thread: `loader.next_batch(*args)` in a loop into a bounded queue."""
+    """Daemon thread: `loader.next_batch(*args)` in a loop into a bounded `_Handoff`."""
 
-    def __init__(self, loader, args, depth, pin, rollback=False):
-        self.loader, self.args, self.pin, self.rollback = loader, args, pin, rollback
-        self.queue = queue.Queue(maxsize=depth)
+    def __init__(self, loader, args, depth, pin, rollback=False, copy=True):
+        self.loader, self.args, self.pin, self.rollback, self.copy = loader, args, pin, rollback, copy
+        self.queue = _Handoff(depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
 
@@ -262,24 +288,107 @@ class _Worker:
         try:
             while not self.stop.is_set():
                 before = _snapshot(self.loader) if self.rollback else None
-                self._put(_Built(_stage(self.loader.next_batch(*self.args), self.pin), before))
+                self._put(_Built(_stage(self.loader.next_batch(*self.args), self.pin, self.copy), before))
         except BaseException as error:  # handed to the caller, which re-raises it
             self._put(_WorkerError(error))
 
     def _put(self, item):
         while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=_PrefetchLoader._POLL_S)
+            if self.queue.put(item, _PrefetchLoader._POLL_S):
                 return
-            except queue.Full:
-                continue
 
 
-def _stage(item, pin):
-    """Copy the host tensors of one batch into fresh (pinned when `pin`) memory.
+_EMPTY = object()
 
-    A copy, so that a loader that reuses its buffers cannot change a queued batch.
+
+class _Handoff:
+    """Bounded FIFO of built batches, one producer (the worker), one consumer (the caller).
+
+    Why not `queue.Queue`: its `get` takes a Condition and wakes the producer inside
+    the call, and every `put` signals the consumer. Here taking a batch is a deque pop
+    that never releases the GIL; the caller wakes the producer with `room()` when it
+    chooses (after its own torch calls), and the producer signals only a consumer that
+    waits (`_want`: how many items it waits for). The signals are locks used as binary
+    semaphores: released = "look again"; a stale one costs one extra look, and none is
+    missed since each side states what it waits for before it looks, then blocks.
     """
+
+    _NOBODY = float("inf")
+
+    def __init__(self, depth):
+        self.depth = depth
+        self._items = collections.deque()
+        self._want = self._NOBODY
+        self._room, self._filled = threading.Lock(), threading.Lock()
+        self._room.acquire()
+        self._filled.acquire()
+
+    def put(self, item, timeout):
+        """Append `item` once there is room; False if there was none within `timeout` s."""
+        while len(self._items) >= self.depth:
+            if not self._room.acquire(timeout=timeout):
+                return False
+        self._items.append(item)
+        if len(self._items) >= self._want:
+            _signal(self._filled)
+        return True
+
+    def get(self, timeout):
+        """The oldest item, or `_EMPTY` if none came within `timeout` s. Does not wake the producer."""
+        if not self._items and not self._wait_for(1, timeout):
+            return _EMPTY
+        return self._items.popleft()
+
+    def wait_full(self, timeout):
+        """Block until `depth` items are queued; False after `timeout` s."""
+        return self._wait_for(self.depth, timeout)
+
+    def _wait_for(self, count, timeout):
+        deadline = time.monotonic() + timeout
+        self._want = count
+        try:
+            while len(self._items) < count:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._filled.acquire(timeout=left):
+                    return len(self._items) >= count
+            return True
+        finally:
+            self._want = self._NOBODY
+
+    def room(self):
+        """Tell the producer that an item was taken."""
+        _signal(self._room)
+
+    def clear(self):
+        self._items.clear()
+        _signal(self._room)
+
+    def qsize(self):
+        return len(self._items)
+
+    def empty(self):
+        return not self._items
+
+    def full(self):
+        return len(self._items) >= self.depth
+
+
+def _signal(lock):
+    try:
+        lock.release()
+    except RuntimeError:
+        pass  # already signalled
+
+
+def _stage(item, pin, copy=True):
+    """The host tensors of one batch in fresh (pinned when `pin`) memory.
+
+    A copy, so that a loader that reuses its buffers cannot change a queued batch;
+    with `copy=False` and no pinning the batch is returned as it is (a loader that
+    never writes into an array it keeps).
+    """
+    if not (pin or copy):
+        return item
     if isinstance(item, torch.Tensor):
         if item.device.type != "cpu":
             return item
@@ -287,7 +396,7 @@ def _stage(item, pin):
         out.copy_(item)
         return out
     if isinstance(item, (tuple, list)):
-        return type(item)(_stage(t, pin) for t in item)
+        return type(item)(_stage(t, pin, copy) for t in item)
     return item
 
 
@@ -316,11 +425,3 @@ def _share_arrays(obj, memo, depth):
         children = getattr(obj, "__dict__", {}).values()
     for child in children:
         _share_arrays(child, memo, depth + 1)
-
-
-def _drain(q):
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import templates.copy_stream as copy_stream_mod
 from templates.copy_stream import _h2d
-from templates.prefetch_loader import _live_prefetchers, _make_train_loader, _PrefetchLoader, _stage
+from templates.prefetch_loader import _EMPTY, _Handoff, _live_prefetchers, _make_train_loader, _PrefetchLoader, _stage
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -543,6 +543,75 @@ def test_buffer_reusing_loader_yields_distinct_batches(clean_prefetchers):
         assert_batch_equal(g, w)
     ptrs = {t.data_ptr() for batch in got for t in batch}
     assert len(ptrs) == 2 * len(got)  # no two handed-out tensors share memory
+
+
+class RecordingLoader(FakeTokenLoader):
+    """FakeTokenLoader that keeps every batch it returned, to compare memory."""
+
+    def __init__(self, n_tokens, device, **kwargs):
+        super().__init__(n_tokens, device, **kwargs)
+        self.returned = []
+
+    def next_batch(self, *args):
+        batch = super().next_batch(*args)
+        self.returned.append(batch)
+        return batch
+
+
+@pytest.mark.parametrize("host_copy", [False, True])
+def test_host_copy_decides_whether_host_batches_are_copied(host_copy, clean_prefetchers):
+    # host_copy=False (the survey found no array write in the loader): on a host device
+    # the batch built ahead is handed out as built; True: a copy in fresh memory.
+    _, created = clean_prefetchers
+    want, _ = direct_batches(lambda d: FakeTokenLoader(5000, d), [ARGS] * 6)
+    wrapper = _make_train_loader(lambda d: RecordingLoader(5000, d), CPU, queue_depth=2, host_copy=host_copy)
+    created.append(wrapper)
+    got = [wrapper.next_batch(*ARGS) for _ in range(6)]
+    for g, w in zip(got, want):
+        assert_batch_equal(g, w)
+    built = wrapper._loader.returned[:6]
+    shared = [g[0].data_ptr() == b[0].data_ptr() and g[1].data_ptr() == b[1].data_ptr() for g, b in zip(got, built)]
+    assert shared == [not host_copy] * 6
+
+
+def test_handoff_take_leaves_the_producer_asleep_until_room():
+    # Taking a batch must not wake the worker: the caller wakes it after its own torch
+    # calls (`room()`), so that the worker's Python cannot run inside next_batch.
+    handoff = _Handoff(1)
+    assert handoff.put("a", 1.0)
+    appended = threading.Event()
+
+    def producer():
+        if handoff.put("b", WAIT_S * 6):
+            appended.set()
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    assert handoff.get(1.0) == "a"
+    # A bounded wait for something that must not happen before room().
+    assert not appended.wait(0.3), "get() woke the producer"
+    handoff.room()
+    assert appended.wait(WAIT_S)
+    assert handoff.get(1.0) == "b"
+    thread.join(WAIT_S)
+
+
+def test_handoff_is_a_bounded_fifo():
+    handoff = _Handoff(3)
+    assert [handoff.put(i, 0.05) for i in range(4)] == [True, True, True, False]  # no room for the 4th
+    assert handoff.full() and handoff.qsize() == 3
+    assert [handoff.get(0.05) for _ in range(4)] == [0, 1, 2, _EMPTY]
+    assert handoff.empty()
+
+
+def test_handoff_wait_full_returns_when_the_producer_fills_it():
+    handoff = _Handoff(5)
+    thread = threading.Thread(target=lambda: [handoff.put(i, WAIT_S) for i in range(5)], daemon=True)
+    thread.start()
+    assert handoff.wait_full(WAIT_S)
+    assert [handoff.get(0.05) for _ in range(5)] == list(range(5))
+    thread.join(WAIT_S)
+    assert not _Handoff(2).wait_full(0.05)
 
 
 def test_stage_copies_structure():

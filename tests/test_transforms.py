@@ -114,7 +114,7 @@ def test_train_prefetch_rewrites_every_construction_and_keeps_the_rest():
     assert result.source.count(
         '_make_train_loader(lambda loader_device: DistributedTokenLoader("x", 0, 1, loader_device), device, '
         "prefetch=Hyperparameters.train_prefetch, queue_depth=Hyperparameters.train_prefetch_queue, "
-        "copy_stream=Hyperparameters.train_copy_stream)"
+        "copy_stream=Hyperparameters.train_copy_stream, host_copy=False)"
     ) == 2
     # minimal diff: every original line that no transform targets is still there, in order
     untouched = [l for l in source.splitlines() if "DistributedTokenLoader(" not in l and ".to(self.device" not in l]
@@ -155,6 +155,46 @@ def test_seq_len_curriculum_is_prefetched_with_reshape_arg():
     result, notes = notes_for(script(body), "train_prefetch")
     assert notes[0].applied
     assert "reshape_arg=1" in result.source
+
+
+def test_loader_without_array_writes_skips_the_host_copy():
+    body = """
+    train_loader = DistributedTokenLoader("x", 0, 1, device)
+    x, y = train_loader.next_batch(512, 64, 1)
+    """
+    result, notes = notes_for(script(body), "train_prefetch")
+    assert notes[0].applied and "host_copy=False" in result.source
+
+
+@pytest.mark.parametrize(
+    "write",
+    ["self.buf.copy_(local)", "self.buf[0] = 1", "torch.add(local, 0, out=self.buf)"],
+)
+def test_loader_that_writes_a_kept_array_keeps_the_host_copy(write):
+    loader = LOADER.replace("self.stream = TokenStream(pattern)", "self.stream = TokenStream(pattern)\n        self.buf = torch.zeros(1)").replace(
+        "        x = local[:-1]", f"        {write}\n        x = local[:-1]"
+    )
+    body = """
+    train_loader = DistributedTokenLoader("x", 0, 1, device)
+    x, y = train_loader.next_batch(512, 64, 1)
+    """
+    result, notes = notes_for(script(body, loader), "train_prefetch")
+    assert notes[0].applied and "_make_train_loader(" in result.source
+    assert "host_copy=False" not in result.source
+
+
+def test_writes_into_a_list_attribute_are_not_array_writes():
+    # ShuffledSequenceLoader-style `self.start_inds[si] = ...` on a list of lists: the
+    # batches are fresh tensors, no host copy needed.
+    loader = LOADER.replace("self.stream = TokenStream(pattern)", "self.stream = TokenStream(pattern)\n        self.order: list = [[] for _ in range(4)]").replace(
+        "        x = local[:-1]", "        self.order[0] = [1, 2]\n        self.order[1][0] = 3\n        x = local[:-1]"
+    )
+    body = """
+    train_loader = DistributedTokenLoader("x", 0, 1, device)
+    x, y = train_loader.next_batch(512, 64, 1)
+    """
+    result, notes = notes_for(script(body, loader), "train_prefetch")
+    assert notes[0].applied and "host_copy=False" in result.source
 
 
 def test_copy_stream_rewrites_h2d_calls_only_in_the_loader():

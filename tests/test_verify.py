@@ -49,7 +49,7 @@ DROP_ONE = (
     "        item = self._take()\n        if len(self._handed_out) == 5:\n            item = self._take()\n",
 )
 IGNORE_CHANGED_ARG = (
-    "                item = item.reshape(-1, args[self._reshape_arg])\n",
+    "                item = item.reshape(-1, n)\n",
     "                pass\n",
 )
 

@@ -12,6 +12,8 @@ run, for a loader that changes arrays in place (its state cannot be snapshot che
 A changing argument the loader only reshapes with (`seq_len` in the TokenStream
 family) is applied at hand-out; any other changing argument gets `rollback=True`:
 the worker snapshots the loader before each batch and a change restores it.
+A loader that never writes into an array it keeps gets `host_copy=False`: on a host
+device its batches are handed out as built, without a defensive copy.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         parts.append(f"reshape_arg={reshape_arg}")
     if rollback:
         parts.append("rollback=True")
+    if cls.writes_arrays is None:
+        parts.append("host_copy=False")
     if site.target != "train_loader":
         parts.append(f"slot={site.target!r}")
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")

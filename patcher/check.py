@@ -24,9 +24,11 @@ Nothing here executes the script in this process; all code search uses libcst.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import platform
+import select
 import shutil
 import signal
 import subprocess
@@ -42,7 +44,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
-from patcher.source import code_bytes, read_script
+from patcher.source import Script, code_bytes, read_script
 from patcher.survey import pep701_kind
 
 __all__ = [
@@ -459,58 +461,29 @@ def _fix_hint(node: cst.FormattedString, module: cst.Module, kind: str) -> str:
 # --------------------------------------------------------------------------- import smoke
 
 # Runs in a child interpreter (the running one, which has torch). argv: script, module name.
-# The JSON result goes to a private copy of fd 1, so a script that replaces sys.stdout or
-# prints at import cannot hide it, and os._exit skips non-daemon threads and atexit hooks.
-_IMPORT_RUNNER = r'''
-import importlib.abc, importlib.util, json, os, sys, traceback, types
-_OUT = os.dup(1)
-_SCRIPT, _NAME = sys.argv[1], sys.argv[2]
-from patcher.stubs import StubFinder
-sys.dont_write_bytecode = True
+_IMPORT_RUNNER = "import sys; from patcher.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2])"
+
+# Tree mode: fork the import smoke from a process that has torch imported already
+# (saves the interpreter start and the ~1 s torch import per file).
+_FORKED_SMOKE = False
 
 
-def _one_line(text, limit=400):
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def use_forked_smoke() -> None:
+    """Import torch here and fork later import smokes from this process (Linux, tree mode).
 
-
-def _describe(exc):
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == _SCRIPT]
-    line, func = (frames[-1].lineno, frames[-1].name) if frames else (None, None)
-    if line is None and isinstance(exc, SyntaxError) and exc.filename == _SCRIPT:
-        line, func = exc.lineno, "<module>"
-    message = _one_line(exc)
-    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    if line is not None:
-        text += f" (line {line} at module level)" if func == "<module>" else f" (line {line} in {func})"
-    return text, line
-
-
-def _main():
-    finder = StubFinder(_SCRIPT)
-    sys.meta_path.append(finder)
-    sys.argv = [_SCRIPT]
-    result = {"ok": True, "error": None, "line": None}
-    try:
-        spec = importlib.util.spec_from_file_location(_NAME, _SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_NAME] = module  # before exec_module: dataclasses look the module up here
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # SystemExit and KeyboardInterrupt at import are failures too
-        text, line = _describe(exc)
-        result = {"ok": False, "error": text, "line": line}
-    result["stubbed"] = finder.stubbed
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os.write(_OUT, ("\n" + json.dumps(result) + "\n").encode("utf-8"))
-    os._exit(0)
-
-
-_main()
-'''
+    Only for processes that do nothing else with torch: a fork copies the parent's
+    state, and a parent with CUDA or OpenMP threads running must not fork.
+    """
+    global _FORKED_SMOKE
+    if hasattr(os, "fork"):
+        # Imported once, before the forks: torch, and the compiler stack that scripts
+        # touch at import (`torch._dynamo.config`, `torch._inductor.config`), ~1.5 s each time.
+        for name in ("torch", "torch._dynamo", "torch._inductor.compile_fx"):
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+        _FORKED_SMOKE = True
 
 
 def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportResult:
@@ -532,7 +505,8 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportRes
         script = os.path.join(tmp, stem + ".py")
         with open(script, "w", encoding="utf-8", newline="") as f:
             f.write(body)
-        result = _run_child(script, f"_smoke_{stem}", tmp, timeout)
+        run = _fork_child if _FORKED_SMOKE else _run_child
+        result = run(script, f"_smoke_{stem}", tmp, timeout)
     result.stopped_at = stopped_at
     return result
 
@@ -573,6 +547,50 @@ def _run_child(script: str, module_name: str, cwd: str, timeout: float) -> Impor
         seconds=seconds,
         line=reply.get("line"),
     )
+
+
+def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> ImportResult:
+    """`_run_child`, forked from this process instead of a fresh interpreter."""
+    from patcher import smoke_child
+
+    start = time.monotonic()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own session, output discarded, one JSON line back
+        try:
+            os.close(read_end)
+            os.setsid()
+            os.chdir(cwd)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            smoke_child.report(smoke_child.smoke_import(script, module_name), write_end)
+        finally:
+            os._exit(1)
+    os.close(write_end)
+    data = b""
+    try:
+        while True:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                os.waitpid(pid, 0)
+                return ImportResult(False, error=f"timed out after {timeout:g} s", seconds=time.monotonic() - start)
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(read_end)
+    _, status = os.waitpid(pid, 0)
+    seconds = time.monotonic() - start
+    reply = _last_json(data)
+    if reply is None:
+        return ImportResult(False, error=f"import child exited with status {status} and no result", seconds=seconds)
+    return ImportResult(ok=bool(reply.get("ok")), stubbed=list(reply.get("stubbed") or []), error=reply.get("error"), seconds=seconds, line=reply.get("line"))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -791,6 +809,7 @@ def check_file(
     target: str = DEFAULT_TARGET,
     timeout: float = 60.0,
     run_import: bool = True,
+    script: Script | None = None,
 ) -> CheckResult:
     """Check one training script: compile on `target`, import smoke, one-file warnings.
 
@@ -801,8 +820,10 @@ def check_file(
     when the running Python can compile the code; otherwise `imports.ok` is False and
     its error says why. Raises `SourceError` for a file `read_script` rejects (missing,
     empty, binary, unparsable, corrupt wrapper, exec(open(other).read()) only).
+    script: the file as already read (`patcher.source.Script`, e.g. what the main job
+    just wrote and round-tripped), so that it is not read and unwrapped again.
     """
-    script = read_script(path)
+    script = read_script(path) if script is None else script
     name = str(path)
     compiled = compile_source(script.source, name, target)
     compiled.where = "payload" if script.wrapped else "file"
@@ -881,8 +902,10 @@ def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool 
     if module is None:
         return []
     script = Path(path)
-    imports = [(node, name) for node, name in _imported_modules(module) if _sibling_module(script, name)]
-    anchors = _file_anchors(module)
+    found = _Findings(script.name)
+    module.visit(found)
+    imports = [(node, name) for node, name in found.imports if _sibling_module(script, name)]
+    anchors = found.anchors if found.code_literals else []  # no code-file name, no path to one
     if not imports and not anchors:
         return []
     meta = MetadataWrapper(module, unsafe_skip_copy=True)
@@ -904,15 +927,34 @@ def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool 
     return list(dict.fromkeys(out))
 
 
-def _imported_modules(module: cst.Module) -> list[tuple[cst.CSTNode, str]]:
-    """(import statement, top-level module name) for absolute imports anywhere in the code."""
-    out = []
-    for node in m.findall(module, m.Import() | m.ImportFrom()):
-        if isinstance(node, cst.Import):
-            out.extend((node, _dotted(alias.name).split(".")[0]) for alias in node.names)
-        elif not node.relative and node.module is not None:
-            out.append((node, _dotted(node.module).split(".")[0]))
-    return out
+class _Findings(cst.CSTVisitor):
+    """One pass: absolute imports (statement, top-level module name), `__file__` /
+    `sys.argv[0]` anchors, and whether any string literal names a code file."""
+
+    def __init__(self, script_name: str):
+        self.script_name = script_name
+        self.imports: list[tuple[cst.CSTNode, str]] = []
+        self.anchors: list[cst.CSTNode] = []
+        self.code_literals = False
+
+    def visit_Import(self, node: cst.Import) -> None:
+        self.imports.extend((node, _dotted(alias.name).split(".")[0]) for alias in node.names)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        if not node.relative and node.module is not None:
+            self.imports.append((node, _dotted(node.module).split(".")[0]))
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if node.value == "__file__":
+            self.anchors.append(node)
+
+    def visit_Subscript(self, node: cst.Subscript) -> None:
+        if m.matches(node, _FILE_ANCHOR):
+            self.anchors.append(node)
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        if not self.code_literals:
+            self.code_literals = bool(_code_file_names([node], self.script_name))
 
 
 def _sibling_module(script: Path, name: str) -> Path | None:
@@ -924,11 +966,6 @@ def _sibling_module(script: Path, name: str) -> Path | None:
         if candidate.is_file() and candidate.resolve() != script.resolve():
             return candidate if candidate.name != "__init__.py" else candidate.parent
     return None
-
-
-def _file_anchors(module: cst.Module) -> list[cst.CSTNode]:
-    """`__file__` and `sys.argv[0]` expressions."""
-    return list(m.findall(module, _FILE_ANCHOR))
 
 
 def _file_built_paths(module, anchors, parents, positions, script_name: str) -> list[tuple[int, str]]:
@@ -975,12 +1012,18 @@ def _code_literals(top: cst.CSTNode, script_name: str) -> list[str]:
         for call in m.findall(top, m.Call(func=m.Attribute(attr=m.Name("replace"))))
         if call.args
     }
+    return _code_file_names([n for n in m.findall(top, m.SimpleString()) if id(n) not in replaced], script_name)
+
+
+def _code_file_names(literals, script_name: str) -> list[str]:
+    """The values of `literals` that name a code file other than the script itself."""
     out = []
-    for node in m.findall(top, m.SimpleString()):
-        value = node.evaluated_value
-        if id(node) in replaced or not isinstance(value, str):
+    for node in literals:
+        try:
+            value = node.evaluated_value
+        except Exception:  # an unusual literal (bytes with escapes, ...): not a path
             continue
-        if _is_data_path(value) or os.path.splitext(value)[1].lower() not in _CODE_EXTS:
+        if not isinstance(value, str) or _is_data_path(value) or os.path.splitext(value)[1].lower() not in _CODE_EXTS:
             continue
         if os.path.basename(value) != script_name:
             out.append(value)

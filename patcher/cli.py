@@ -5,6 +5,7 @@ The work is elsewhere (patch, check, verify, bench). Exit codes of the main job:
 (nothing written), 4 written but the check of the output failed.
 `patch-prefetch check FILE…`: 0 every check passed, 1 one failed, 2 bad input.
 `patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 differ, 2 cannot verify.
+`patch-prefetch DIR --out-dir OUT` (tree mode): 0 no file failed, 1 some failed, 2 usage.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from patcher.patch import features_from, patch_source
-from patcher.source import SourceError, code_bytes, read_script, render, write_atomic
+from patcher.source import Script, SourceError, code_bytes, read_script, render, write_atomic
 from patcher.transforms.base import FEATURES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
             "with a fusion-friendly MLP square. The data fed to the model stays bit-identical."
         ),
     )
-    parser.add_argument("input", help="training script (plain, or an lzma/zlib/bz2/gzip + base64 exec wrapper)")
+    parser.add_argument("input", help="training script (plain, or an lzma/zlib/bz2/gzip + base64 exec wrapper), or a directory (tree mode, with --out-dir)")
     out = parser.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", help="where to write the patched script ('-' = stdout)")
     out.add_argument("--in-place", action="store_true", help="overwrite the input, keeping INPUT.orig")
@@ -50,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-rewrap", action="store_true", help="write a wrapped input's patched payload as plain source")
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
     parser.add_argument("--python", default="3.10", help="target Python for the check: a version (default 3.10) or an interpreter path")
+    tree = parser.add_argument_group("tree mode (INPUT is a directory)")
+    tree.add_argument("--out-dir", help="write each patched script to the same relative path here")
+    tree.add_argument("--glob", default="train*.py", help="file names to patch (default train*.py)")
+    tree.add_argument("--jobs", type=int, default=None, help="parallel processes (default: number of CPUs)")
     parser.epilog = "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT (each has --help)."
     return parser
 
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if Path(args.input).is_dir() or args.out_dir is not None:
+        return _run_tree(args)
     started = time.perf_counter()
     in_path = Path(args.input)
     out_path = _output_path(args, in_path)
@@ -134,7 +142,7 @@ def _run(args) -> int:
     }
     check = None
     if wrote and not args.no_check:
-        check = _check_written(text, out_path, in_path, args)
+        check = _check_written(text, _written_script(script, result.source, text), out_path, in_path, args)
         report["check"] = check.as_dict()
     stream = sys.stderr if out_path == "-" else sys.stdout
     if args.diff:
@@ -153,16 +161,45 @@ def _run(args) -> int:
     return EXIT_OK if result.changed else EXIT_NOTHING
 
 
-def _check_written(text: str, out_path, in_path: Path, args):
+def _run_tree(args) -> int:
+    from patcher import tree
+
+    if not Path(args.input).is_dir():
+        raise UsageError(f"{args.input}: --out-dir needs a directory as input")
+    if args.out_dir is None:
+        raise UsageError(f"{args.input}: is a directory; give --out-dir for tree mode")
+    if args.output is not None or args.in_place or args.diff:
+        raise UsageError("tree mode takes --out-dir, not -o, --in-place or --diff")
+    if Path(args.out_dir).resolve() == Path(args.input).resolve():
+        raise UsageError(f"{args.out_dir}: --out-dir is the input directory; nothing overwritten")
+    try:
+        features_from(args.only, args.skip)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    options = [f"--only={f}" for f in args.only or []] + [f"--skip={f}" for f in args.skip or []]
+    options += ["--no-check"] * args.no_check + ["--no-rewrap"] * args.no_rewrap + [f"--python={args.python}"]
+    return tree.run(args, options)
+
+
+def _written_script(script: Script, patched: str, text: str) -> Script:
+    """The written file as a Script: `text` on disk, its code, and its wrapper if any."""
+    if text == script.raw:
+        return script
+    if script.wrapped and text != patched:
+        return Script(script.path, text, patched, script.wrapper)  # re-wrapped; render checked the round trip
+    return Script(script.path, text, text)
+
+
+def _check_written(text: str, written: Script, out_path, in_path: Path, args):
     """Run `check` on what was written (a temporary copy for stdout)."""
     from patcher.check import check_file
 
     if out_path != "-":
-        return check_file(out_path, target=args.python)
+        return check_file(out_path, target=args.python, script=replace(written, path=Path(out_path)))
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / in_path.name
         copy.write_text(text)
-        return check_file(copy, target=args.python)
+        return check_file(copy, target=args.python, script=replace(written, path=copy))
 
 
 def _run_check(args) -> int:

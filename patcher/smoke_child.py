@@ -1,0 +1,79 @@
+"""The import smoke itself: runs inside a child process, never in the caller's.
+
+`check.import_smoke` starts a fresh interpreter that calls `run_and_report` (the
+default), or, in tree mode, forks a process that already has torch imported and
+calls `smoke_import` there (`check.use_forked_smoke`). Either way the script is
+imported under a module name that is not `__main__`, registered in `sys.modules`
+before it executes (the dataclass trap), with missing packages stubbed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import traceback
+
+from patcher.stubs import StubFinder
+
+
+def _one_line(text, limit=400):
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _describe(exc, script):
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == script]
+    line, func = (frames[-1].lineno, frames[-1].name) if frames else (None, None)
+    if line is None and isinstance(exc, SyntaxError) and exc.filename == script:
+        line, func = exc.lineno, "<module>"
+    message = _one_line(exc)
+    text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    if line is not None:
+        text += f" (line {line} at module level)" if func == "<module>" else f" (line {line} in {func})"
+    return text, line
+
+
+def smoke_import(script: str, name: str) -> dict:
+    """Import the file `script` as module `name`. Returns {ok, error, line, stubbed}.
+
+    Never raises: an exception at import (SystemExit and KeyboardInterrupt included)
+    is the result, with the script line it came from.
+    """
+    finder = StubFinder(script)
+    sys.meta_path.append(finder)
+    sys.argv = [script]
+    sys.dont_write_bytecode = True
+    result = {"ok": True, "error": None, "line": None}
+    try:
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec_module: dataclasses look the module up here
+        spec.loader.exec_module(module)
+    except BaseException as exc:  # noqa: B036 - every way an import can end is a result
+        text, line = _describe(exc, script)
+        result = {"ok": False, "error": text, "line": line}
+    result["stubbed"] = finder.stubbed
+    return result
+
+
+def report(result: dict, fd: int) -> None:
+    """Write `result` as one JSON line to `fd`, then end the process at once.
+
+    os._exit: non-daemon threads and atexit hooks the script registered do not run.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os.write(fd, ("\n" + json.dumps(result) + "\n").encode("utf-8"))
+    os._exit(0)
+
+
+def run_and_report(script: str, name: str) -> None:
+    """Child interpreter entry: the result goes to a private copy of fd 1, so a script
+    that replaces sys.stdout or prints at import cannot hide it."""
+    out = os.dup(1)
+    report(smoke_import(script, name), out)

@@ -93,6 +93,25 @@ class CallSite:
 
 
 @dataclass
+class IteratorSite:
+    """`target = generator_function(...)`: a data generator built in the script.
+
+    function: the generator function's name; node: the `Assign`; call: its value.
+    training: the training data source (advanced with `next(target)`, named for
+    training); reason: why it is not prefetched, or None.
+    """
+
+    target: str
+    function: str
+    node: cst.Assign
+    call: cst.Call
+    line: int
+    binding: object = None
+    training: bool = False
+    reason: str | None = None
+
+
+@dataclass
 class Hyperparameters:
     """The Hyperparameters class. style: "class" | "dataclass" | "oneline".
 
@@ -127,6 +146,7 @@ class Survey:
     loader_classes: dict[str, LoaderClass] = field(default_factory=dict)
     constructions: list[Construction] = field(default_factory=list)
     calls: list[CallSite] = field(default_factory=list)
+    iterators: list[IteratorSite] = field(default_factory=list)
     hyperparameters: Hyperparameters | None = None
     log_function: tuple[str, cst.CSTNode] | None = None
     squares: list[SquareSite] = field(default_factory=list)
@@ -194,6 +214,7 @@ def survey(module: cst.Module) -> Survey:
         if _method(cls, "next_batch") is not None:
             result.loader_classes[cls.name.value] = _survey_loader(cls, classes, result)
     _find_constructions_and_calls(collector, result)
+    _find_iterators(collector, result)
     result.hyperparameters = _find_hyperparameters(module, result)
     result.log_function = _find_log_function(collector)
     result.squares = _find_squares(collector, result)
@@ -290,6 +311,7 @@ class _SiteCollector(cst.CSTVisitor):
         self.call_assigns: list[tuple[cst.Assign, _Scope]] = []
         self.functions: list[cst.FunctionDef] = []
         self.attribute_uses: list[AttributeUse] = []
+        self.next_calls: list[tuple[cst.Call, _Scope]] = []  # next(name)
         # every f-string, with the f-strings it sits in
         self.fstrings: list[tuple[cst.FormattedString, tuple]] = []
         self.fstring_stack: list[cst.FormattedString] = []
@@ -386,6 +408,8 @@ class _SiteCollector(cst.CSTVisitor):
             self.scope.bind(item.name.value, "other")
 
     def visit_Call(self, node: cst.Call) -> None:
+        if m.matches(node, m.Call(func=m.Name("next"), args=[m.Arg(m.Name()), m.ZeroOrMore()])):
+            self.next_calls.append((node, self.scope))
         if m.matches(node, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("next_batch")))):
             self.calls.append((node, self.scope))
             self.top_of[node] = self.top
@@ -721,6 +745,71 @@ def _find_constructions_and_calls(collector: _SiteCollector, result: Survey) -> 
             c.reason = f"`{c.target}` has no next_batch call where it is built"
         else:
             c.training = True
+
+
+DIST_LOCAL_QUERIES = {"get_rank", "get_world_size", "is_initialized", "is_available", "get_backend"}
+
+
+def _find_iterators(collector: _SiteCollector, result: Survey) -> None:
+    """Data generators: `name = gen(...)` for a module-level generator function `gen`."""
+    generators = {f.name.value: f for f in result.module.body if isinstance(f, cst.FunctionDef) and _is_generator(f)}
+    for assign, scope in collector.call_assigns:
+        func, target = assign.value.func, assign.targets[0].target
+        if len(assign.targets) != 1 or not isinstance(func, cst.Name) or func.value not in generators or not isinstance(target, cst.Name):
+            continue
+        binding = scope.resolve(target.value)
+        site = IteratorSite(target.value, func.value, assign, assign.value, result.line_of(assign), binding)
+        advanced = [c for c, sc in collector.next_calls if c.args[0].value.value == target.value and sc.resolve(target.value) is binding]
+        uses = sorted({a.attr for a in collector.attribute_uses if a.base == target.value and a.scope.resolve(a.base) is binding})
+        if "calib" in site.target.lower() or "val" in site.target.lower():
+            site.reason = f"`{site.target}` is not the training data source"
+        elif "send" in uses:
+            site.reason = (
+                f"`{site.target}.send(...)` passes new parameters during the run; an item built ahead "
+                "was built without them and a generator cannot be rolled back"
+            )
+        elif uses:
+            site.reason = f"`{site.target}` is used as {', '.join(f'`{site.target}.{u}`' for u in uses)}, not only with next()"
+        elif not advanced:
+            site.reason = f"`{site.target}` is never advanced with next()"
+        else:
+            site.reason = _generator_unsafe(generators[func.value], result)
+            site.training = site.reason is None
+        result.iterators.append(site)
+
+
+def _is_generator(function: cst.FunctionDef) -> bool:
+    """True when `function` itself (not a nested def or lambda) yields."""
+    stack = [function.body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (cst.Yield)):
+            return True
+        if isinstance(node, (cst.FunctionDef, cst.Lambda, cst.ClassDef)) and node is not function:
+            continue
+        stack.extend(node.children)
+    return False
+
+
+def _generator_unsafe(function: cst.FunctionDef, result: Survey) -> str | None:
+    """Why running `function` on another thread could change what it yields, else None."""
+    name = function.name.value
+    for node in _walk(function):
+        if not isinstance(node, cst.Call):
+            continue
+        called = _dotted(node.func)
+        parts = called.split(".")
+        if parts[-1] in THREAD_NAMES or parts[-1] == "load_async":
+            return f"{name} already loads data in the background ({called}); not wrapped again"
+        if len(parts) == 2 and parts[0] == "torch" and parts[1] in GLOBAL_RNG_TORCH:
+            return f"{name} draws from the global torch RNG ({called}); a background thread would change the draw order"
+        if len(parts) >= 3 and parts[-2] == "random" and parts[0] in ("np", "numpy") and parts[-1] not in GLOBAL_RNG_NUMPY_OK:
+            return f"{name} draws from the global numpy RNG ({called}); a background thread would change the draw order"
+        if len(parts) == 2 and parts[0] == "random":
+            return f"{name} draws from the global random module ({called}); a background thread would change the draw order"
+        if (parts[0] == "dist" or called.startswith("torch.distributed")) and parts[-1] not in DIST_LOCAL_QUERIES:
+            return f"{name} calls {called} (a collective); it must stay on the training thread"
+    return None
 
 
 def _is_run_constant(expr: cst.BaseExpression, scope: _Scope, collector: _SiteCollector, depth: int) -> bool:

@@ -31,6 +31,7 @@ RUNNABLE = [
     "document_packing",
     "wrapped_lzma_raw",
     "wrapped_lzma_oneline",
+    "generator_toplevel",
 ]
 MODES = {"original": {}, "prefetch_on": {"TRAIN_PREFETCH": "1"}, "prefetch_off": {"TRAIN_PREFETCH": "0"}}
 

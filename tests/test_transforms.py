@@ -197,6 +197,61 @@ def test_writes_into_a_list_attribute_are_not_array_writes():
     assert notes[0].applied and "host_copy=False" in result.source
 
 
+GENERATOR_SCRIPT = """
+import torch
+import torch.distributed as dist
+
+def data_generator(pattern, num_tokens, seq_len):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tokens, pos = torch.arange(100_000), 0
+    while True:
+        buf = tokens[pos + rank * num_tokens :][: num_tokens + 1]
+        EXTRA
+        new = yield buf[:-1].to(device="cuda", non_blocking=True), buf[1:].to(device="cuda", non_blocking=True)
+        pos += num_tokens
+
+train_loader = data_generator("x", 512, 64)
+for step in range(10):
+    x, y = LOOP
+"""
+
+
+def generator_script(extra="pass", loop="next(train_loader)"):
+    return GENERATOR_SCRIPT.replace("EXTRA", extra).replace("LOOP", loop)
+
+
+def test_top_level_generator_is_wrapped_and_its_copies_noted():
+    result, notes = notes_for(generator_script(), "train_prefetch")
+    assert notes[0].applied and "generator data_generator" in notes[0].reason
+    assert 'train_loader = _prefetch_iterator(lambda: data_generator("x", 512, 64), prefetch=' in result.source
+    assert "def _prefetch_iterator(" in result.source and "def data_generator(" in result.source
+    copy_notes = [n for n in result.notes if n.feature == "copy_stream"]
+    assert copy_notes[0].applied and "copy stream" in copy_notes[0].reason
+    compile(result.source, "out.py", "exec")
+
+
+@pytest.mark.parametrize(
+    "extra, loop, reason_part",
+    [
+        ("pass", "train_loader.send((1024, 64))", ".send(...)` passes new parameters"),
+        ("noise = torch.randint(0, 9, (1,))", "next(train_loader)", "global torch RNG"),
+        ("dist.all_reduce(buf)", "next(train_loader)", "collective"),
+        ("pass", "0, 0", "never advanced with next()"),
+    ],
+)
+def test_generator_left_alone_with_the_reason(extra, loop, reason_part):
+    result, notes = notes_for(generator_script(extra, loop), "train_prefetch")
+    assert not notes[0].applied and reason_part in notes[0].reason
+    assert "_prefetch_iterator(" not in result.source
+
+
+def test_validation_generator_is_not_wrapped():
+    source = generator_script() + "val_loader = data_generator('v', 512, 64)\nxv, yv = next(val_loader)\n"
+    result, _ = notes_for(source, "train_prefetch")
+    assert result.source.count("_prefetch_iterator(lambda") == 1
+    assert "val_loader = data_generator('v', 512, 64)" in result.source
+
+
 def test_copy_stream_rewrites_h2d_calls_only_in_the_loader():
     result, notes = notes_for(script(CONSTANT_LOOP), "copy_stream")
     assert notes[0].applied

@@ -5,7 +5,9 @@ becomes `_h2d(t, self.device, <TRAIN_COPY_STREAM>)` (runtime:
 `templates/copy_stream.py`): on CUDA the copy runs on a dedicated stream, the compute
 stream `wait_stream`s on it and `record_stream` guards the result; on the CPU, or
 with the toggle off, it is the original call. Applies to loaders that already
-prefetch too (their batches still cross H2D on the compute stream).
+prefetch too (their batches still cross H2D on the compute stream). A prefetched data
+generator's copies need no rewrite: `_prefetch_iterator` runs the generator on the copy
+stream (noted here, switched by the same toggle).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
     classes = {c.class_name for c in survey.training_constructions()}
-    if not classes:
-        return module, [Note(FEATURE, False, "no training loader construction found")]
     notes, replacements = [], {}
+    if "train_prefetch" in ctx.enabled:
+        for site in (i for i in survey.iterators if i.training):
+            ctx.toggle("TRAIN_COPY_STREAM")
+            notes.append(Note(FEATURE, True, f"`{site.target}` (generator {site.function}): its own H2D copies run on the copy stream, on the prefetch thread", site.line))
+    if not classes:
+        return module, notes or [Note(FEATURE, False, "no training loader construction found")]
     for name in sorted(classes):
         cls = survey.loader_classes[name]
         if not cls.h2d_calls:

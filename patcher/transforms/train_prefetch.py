@@ -5,6 +5,11 @@ becomes `train_loader = _make_train_loader(lambda loader_device: Loader(...,
 loader_device), device, prefetch=…, queue_depth=…, copy_stream=…)`; the runtime is
 `templates/prefetch_loader.py`. The loader class itself is not touched.
 
+A data generator (`train_loader = gen(...)`, advanced with `next(train_loader)`)
+becomes `_prefetch_iterator(lambda: gen(...), ...)` (`templates/prefetch_iterator.py`),
+unless it receives `.send(...)`, draws from a global RNG, calls a collective, or
+already loads in the background.
+
 Skipped, with the reason, where the data could differ: a loader that already
 prefetches, draws from a global RNG, calls torch.distributed, or uses its device
 for more than the final H2D copy; a `next_batch` argument that changes during the
@@ -31,10 +36,18 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
     sites = survey.training_constructions()
-    if not sites:
+    iterators = [i for i in survey.iterators if i.training]
+    if not sites and not iterators:
         return module, [Note(FEATURE, False, _no_site_reason(survey), _first_line(survey))]
     notes: list[Note] = []
     replacements: dict[cst.CSTNode, cst.CSTNode] = {}
+    for target in sorted({i.target for i in iterators}):
+        group = [i for i in iterators if i.target == target]
+        for site in group:
+            replacements[site.call] = _iterator_call(site, ctx, module)
+        lines = ", ".join(str(i.line) for i in group)
+        notes.append(Note(FEATURE, True, f"`{target}` (generator {group[0].function}) built at line {lines} runs ahead on a background thread", group[0].line))
+        ctx.need("prefetch_iterator")
     for target in sorted({c.target for c in sites}):
         group = [c for c in sites if c.target == target]
         reason, line, reshape_arg, rollback = _blocker(group, ctx)
@@ -59,7 +72,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 
 def _no_site_reason(survey) -> str:
     if not survey.loader_classes:
-        return "no loader with next_batch found"
+        reasons = sorted({i.reason for i in survey.iterators if i.reason})
+        return "; ".join(reasons) if reasons else "no loader with next_batch or data generator found"
     if not survey.constructions:
         names = ", ".join(survey.loader_classes)
         return f"{names} defined but never built as `name = {next(iter(survey.loader_classes))}(...)`"
@@ -67,7 +81,7 @@ def _no_site_reason(survey) -> str:
 
 
 def _first_line(survey) -> int | None:
-    lines = [c.line for c in survey.loader_classes.values()]
+    lines = [c.line for c in survey.loader_classes.values()] or [i.line for i in survey.iterators]
     return min(lines) if lines else None
 
 
@@ -153,3 +167,17 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
     if site.target != "train_loader":
         parts.append(f"slot={site.target!r}")
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")
+
+
+def _iterator_call(site, ctx: Context, module: cst.Module) -> cst.Call:
+    """`_prefetch_iterator(lambda: <the script's call>, prefetch=…, queue_depth=…, copy_stream=…)`."""
+    sep = ctx.code(", ", ",")
+    parts = [
+        ctx.code(f"lambda: {module.code_for_node(site.call)}", f"lambda:{module.code_for_node(site.call)}"),
+        f"prefetch={ctx.toggle('TRAIN_PREFETCH')}",
+        f"queue_depth={ctx.toggle('TRAIN_PREFETCH_QUEUE')}",
+        f"copy_stream={ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
+    ]
+    if site.target != "train_loader":
+        parts.append(f"slot={site.target!r}")
+    return cst.parse_expression(f"_prefetch_iterator({sep.join(parts)})")

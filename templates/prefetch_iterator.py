@@ -1,0 +1,173 @@
+"""Injected runtime: a data generator run ahead on a background thread (feature `train_prefetch`).
+
+For scripts whose training data comes from a generator or any iterator that does not
+depend on the model (modded-nanogpt's `distributed_data_generator`), the construction
+
+    train_loader = distributed_data_generator(args.train_files, batch_size, seq_len)
+
+becomes
+
+    train_loader = _prefetch_iterator(lambda: distributed_data_generator(...), prefetch=..., queue_depth=..., copy_stream=...)
+
+and `next(train_loader)` then returns the items the generator yields, in order, built
+`queue_depth` items ahead by a daemon thread. The generator runs unchanged on that
+thread, on the CUDA device that was current where it was built, and on the copy
+stream when `copy_stream` is on: its own `.to("cuda", non_blocking=True)` H2D copies
+then leave the training thread and overlap compute; the training thread's stream waits
+on an event recorded after each item, and `record_stream` keeps the caching allocator
+from reusing the memory early. The first item is built when the first one is asked
+for (cold start), the rest ahead.
+
+Exactness: the same generator object is advanced by `next` only, one item per item
+handed out, so the sequence is the original's. `.send(value)` is not supported: an
+item built ahead was built without the value, and a generator cannot be rolled back;
+the patch leaves generators that receive `.send` unpatched, and calling it here raises.
+"""
+
+import threading
+
+import torch
+
+from templates.prefetch_loader import _EMPTY, _Handoff, _live_prefetchers, _running_workers, _WorkerError
+
+
+def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
+    """Build the training data iterator, running it ahead when `prefetch` is on.
+
+    Takes: make_iterator: `() -> iterator`, the script's own expression; prefetch:
+    bool (`TRAIN_PREFETCH`); queue_depth: int >= 1, items built ahead
+    (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool (`TRAIN_COPY_STREAM`), run the
+    iterator's H2D copies on a side CUDA stream; slot: the variable name, so that
+    building it again shuts the previous worker down first.
+    Returns: `make_iterator()` itself when prefetch is off, else a `_PrefetchIterator`.
+    """
+    old = _live_prefetchers.pop(slot, None)
+    if old is not None:
+        old.shutdown()
+    if not prefetch:
+        return make_iterator()
+    iterator = _PrefetchIterator(make_iterator(), queue_depth, copy_stream)
+    _live_prefetchers[slot] = iterator
+    return iterator
+
+
+class _PrefetchIterator:
+    """An iterator whose items are produced `queue_depth` ahead by a daemon thread.
+
+    `next()` returns exactly what `next(iterator)` would (tuples of tensors on the
+    iterator's device, numpy arrays, ...), in order. StopIteration and any exception
+    raised by the iterator reach the caller at the item where they happened, the
+    latter with the worker's traceback.
+    """
+
+    _POLL_S = 0.1
+
+    def __init__(self, iterator, queue_depth=2, copy_stream=True):
+        self._iterator = iterator
+        self._depth = max(1, int(queue_depth))
+        self._cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self._stream = torch.cuda.Stream(device=self._cuda) if (copy_stream and self._cuda is not None) else None
+        self._worker = None
+        self._ended = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if isinstance(self._ended, StopIteration):
+            raise StopIteration
+        if self._ended is not None:
+            raise self._ended
+        if self._worker is None:
+            self._worker = _IteratorWorker(self._iterator, self._depth, self._cuda, self._stream)
+            _running_workers.add(self._worker)
+            self._worker.thread.start()
+        worker = self._worker
+        while True:
+            item = worker.queue.get(self._POLL_S)
+            if item is not _EMPTY:
+                break
+            if not worker.thread.is_alive() and worker.queue.empty():
+                raise RuntimeError("prefetch worker exited without an item")
+        if isinstance(item, _WorkerError):
+            self.shutdown()
+            if isinstance(item.error, StopIteration):
+                self._ended = item.error
+                raise StopIteration
+            raise item.error.with_traceback(item.error.__traceback__)
+        value, ready = item
+        if ready is not None:
+            current = torch.cuda.current_stream(self._cuda)
+            current.wait_event(ready)
+            _record_stream(value, current)
+        worker.queue.room()  # last: see _PrefetchLoader.next_batch
+        return value
+
+    def send(self, value):
+        if value is None:
+            return next(self)
+        raise RuntimeError("prefetch: .send() of a value to a generator that runs ahead; patch with --skip train_prefetch")
+
+    def shutdown(self):
+        """Stop the worker and drop queued items; returns within about `_POLL_S` s."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        worker.stop.set()
+        worker.queue.clear()
+        worker.thread.join(timeout=1.0)
+        _running_workers.discard(worker)
+        if self._ended is None and worker.thread.ident is not None:
+            self._ended = RuntimeError("prefetch iterator shut down")
+
+    close = shutdown
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+class _IteratorWorker:
+    """Daemon thread: `next(iterator)` in a loop, each item with the CUDA event after it."""
+
+    def __init__(self, iterator, depth, cuda, stream):
+        self.iterator, self.cuda, self.stream = iterator, cuda, stream
+        self.queue = _Handoff(depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
+
+    def _run(self):
+        try:
+            if self.cuda is not None:
+                torch.cuda.set_device(self.cuda)  # per thread: the rank's device, not device 0
+            while not self.stop.is_set():
+                if self.stream is None:
+                    self._put((next(self.iterator), None))
+                    continue
+                with torch.cuda.stream(self.stream):
+                    value = next(self.iterator)
+                    ready = torch.cuda.Event()
+                    ready.record(self.stream)
+                self._put((value, ready))
+        except BaseException as error:  # StopIteration included: handed to the caller
+            self._put(_WorkerError(error))
+
+    def _put(self, item):
+        while not self.stop.is_set():
+            if self.queue.put(item, _PrefetchIterator._POLL_S):
+                return
+
+
+def _record_stream(value, stream):
+    """`record_stream` on every CUDA tensor in `value` (tensors, tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cuda:
+            value.record_stream(stream)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _record_stream(v, stream)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _record_stream(v, stream)

@@ -1,0 +1,143 @@
+"""templates/prefetch_iterator.py as plain Python: a data generator run ahead on a thread."""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import pytest
+import torch
+
+from templates.prefetch_iterator import _PrefetchIterator, _prefetch_iterator, _record_stream
+from templates.prefetch_loader import _live_prefetchers
+
+WAIT_S = 5.0
+
+
+def token_generator(n_items=None, fail_at=None, gate=None, made=None):
+    """Yields (inputs, targets, numpy array) built from a counter; optional end, failure, gate."""
+    i = 0
+    while n_items is None or i < n_items:
+        if gate is not None:
+            gate(i)
+        if fail_at is not None and i == fail_at:
+            raise ValueError(f"bad shard at item {i}")
+        base = torch.arange(12, dtype=torch.int32) * 7 + 1000 * i
+        if made is not None:
+            made.append(i)
+        yield base[:-1].view(-1, 11).to(torch.int64), base[1:].view(-1, 11).to(torch.int64), base.numpy().copy()
+        i += 1
+
+
+def assert_item_equal(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got[:2], want[:2]):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+    assert (got[2] == want[2]).all()
+
+
+@pytest.fixture
+def clean():
+    created = []
+    _live_prefetchers.clear()
+    yield created
+    for it in list(_live_prefetchers.values()) + created:
+        it.shutdown()
+    _live_prefetchers.clear()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_items_in_order_and_identical(depth, clean):
+    want = list(token_generator(30))
+    it = _prefetch_iterator(lambda: token_generator(), queue_depth=depth)
+    clean.append(it)
+    assert isinstance(it, _PrefetchIterator)
+    for w in want:
+        assert_item_equal(next(it), w)
+
+
+def test_end_of_data_is_stop_iteration_at_the_same_item(clean):
+    it = _prefetch_iterator(lambda: token_generator(5), queue_depth=3)
+    clean.append(it)
+    assert len([item for item in it]) == 5  # a for loop ends where the generator ends
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_exception_reraised_at_its_item_with_the_workers_traceback(clean):
+    it = _prefetch_iterator(lambda: token_generator(fail_at=3), queue_depth=2)
+    clean.append(it)
+    for _ in range(3):
+        next(it)
+    with pytest.raises(ValueError, match="bad shard at item 3") as info:
+        next(it)
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "token_generator" in frames  # the worker's frames, not only the caller's
+
+
+def test_prefetch_off_returns_the_generator_itself(clean):
+    gen = token_generator(3)
+    assert _prefetch_iterator(lambda: gen, prefetch=False) is gen
+
+
+def test_send_none_is_next_and_a_value_is_refused(clean):
+    want = list(token_generator(2))
+    it = _prefetch_iterator(lambda: token_generator(), queue_depth=2)
+    clean.append(it)
+    assert_item_equal(it.send(None), want[0])
+    with pytest.raises(RuntimeError, match="send"):
+        it.send((1024, 64))
+
+
+def test_builds_at_most_depth_plus_two_items_ahead(clean):
+    # One handed out, `depth` queued, one built and waiting for room.
+    depth = 3
+    reached = threading.Event()
+    overrun = threading.Event()
+    made = []
+
+    def gate(i):
+        if i == depth + 1:
+            reached.set()
+        if i > depth + 1:
+            overrun.set()
+
+    it = _prefetch_iterator(lambda: token_generator(gate=gate, made=made), queue_depth=depth)
+    clean.append(it)
+    next(it)
+    assert reached.wait(WAIT_S)
+    assert not overrun.wait(0.5), "worker built more than depth + 2 items"
+    assert len(made) == depth + 2
+
+
+def test_rebuilding_the_slot_stops_the_previous_worker(clean):
+    first = _prefetch_iterator(lambda: token_generator(), queue_depth=2)
+    next(first)
+    thread = first._worker.thread
+    second = _prefetch_iterator(lambda: token_generator(), queue_depth=2)
+    clean.append(second)
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    with pytest.raises(RuntimeError, match="shut down"):
+        next(first)
+    assert_item_equal(next(second), next(token_generator()))
+
+
+def test_record_stream_skips_host_values():
+    # Host tensors, arrays and nesting pass through without a CUDA call.
+    _record_stream((torch.zeros(2), [torch.ones(1), {"a": torch.zeros(1)}], 3), stream=None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_items_identical_on_the_copy_stream(clean):
+    def cuda_generator():
+        for item in token_generator(20):
+            yield tuple(t.to("cuda", non_blocking=True) for t in item[:2])
+
+    want = [tuple(t.cpu() for t in item) for item in cuda_generator()]
+    it = _prefetch_iterator(cuda_generator, queue_depth=2, copy_stream=True)
+    clean.append(it)
+    for w in want:
+        got = next(it)
+        assert all(g.is_cuda for g in got)
+        assert all(torch.equal(g.cpu(), x) for g, x in zip(got, w))

@@ -657,6 +657,20 @@ def importable_part(source: str) -> tuple[str, int | None]:
     return module.with_changes(body=body[:cut], footer=()).code, line
 
 
+def definitions_only(source: str) -> str:
+    """`source` without its top-level training code: every top-level statement that
+    `importable_part` would keep (imports, definitions, cheap assignments), from the
+    whole file, not only before the first one it cuts at. A script with a
+    `__main__` guard, or one libcst cannot parse, is returned whole. For `verify`,
+    which needs the functions a top-level script defines after its first run-time
+    statement (`args = Hyperparameters()`), and evaluates such statements itself.
+    """
+    module = _parse(source)
+    if module is None or _has_main_guard(module):
+        return source
+    return module.with_changes(body=[stmt for stmt in module.body if _is_definition(stmt)]).code
+
+
 _MAIN_GUARD = m.If(
     test=m.Comparison(
         left=m.Name("__name__"),

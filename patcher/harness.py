@@ -20,6 +20,7 @@ import types
 from dataclasses import dataclass, field
 
 import libcst as cst
+import libcst.matchers as m
 import torch
 
 from patcher.stubs import StubFinder
@@ -52,6 +53,65 @@ def load_module(source: str, filename: str) -> types.ModuleType:
     with stub_missing_imports(filename):
         exec(compile(source, filename, "exec"), module.__dict__)
     return module
+
+
+def load_definitions(source: str, filename: str) -> types.ModuleType:
+    """Import the definitions of a script that trains at top level, one statement at a time.
+
+    `source` is `check.definitions_only(...)`: imports, functions, classes and cheap
+    assignments. A cheap assignment that needs what was left out (`x = int(os.environ
+    ["RANK"])`, `opts = [optimizer1, optimizer2]`) is skipped: `IteratorRecipe.evaluate`
+    evaluates the names an expression needs from the original script when it needs them.
+    Raises what an import, function or class definition raises.
+    """
+    name = f"_patch_prefetch_script_{next(_counter)}"
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module
+    parsed = cst.parse_module(source)
+    with stub_missing_imports(filename):
+        for stmt in parsed.body:
+            code = compile(parsed.with_changes(body=[stmt]).code, filename, "exec")
+            try:
+                exec(code, module.__dict__)
+            except Exception:
+                if not m.matches(stmt, m.SimpleStatementLine(body=[m.Assign() | m.AnnAssign() | m.AugAssign() | m.Expr()])):
+                    raise
+    return module
+
+
+@contextlib.contextmanager
+def cuda_as_host(notes: list[str]):
+    """Without CUDA, `.cuda()` and `.to("cuda", ...)` keep tensors on the host (values are the same).
+
+    For data generators that hard-code their H2D copy; with CUDA present, nothing changes.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original_cuda, original_to = torch.Tensor.cuda, torch.Tensor.to
+
+    def host_cuda(self, *args, **kwargs):
+        return self
+
+    def host_to(self, *args, **kwargs):
+        args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.cuda, torch.Tensor.to = host_cuda, host_to
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, torch.Tensor.to = original_cuda, original_to
+        notes.append("no CUDA here: the generator's .cuda() / .to('cuda') copies kept on the host (values are the same)")
+
+
+def _is_cuda(value) -> bool:
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return isinstance(value, torch.device) and value.type == "cuda"
 
 
 @dataclass
@@ -209,3 +269,75 @@ def _set(obj, name, value):
         setattr(obj, name, value)
     except TypeError:  # frozen dataclass
         object.__setattr__(obj, name, value)
+
+
+@dataclass
+class IteratorRecipe:
+    """How a script builds its training data generator, and how the patched one does.
+
+    target: the variable (`train_loader`); original / patched: the construction
+    expressions, in source order, of the original and of the patched script;
+    survey: the original's survey (for the module-level names the expressions use).
+    """
+
+    survey: Survey
+    target: str
+    original: list[str]
+    patched: list[str]
+
+    @classmethod
+    def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
+        """Raises HarnessError when the original has no training generator the patch wrapped."""
+        surveyed = survey(cst.parse_module(original))
+        sites = [i for i in surveyed.iterators if i.training]
+        if not sites:
+            reasons = sorted({i.reason for i in surveyed.iterators if i.reason})
+            raise HarnessError("; ".join(reasons) or "no training loader or data generator found")
+        target = sites[0].target
+        codes = [surveyed.module.code_for_node(i.call) for i in sites if i.target == target]
+        patched_survey = survey(cst.parse_module(patched))
+        wrapped = [
+            patched_survey.module.code_for_node(assign.value)
+            for assign, _scope in patched_survey.collector.call_assigns
+            if m.matches(assign, m.Assign(targets=[m.AssignTarget(m.Name(target))], value=m.Call(func=m.Name("_prefetch_iterator") | m.Name(sites[0].function))))
+        ]
+        if len(wrapped) != len(codes):
+            raise HarnessError(f"the patched script builds `{target}` {len(wrapped)} times, the original {len(codes)}")
+        return cls(surveyed, target, codes, wrapped)
+
+    def evaluate(self, code: str, module: types.ModuleType, depth: int = 0):
+        """Evaluate `code` in the module's globals; a module-level name it uses that the
+        definitions-only import left out (`args = Hyperparameters()`) is evaluated from
+        its one assignment in the original script first."""
+        try:
+            return eval(code, module.__dict__)
+        except NameError as error:
+            name = getattr(error, "name", None)
+            bindings = self.survey.collector.module_scope.bindings.get(name, []) if name else []
+            if depth > 8 or len(bindings) != 1 or bindings[0][1] is None:
+                raise HarnessError(f"cannot evaluate `{code}` outside the script: {error}") from None
+            module.__dict__[name] = self.evaluate(self.survey.module.code_for_node(bindings[0][1]), module, depth + 1)
+            return self.evaluate(code, module, depth + 1)
+
+
+class SimulatedDist:
+    """Stands in for `torch.distributed` in a script's globals: rank and world size of
+    a simulated run, as if the process group were initialised; anything else is torch's."""
+
+    def __init__(self, rank: int, world_size: int):
+        self._rank, self._world_size = rank, world_size
+
+    def get_rank(self, group=None) -> int:
+        return self._rank
+
+    def get_world_size(self, group=None) -> int:
+        return self._world_size
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def is_available(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)

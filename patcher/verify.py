@@ -11,14 +11,32 @@ of every batch is compared: dtype, shape and bytes, in order.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import libcst as cst
+import libcst.matchers as m
+import numpy as np
 import torch
 
-from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
+from patcher.check import definitions_only
+from patcher.harness import (
+    HarnessError,
+    IteratorRecipe,
+    LoaderRecipe,
+    SimulatedDist,
+    cuda_as_host,
+    hparams_factory,
+    host_only_pinning,
+    load_definitions,
+    load_module,
+    patched_constructions,
+    point_at_shards,
+)
 from patcher.patch import features_from, patch_source
 from patcher.shards import write_shards
 from patcher.source import read_script
@@ -77,7 +95,12 @@ def verify(original: str | Path, patched: str | Path, batches: int = 64, world_s
     try:
         recipe = LoaderRecipe.from_source(original_source)
     except HarnessError as error:
-        raise CannotVerify(f"{original}: {error}") from None
+        try:
+            iterator = IteratorRecipe.from_source(original_source, patched_source)
+        except HarnessError as iterator_error:
+            why = iterator_error if "generator" in str(iterator_error) or "`" in str(iterator_error) else error
+            raise CannotVerify(f"{original}: {why}") from None
+        return _verify_iterator(iterator, (original, patched), (original_source, patched_source), batches, world_size, seed, warmup, notes, started)
     patched_sites = patched_constructions(patched_source, recipe)
     if len(patched_sites) != len(recipe.constructions):
         raise CannotVerify(f"{patched}: {len(patched_sites)} constructions of `{recipe.constructions[0].target}`, the original has {len(recipe.constructions)}")
@@ -169,6 +192,140 @@ def _compare_rank(recipe, patched_sites, modules, plan: _Plan, rank: int) -> Dif
     return None
 
 
+def _verify_iterator(recipe: IteratorRecipe, paths, sources, batches, world_size, seed, warmup, notes, started) -> VerifyResult:
+    """`verify` for a data generator: both scripts imported definitions-only (a top-level
+    script does not train), each rank's generator built by the script's own expression
+    with `dist` answering the simulated rank, and `batches` items compared in order."""
+    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as tmp, host_only_pinning(notes), cuda_as_host(notes), _working_dir(tmp), _launch_env(paths[0], world_size):
+        modules = [_load_definitions(source, path) for source, path in zip(sources, paths)]
+        for module in modules:
+            module.__dict__.setdefault("device", torch.device("cpu"))
+        counts = [warmup] * (len(recipe.original) - 1) + [batches]
+        try:
+            tokens_per_item = _largest_int_argument(recipe, recipe.original[-1], modules[0])
+            _write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), seed, notes)
+            difference = None
+            for rank in range(world_size):
+                difference = _compare_iterator_rank(recipe, modules, rank, world_size, counts)
+                if difference is not None:
+                    break
+        except HarnessError as error:
+            raise CannotVerify(f"{paths[0]}: {error}") from None
+    notes.append(f"generator `{recipe.target}`: {sum(counts)} items per rank" + (f" ({warmup} per warm-up build)" if len(counts) > 1 else ""))
+    return VerifyResult(difference is None, world_size, sum(counts) * world_size, difference, notes, time.perf_counter() - started)
+
+
+def _load_definitions(source: str, path):
+    try:
+        return load_definitions(definitions_only(source), str(path))
+    except Exception as error:  # the script's own definitions fail to import
+        raise CannotVerify(f"{path}: importing its definitions failed: {type(error).__name__}: {error}") from None
+
+
+class _launch_env:
+    """What torchrun gives a script: RANK, WORLD_SIZE, LOCAL_RANK in the environment (rank 0
+    of `world_size`; `dist` answers per rank) and `sys.argv` without our own arguments."""
+
+    def __init__(self, script, world_size: int):
+        self.values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+        self.argv = [str(script)]
+        self.saved_env, self.saved_argv = {}, None
+
+    def __enter__(self):
+        self.saved_env = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+        self.saved_argv, sys.argv = sys.argv, self.argv
+
+    def __exit__(self, *exc):
+        for key, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        sys.argv = self.saved_argv
+
+
+class _working_dir:
+    """chdir into `path` inside (scripts glob data paths relative to the working directory)."""
+
+    def __init__(self, path):
+        self.path, self.previous = path, None
+
+    def __enter__(self):
+        self.previous = os.getcwd()
+        os.chdir(self.path)
+
+    def __exit__(self, *exc):
+        os.chdir(self.previous)
+
+
+def _largest_int_argument(recipe: IteratorRecipe, code: str, module) -> int:
+    """The largest int among the construction's arguments (the tokens per item), or 65536."""
+    call = cst.parse_expression(code)
+    values = []
+    for arg in getattr(call, "args", []):
+        try:
+            value = recipe.evaluate(cst.Module([]).code_for_node(arg.value), module)
+        except HarnessError:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            values.append(value)
+    return max(values, default=65536)
+
+
+def _write_iterator_shards(recipe, modules, root, tokens_per_item, items, seed, notes) -> None:
+    """Shards where the scripts look: `Hyperparameters.train_files`, or the glob literal
+    of the construction (relative to the working directory, `root`)."""
+    # Relative to the working directory (`root`): some scripts glob with Path.cwd().glob().
+    data_dir = "data"
+    call = cst.parse_expression(recipe.original[-1])
+    literals = [n.evaluated_value for n in m.findall(call, m.SimpleString()) if "*" in str(n.evaluated_value)]
+    if literals:
+        data_dir = os.path.dirname(literals[0]) or "."
+    hp_info = recipe.survey.hyperparameters
+    for module in modules:
+        cls = module.__dict__.get(hp_info.name) if hp_info is not None else None
+        for name in ("args", "h", "hparams", "hyperparameters"):
+            if name not in module.__dict__ and recipe.survey.collector.module_scope.bindings.get(name):
+                try:
+                    recipe.evaluate(name, module)
+                except HarnessError:
+                    continue
+            value = module.__dict__.get(name)
+            if cls is not None and isinstance(value, cls):
+                point_at_shards(value, data_dir, os.path.join(data_dir, "fineweb_train_*.bin"))
+    # Four shards holding 1.5 times what the run reads (a generator may walk the files
+    # once, without wrapping around); every shard crossed, each holds several items.
+    tokens_per_shard = max(math.ceil(tokens_per_item * items * 1.5 / 4), 4 * tokens_per_item + 2)
+    write_shards(os.path.join(root, data_dir), train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=256, seed=seed, bos_id=1)
+    notes.append(f"4 shards x {tokens_per_shard} tokens in {data_dir}/; {tokens_per_item} tokens per item")
+
+
+def _compare_iterator_rank(recipe: IteratorRecipe, modules, rank: int, world_size: int, counts) -> Difference | None:
+    for module in modules:
+        if "dist" in module.__dict__:
+            module.__dict__["dist"] = SimulatedDist(rank, world_size)
+    iterators = [None, None]
+    try:
+        for index, count in enumerate(counts):
+            phase = "train" if index == len(counts) - 1 else "warmup"
+            for side in (0, 1):
+                _close(iterators[side])
+                iterators[side] = recipe.evaluate((recipe.original, recipe.patched)[side][index], modules[side])
+            for item in range(count):
+                try:
+                    reference = next(iterators[0])
+                except Exception as error:
+                    raise CannotVerify(f"the original generator fails here (rank {rank}, item {item}): {type(error).__name__}: {error}") from None
+                diff = _first_difference(reference, next(iterators[1]))
+                if diff is not None:
+                    return Difference(rank, phase, item, diff[0], diff[1])
+    finally:
+        for iterator in iterators:
+            _close(iterator)
+    return None
+
+
 def _close(loader) -> None:
     shutdown = getattr(type(loader), "shutdown", None)
     if shutdown is not None:
@@ -188,6 +345,9 @@ def _first_difference(a, b) -> tuple[int, str] | None:
                 return i, f"shape {tuple(x.shape)} vs {tuple(y.shape)}"
             if not torch.equal(_bytes(x), _bytes(y)):
                 return i, "bytes differ"
+        elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)) or x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+                return i, "numpy arrays differ"
         elif x != y:
             return i, f"{x!r} vs {y!r}"
     return None

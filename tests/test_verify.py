@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from patcher.cli import EXIT_FAILED, EXIT_OK, main
 from patcher.patch import patch_source
@@ -27,12 +28,13 @@ def patched(tmp_path: Path, name: str, breakage=None) -> tuple[Path, Path]:
     return original, out
 
 
-@pytest.mark.parametrize("name", ["tokenstream_readable", "shuffled_minified", "coprime_dataclass", "curriculum", "document_packing", "wrapped_lzma_raw"])
+@pytest.mark.parametrize("name", ["tokenstream_readable", "shuffled_minified", "coprime_dataclass", "curriculum", "document_packing", "wrapped_lzma_raw", "generator_toplevel"])
 def test_identical_on_patched_fixtures(tmp_path, name):
     original, out = patched(tmp_path, name)
     result = verify(original, out, batches=24, world_size=2)
     assert result.identical, result.difference
-    assert result.batches_compared == 2 * (24 + 4)
+    warmup = 0 if name == "generator_toplevel" else 4  # one construction: no warm-up rebuild
+    assert result.batches_compared == 2 * (24 + warmup)
 
 
 SWAP_TWO = (
@@ -75,6 +77,47 @@ def test_catches_a_broken_prefetch(tmp_path, capsys, name, breakage, phase, batc
     assert not result.identical
     assert (result.difference.rank, result.difference.phase, result.difference.batch) == (0, phase, batch)
     assert f"rank 0, {phase} batch {batch}" in stdout
+
+
+SKIP_ONE_ITEM = (
+    "        value, ready = item\n",
+    "        value, ready = item\n"
+    "        self._taken = getattr(self, '_taken', 0) + 1\n"
+    "        if self._taken == 6:\n"
+    "            worker.queue.room()\n"
+    "            return next(self)\n",
+)
+
+
+def test_catches_a_generator_that_skips_an_item(tmp_path):
+    original, out = patched(tmp_path, "generator_toplevel", SKIP_ONE_ITEM)
+    result = verify(original, out, batches=16)
+    assert not result.identical
+    assert (result.difference.rank, result.difference.phase, result.difference.batch) == (0, "train", 5)
+
+
+def test_generator_ranks_read_their_own_span(tmp_path):
+    # dist.get_rank() inside the generator answers the simulated rank: rank 1's first
+    # item is not rank 0's (a harness that ignored ranks would compare rank 0 twice).
+    from patcher.harness import IteratorRecipe, SimulatedDist, load_definitions
+    from patcher.check import definitions_only
+
+    source = (FIXTURES / "generator_toplevel.py").read_text()
+    module = load_definitions(definitions_only(source), "generator_toplevel.py")
+    assert "train_loader" not in vars(module) and "distributed_data_generator" in vars(module)  # no training ran
+    recipe = IteratorRecipe.from_source(source, patch_source(source).source)
+    assert recipe.original == ["distributed_data_generator(args.train_files, args.num_tokens, args.seq_len)"]
+    assert recipe.patched[0].startswith("_prefetch_iterator(lambda: distributed_data_generator(")
+    from patcher.shards import write_shards
+
+    write_shards(tmp_path, bos_id=1)
+    module.__dict__["device"] = "cpu"
+    firsts = []
+    for rank in (0, 1):
+        module.__dict__["dist"] = SimulatedDist(rank, 2)
+        generator = recipe.evaluate(f"distributed_data_generator({str(tmp_path / 'fineweb_train_*.bin')!r}, 512, 32)", module)
+        firsts.append(next(generator)[0])
+    assert not torch.equal(firsts[0], firsts[1])
 
 
 def test_cannot_verify_a_script_without_loader(tmp_path):

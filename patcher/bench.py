@@ -27,6 +27,7 @@ synchronously) are left out of the statistics, and the report says how many.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -100,18 +101,15 @@ def run_bench(
     return report
 
 
-class _torch_threads:
+@contextlib.contextmanager
+def _torch_threads(count: int):
     """torch's intra-op thread count set to `count` inside, restored after."""
-
-    def __init__(self, count: int):
-        self.count, self.previous = count, None
-
-    def __enter__(self):
-        self.previous = torch.get_num_threads()
-        torch.set_num_threads(self.count)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.previous)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _set_queue_depth(namespace: dict, depth: int) -> None:

@@ -599,6 +599,19 @@ def _container_attrs(classes: list[cst.ClassDef]) -> set[str]:
     return {name for name, only_containers in bound.items() if only_containers}
 
 
+def _global_rng(called: str) -> str | None:
+    """"the global torch RNG (torch.randint)" when the dotted call name draws from a
+    process-wide RNG (torch, numpy's legacy module functions, `random`), else None."""
+    parts = called.split(".")
+    if len(parts) == 2 and parts[0] == "torch" and parts[1] in GLOBAL_RNG_TORCH:
+        return f"the global torch RNG ({called})"
+    if len(parts) >= 3 and parts[-2] == "random" and parts[0] in ("np", "numpy") and parts[-1] not in GLOBAL_RNG_NUMPY_OK:
+        return f"the global numpy RNG ({called})"
+    if len(parts) == 2 and parts[0] == "random":
+        return f"the global random module ({called})"
+    return None
+
+
 def _unsafe_reason(related: list[cst.ClassDef], info: LoaderClass) -> str | None:
     for c in related:
         for node in _walk(c):
@@ -606,12 +619,9 @@ def _unsafe_reason(related: list[cst.ClassDef], info: LoaderClass) -> str | None
                 continue
             name = _dotted(node.func)
             parts = name.split(".")
-            if len(parts) == 2 and parts[0] == "torch" and parts[1] in GLOBAL_RNG_TORCH:
-                return f"loader draws from the global torch RNG ({name}); a background thread would change the draw order"
-            if len(parts) >= 3 and parts[-2] == "random" and parts[0] in ("np", "numpy") and parts[-1] not in GLOBAL_RNG_NUMPY_OK:
-                return f"loader draws from the global numpy RNG ({name}); a background thread would change the draw order"
-            if len(parts) == 2 and parts[0] == "random":
-                return f"loader draws from the global random module ({name}); a background thread would change the draw order"
+            rng = _global_rng(name)
+            if rng is not None:
+                return f"loader draws from {rng}; a background thread would change the draw order"
             if parts[0] == "dist" or name.startswith("torch.distributed"):
                 return f"loader calls torch.distributed ({name}) inside next_batch; it must stay on the main thread"
             if name.startswith("torch.cuda") or name.startswith("cuda."):
@@ -801,12 +811,9 @@ def _generator_unsafe(function: cst.FunctionDef, result: Survey) -> str | None:
         parts = called.split(".")
         if parts[-1] in THREAD_NAMES or parts[-1] == "load_async":
             return f"{name} already loads data in the background ({called}); not wrapped again"
-        if len(parts) == 2 and parts[0] == "torch" and parts[1] in GLOBAL_RNG_TORCH:
-            return f"{name} draws from the global torch RNG ({called}); a background thread would change the draw order"
-        if len(parts) >= 3 and parts[-2] == "random" and parts[0] in ("np", "numpy") and parts[-1] not in GLOBAL_RNG_NUMPY_OK:
-            return f"{name} draws from the global numpy RNG ({called}); a background thread would change the draw order"
-        if len(parts) == 2 and parts[0] == "random":
-            return f"{name} draws from the global random module ({called}); a background thread would change the draw order"
+        rng = _global_rng(called)
+        if rng is not None:
+            return f"{name} draws from {rng}; a background thread would change the draw order"
         if (parts[0] == "dist" or called.startswith("torch.distributed")) and parts[-1] not in DIST_LOCAL_QUERIES:
             return f"{name} calls {called} (a collective); it must stay on the training thread"
     return None

@@ -10,6 +10,7 @@ of every batch is compared: dtype, shape and bytes, in order.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -109,14 +110,20 @@ def verify(original: str | Path, patched: str | Path, batches: int = 64, world_s
         difference = None
         try:
             plan = _plan(recipe, modules[0], world_size, batches, warmup, data_dir, seed, notes)
-            for rank in range(world_size):
-                difference = _compare_rank(recipe, patched_sites, modules, plan, rank)
-                if difference is not None:
-                    break
+            difference = _first_rank_difference(lambda rank: _compare_rank(recipe, patched_sites, modules, plan, rank), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{original}: {error}") from None
     per_rank = plan.warmup + plan.batches
     return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - started)
+
+
+def _first_rank_difference(compare, world_size: int) -> Difference | None:
+    """`compare(rank)` for ranks 0, 1, ... until one differs; None when none does."""
+    for rank in range(world_size):
+        difference = compare(rank)
+        if difference is not None:
+            return difference
+    return None
 
 
 def _importable(source: str, notes: list[str], which: str) -> str:
@@ -204,11 +211,7 @@ def _verify_iterator(recipe: IteratorRecipe, paths, sources, batches, world_size
         try:
             tokens_per_item = _largest_int_argument(recipe, recipe.original[-1], modules[0])
             _write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), seed, notes)
-            difference = None
-            for rank in range(world_size):
-                difference = _compare_iterator_rank(recipe, modules, rank, world_size, counts)
-                if difference is not None:
-                    break
+            difference = _first_rank_difference(lambda rank: _compare_iterator_rank(recipe, modules, rank, world_size, counts), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{paths[0]}: {error}") from None
     notes.append(f"generator `{recipe.target}`: {sum(counts)} items per rank" + (f" ({warmup} per warm-up build)" if len(counts) > 1 else ""))
@@ -222,41 +225,34 @@ def _load_definitions(source: str, path):
         raise CannotVerify(f"{path}: importing its definitions failed: {type(error).__name__}: {error}") from None
 
 
-class _launch_env:
+@contextlib.contextmanager
+def _launch_env(script, world_size: int):
     """What torchrun gives a script: RANK, WORLD_SIZE, LOCAL_RANK in the environment (rank 0
     of `world_size`; `dist` answers per rank) and `sys.argv` without our own arguments."""
-
-    def __init__(self, script, world_size: int):
-        self.values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
-        self.argv = [str(script)]
-        self.saved_env, self.saved_argv = {}, None
-
-    def __enter__(self):
-        self.saved_env = {k: os.environ.get(k) for k in self.values}
-        os.environ.update(self.values)
-        self.saved_argv, sys.argv = sys.argv, self.argv
-
-    def __exit__(self, *exc):
-        for key, value in self.saved_env.items():
+    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+    saved_env, saved_argv = {k: os.environ.get(k) for k in values}, sys.argv
+    os.environ.update(values)
+    sys.argv = [str(script)]
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        sys.argv = self.saved_argv
+        sys.argv = saved_argv
 
 
-class _working_dir:
+@contextlib.contextmanager
+def _working_dir(path):
     """chdir into `path` inside (scripts glob data paths relative to the working directory)."""
-
-    def __init__(self, path):
-        self.path, self.previous = path, None
-
-    def __enter__(self):
-        self.previous = os.getcwd()
-        os.chdir(self.path)
-
-    def __exit__(self, *exc):
-        os.chdir(self.previous)
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 def _largest_int_argument(recipe: IteratorRecipe, code: str, module) -> int:

@@ -312,6 +312,7 @@ class _SiteCollector(cst.CSTVisitor):
         self.functions: list[cst.FunctionDef] = []
         self.attribute_uses: list[AttributeUse] = []
         self.next_calls: list[tuple[cst.Call, _Scope]] = []  # next(name)
+        self.generator_functions: set[cst.FunctionDef] = set()  # functions that yield
         # every f-string, with the f-strings it sits in
         self.fstrings: list[tuple[cst.FormattedString, tuple]] = []
         self.fstring_stack: list[cst.FormattedString] = []
@@ -415,6 +416,10 @@ class _SiteCollector(cst.CSTVisitor):
             self.top_of[node] = self.top
         if m.matches(node, m.Call(func=m.Name("setattr"), args=[m.Arg(m.Name()), m.Arg(m.SimpleString()), m.ZeroOrMore()])):
             self.assigned_attributes.add((node.args[0].value.value, node.args[1].value.evaluated_value))
+
+    def visit_Yield(self, node: cst.Yield) -> None:
+        if isinstance(self.scope.node, cst.FunctionDef):
+            self.generator_functions.add(self.scope.node)
 
     def visit_FormattedString(self, node: cst.FormattedString) -> None:
         self.fstrings.append((node, tuple(self.fstring_stack)))
@@ -762,7 +767,7 @@ DIST_LOCAL_QUERIES = {"get_rank", "get_world_size", "is_initialized", "is_availa
 
 def _find_iterators(collector: _SiteCollector, result: Survey) -> None:
     """Data generators: `name = gen(...)` for a module-level generator function `gen`."""
-    generators = {f.name.value: f for f in result.module.body if isinstance(f, cst.FunctionDef) and _is_generator(f)}
+    generators = {f.name.value: f for f in result.module.body if f in collector.generator_functions}
     for assign, scope in collector.call_assigns:
         func, target = assign.value.func, assign.targets[0].target
         if len(assign.targets) != 1 or not isinstance(func, cst.Name) or func.value not in generators or not isinstance(target, cst.Name):
@@ -786,19 +791,6 @@ def _find_iterators(collector: _SiteCollector, result: Survey) -> None:
             site.reason = _generator_unsafe(generators[func.value], result)
             site.training = site.reason is None
         result.iterators.append(site)
-
-
-def _is_generator(function: cst.FunctionDef) -> bool:
-    """True when `function` itself (not a nested def or lambda) yields."""
-    stack = [function.body]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (cst.Yield)):
-            return True
-        if isinstance(node, (cst.FunctionDef, cst.Lambda, cst.ClassDef)) and node is not function:
-            continue
-        stack.extend(node.children)
-    return False
 
 
 def _generator_unsafe(function: cst.FunctionDef, result: Survey) -> str | None:

@@ -115,11 +115,13 @@ def patch_tree(root: Path, out_dir: Path, pattern: str = "train*.py", jobs: int 
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks) or 1))
     # Worker processes import torch once and fork each file's import smoke from there.
     with ProcessPoolExecutor(max_workers=jobs, initializer=use_forked_smoke) as pool:
-        futures = [pool.submit(patch_one, *task) for task in tasks]
+        # Largest files first, so that no long one is left running alone at the end.
+        by_size = sorted(tasks, key=lambda task: -os.path.getsize(task[0]))
+        futures = {task[2]: pool.submit(patch_one, *task) for task in by_size}
         rows = []
-        for task, future in zip(tasks, futures):
+        for task in tasks:
             try:
-                rows.append(future.result())
+                rows.append(futures[task[2]].result())
             except Exception as error:  # the worker process died
                 rows.append(Row(task[2], "crash", None, error=f"{type(error).__name__}: {error}"))
         return rows

@@ -286,7 +286,11 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch):
+@pytest.mark.parametrize("forked", [False, True], ids=["fresh-interpreter", "forked-from-warm-process"])
+def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch, forked):
+    import patcher.check
+
+    monkeypatch.setattr(patcher.check, "_FORKED_SMOKE", forked)
     pid_file = tmp_path / "pid"
     monkeypatch.setenv("SMOKE_PID_FILE", str(pid_file))
     code = _src(
@@ -317,6 +321,22 @@ def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch):
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(pid), "the script's own child process outlived the timeout"
+
+
+def test_forked_smoke_reports_like_a_fresh_interpreter(monkeypatch):
+    # Tree mode forks the import smoke from a worker that has torch imported; the
+    # result (ok, error with its line, stubbed modules) must be the same.
+    import patcher.check
+
+    code = "import flash_attn_interface\nimport torch\nX = 1\nraise ValueError('boom')\nif __name__ == '__main__':\n    pass\n"
+    results = []
+    for forked in (False, True):
+        monkeypatch.setattr(patcher.check, "_FORKED_SMOKE", forked)
+        r = import_smoke(code, "train_gpt.py", timeout=60)
+        results.append((r.ok, r.error, r.line, r.stubbed))
+    assert results[0] == results[1]
+    assert results[0][0] is False and "ValueError: boom" in results[0][1] and results[0][2] == 4
+    assert results[0][3] == ["flash_attn_interface"]
 
 
 # A miniature modded-nanogpt: definitions, then training at top level, no __main__ guard.

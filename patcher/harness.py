@@ -195,7 +195,7 @@ def patched_constructions(source: str, recipe: LoaderRecipe) -> list[str]:
     """Code of the patched script's constructions of the same loader variable, in order."""
     surveyed = survey(cst.parse_module(source))
     target = recipe.constructions[0].target
-    names = {recipe.constructions[0].class_name, "_make_train_loader"}
+    names = {recipe.constructions[0].class_name, "_make_train_loader", "_prefetch_next_batch"}
     found = []
     for assign, _scope in surveyed.collector.call_assigns:
         t, func = assign.targets[0].target, assign.value.func
@@ -251,7 +251,19 @@ def hparams_factory(recipe: LoaderRecipe, module, world_size: int, data_dir: str
 
 
 def point_at_shards(hp, data_dir: str, pattern: str) -> None:
-    """Make `hp.train_files` name the synthetic shards (an attribute, or a property of a data dir)."""
+    """Make `hp.train_files` name the synthetic shards (an attribute, or a property of a data dir).
+
+    Other shard patterns it holds (`input_bin`, `input_val_bin`) point at the synthetic
+    train and val shards too.
+    """
+    for name in dir(hp):
+        value = getattr(hp, name, None) if not name.startswith("_") else None
+        if isinstance(value, str) and ("*" in value or value.endswith(".bin")):
+            is_val = "val" in name.lower() or "val" in os.path.basename(value).lower()
+            try:
+                _set(hp, name, os.path.join(data_dir, "fineweb_val_*.bin") if is_val else pattern)
+            except AttributeError:
+                pass
     try:
         _set(hp, "train_files", pattern)
         return

@@ -88,7 +88,8 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
     """Put constants and templates after the leading imports, before the first def or class."""
     body = list(module.body)
     at = next((i for i, s in enumerate(body) if isinstance(s, (cst.ClassDef, cst.FunctionDef))), len(body))
-    imports = _top_level_imports(module)
+    # Only imports above the insertion point count: a script may import `os` further down.
+    imports = _top_level_imports(module.with_changes(body=body[:at]))
     block: list[cst.BaseStatement] = []
     if ctx.constants:
         if "os" not in imports:

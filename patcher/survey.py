@@ -46,6 +46,8 @@ class LoaderClass:
     cannot be snapshot cheaply for a rollback), or None. writes_arrays: where it writes
     into an array or tensor it keeps (`self.buf[...] = ...`, `self.buf.copy_(...)`), so a
     batch it returned may change later and a prefetched batch must be a copy, or None.
+    cuda_in_next_batch: `next_batch` moves its batch to the GPU itself (`x.cuda()`,
+    `x.to("cuda")`), the older modded-nanogpt `DistributedDataLoader` with no device.
     """
 
     name: str
@@ -62,6 +64,7 @@ class LoaderClass:
     unsafe: str | None = None
     in_place: str | None = None
     writes_arrays: str | None = None
+    cuda_in_next_batch: bool = False
 
 
 @dataclass
@@ -368,6 +371,11 @@ class _SiteCollector(cst.CSTVisitor):
 
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
+            if len(node.targets) == 1 and _parallel_assignment(t.target, node.value):
+                # `B, T = args.batch_size, args.seq_len`: each name has its own value
+                for target, value in zip(t.target.elements, node.value.elements):
+                    self.scope.bind(target.value.value, "assign", value.value)
+                continue
             names = _target_names(t.target)
             for name in names:
                 kind = "assign" if isinstance(t.target, cst.Name) and len(node.targets) == 1 else "other"
@@ -436,6 +444,17 @@ class _SiteCollector(cst.CSTVisitor):
         for element in _flatten_targets(target):
             if isinstance(element, cst.Attribute) and isinstance(element.value, cst.Name):
                 self.assigned_attributes.add((element.value.value, element.attr.value))
+
+
+def _parallel_assignment(target: cst.BaseExpression, value: cst.BaseExpression) -> bool:
+    """`a, b = x, y`: names on the left, as many plain (unstarred) values on the right."""
+    return (
+        isinstance(target, (cst.Tuple, cst.List))
+        and isinstance(value, (cst.Tuple, cst.List))
+        and len(target.elements) == len(value.elements)
+        and all(isinstance(e, cst.Element) and isinstance(e.value, cst.Name) for e in target.elements)
+        and all(isinstance(e, cst.Element) for e in value.elements)
+    )
 
 
 def _flatten_targets(target: cst.BaseExpression) -> list[cst.BaseExpression]:
@@ -522,6 +541,7 @@ def _survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], result: 
     info.reshape_only = _reshape_only_param(next_batch, info.next_batch_params)
     info.in_place = _in_place_mutation(related)
     info.writes_arrays = _array_writes(related)
+    info.cuda_in_next_batch = any(m.matches(node, _CUDA_MOVE) for node in _walk(next_batch))
     return info
 
 
@@ -651,6 +671,13 @@ def _device_attr_uses(cls: cst.ClassDef, attr: str) -> str | None:
         if m.matches(node, device_ref) and id(node) not in allowed:
             return f"self.{attr}"
     return None
+
+
+_CUDA_STRING = m.SimpleString(value=m.MatchIfTrue(lambda v: v.strip("'\"").startswith("cuda")))
+_CUDA_MOVE = m.Call(func=m.Attribute(attr=m.Name("cuda"))) | m.Call(
+    func=m.Attribute(attr=m.Name("to")),
+    args=[m.ZeroOrMore(), m.Arg(value=_CUDA_STRING), m.ZeroOrMore()],
+)
 
 
 def _h2d_calls(next_batch: cst.FunctionDef, attr: str) -> list[cst.Call]:

@@ -105,12 +105,25 @@ def verify(original: str | Path, patched: str | Path, batches: int = 64, world_s
     patched_sites = patched_constructions(patched_source, recipe)
     if len(patched_sites) != len(recipe.constructions):
         raise CannotVerify(f"{patched}: {len(patched_sites)} constructions of `{recipe.constructions[0].target}`, the original has {len(recipe.constructions)}")
-    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, host_only_pinning(notes):
-        modules = (_load(original_source, original), _load(patched_source, patched))
+    top_level = definitions_only(original_source) != original_source
+    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, host_only_pinning(notes), cuda_as_host(notes), _launch_env(original, world_size):
+
+        def load(rank: int):
+            # A script that trains at top level: its definitions, as rank `rank` would run them.
+            if not top_level:
+                return (_load(original_source, original), _load(patched_source, patched))
+            os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+            loaded = (_load_definitions(original_source, original), _load_definitions(patched_source, patched))
+            for module in loaded:
+                if "dist" in module.__dict__:
+                    module.__dict__["dist"] = SimulatedDist(rank, world_size)
+            return loaded
+
+        modules = load(0)
         difference = None
         try:
             plan = _plan(recipe, modules[0], world_size, batches, warmup, data_dir, seed, notes)
-            difference = _first_rank_difference(lambda rank: _compare_rank(recipe, patched_sites, modules, plan, rank), world_size)
+            difference = _first_rank_difference(lambda rank: _compare_rank(recipe, patched_sites, modules if rank == 0 else load(rank), plan, rank), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{original}: {error}") from None
     per_rank = plan.warmup + plan.batches

@@ -18,6 +18,9 @@ on an event recorded after each item, and `record_stream` keeps the caching allo
 from reusing the memory early. The first item is built when the first one is asked
 for (cold start), the rest ahead.
 
+`_prefetch_next_batch` does the same for a loader class whose `next_batch()` moves
+its batch to the GPU itself and takes no device (`return x.cuda(), y.cuda()`).
+
 Exactness: the same generator object is advanced by `next` only, one item per item
 handed out, so the sequence is the original's. `.send(value)` is not supported: an
 item built ahead was built without the value, and a generator cannot be rolled back;
@@ -28,7 +31,7 @@ import threading
 
 import torch
 
-from templates.prefetch_loader import _EMPTY, _Handoff, _live_prefetchers, _running_workers, _WorkerError
+from templates.prefetch_loader import _EMPTY, _free_slot, _Handoff, _live_prefetchers, _running_workers, _WorkerError
 
 
 def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
@@ -41,9 +44,7 @@ def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=
     building it again shuts the previous worker down first.
     Returns: `make_iterator()` itself when prefetch is off, else a `_PrefetchIterator`.
     """
-    old = _live_prefetchers.pop(slot, None)
-    if old is not None:
-        old.shutdown()
+    _free_slot(slot)
     if not prefetch:
         return make_iterator()
     iterator = _PrefetchIterator(make_iterator(), queue_depth, copy_stream)
@@ -171,3 +172,90 @@ def _record_stream(value, stream):
     elif isinstance(value, dict):
         for v in value.values():
             _record_stream(v, stream)
+
+
+def _prefetch_next_batch(make_loader, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
+    """Build a training loader whose `next_batch()` moves batches to the GPU itself, run ahead.
+
+    For loader classes built without a device (modded-nanogpt's older
+    `DistributedDataLoader`, `return x.cuda(), y.cuda()`). Takes: make_loader:
+    `() -> loader`, the script's own construction; the toggles as `_prefetch_iterator`.
+    Returns: `make_loader()` itself when prefetch is off, else a `_CallsAhead`.
+    """
+    _free_slot(slot)
+    if not prefetch:
+        return make_loader()
+    loader = _CallsAhead(make_loader, queue_depth, copy_stream)
+    _live_prefetchers[slot] = loader
+    return loader
+
+
+class _CallsAhead:
+    """`next_batch(*args)` of a loader, called ahead on a daemon thread with constant arguments.
+
+    Returns what the loader's `next_batch(*args)` returns, in order. Anything else the
+    caller uses (`reset()`, `ntok_total`) first brings the loader to where the caller is:
+    the calls run ahead are dropped, the loader rebuilt and every call the caller made
+    replayed (exact, costs one pass); method calls are recorded for later replays.
+    New arguments to `next_batch` do the same before running ahead again.
+    """
+
+    def __init__(self, make_loader, queue_depth=2, copy_stream=True):
+        self._make_loader = make_loader
+        self._depth, self._copy_stream = queue_depth, copy_stream
+        self._loader = make_loader()
+        self._history = []  # (method, args, kwargs) in the order the caller made them
+        self._ahead = None  # the _PrefetchIterator over next_batch(*self._args)
+        self._args = None
+        self._stale = False  # the loader ran ahead of the caller
+
+    def next_batch(self, *args):
+        if self._ahead is not None and args != self._args:
+            self._sync()
+        if self._ahead is None:
+            if self._stale:
+                self._replay()
+            self._args = args
+            self._ahead = _PrefetchIterator(_repeated_calls(self._loader, args), self._depth, self._copy_stream)
+        batch = next(self._ahead)
+        self._history.append(("next_batch", args, {}))
+        return batch
+
+    def shutdown(self):
+        """Stop the worker; the loader has then run ahead (a later use replays)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.shutdown()
+            self._stale = True
+
+    close = shutdown
+
+    def _sync(self):
+        self.shutdown()
+        if self._stale:
+            self._replay()
+
+    def _replay(self):
+        self._loader = self._make_loader()
+        for method, args, kwargs in self._history:
+            getattr(self._loader, method)(*args, **kwargs)
+        self._stale = False
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        self._sync()
+        value = getattr(self._loader, name)
+        if not callable(value):
+            return value
+
+        def recorded(*args, **kwargs):
+            self._history.append((name, args, kwargs))
+            return value(*args, **kwargs)
+
+        return recorded
+
+
+def _repeated_calls(loader, args):
+    while True:
+        yield loader.next_batch(*args)

@@ -80,14 +80,19 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
-    old = _live_prefetchers.pop(slot, None)
-    if old is not None:
-        old.shutdown()
+    _free_slot(slot)
     if not prefetch:
         return make_loader(device)
     loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg, rollback, host_copy)
     _live_prefetchers[slot] = loader
     return loader
+
+
+def _free_slot(slot):
+    """Shut down the prefetcher built before for the variable `slot`, if any."""
+    old = _live_prefetchers.pop(slot, None)
+    if old is not None:
+        old.shutdown()
 
 
 class _PrefetchLoader:

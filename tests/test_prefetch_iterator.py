@@ -8,7 +8,7 @@ import traceback
 import pytest
 import torch
 
-from templates.prefetch_iterator import _PrefetchIterator, _prefetch_iterator, _record_stream
+from templates.prefetch_iterator import _prefetch_iterator, _prefetch_next_batch, _PrefetchIterator, _record_stream
 from templates.prefetch_loader import _live_prefetchers
 
 WAIT_S = 5.0
@@ -141,3 +141,68 @@ def test_cuda_items_identical_on_the_copy_stream(clean):
         got = next(it)
         assert all(g.is_cuda for g in got)
         assert all(torch.equal(g.cpu(), x) for g, x in zip(got, w))
+
+
+# ---------------------------------------------------------------------------
+# _prefetch_next_batch: a loader class whose next_batch() moves batches itself
+
+
+class CountingLoader:
+    """next_batch() -> (x, y) from a cursor; reset() rewinds; ntok_total is an attribute."""
+
+    built = 0
+
+    def __init__(self):
+        CountingLoader.built += 1
+        self.pos = 0
+        self.ntok_total = 10_000
+
+    def reset(self):
+        self.pos = 0
+
+    def next_batch(self, rows=2):
+        base = torch.arange(self.pos, self.pos + rows * 8, dtype=torch.int64).reshape(rows, 8)
+        self.pos += rows * 8
+        return base, base + 1
+
+
+def direct_calls(calls):
+    loader, out = CountingLoader(), []
+    for name, args in calls:
+        result = getattr(loader, name)(*args)
+        if name == "next_batch":
+            out.append(result)
+    return out
+
+
+def test_calls_ahead_exact_with_reset_and_attribute_reads(clean):
+    calls = [("next_batch", ())] * 5 + [("reset", ())] + [("next_batch", ())] * 4 + [("next_batch", (3,))] * 3
+    want = direct_calls(calls)
+    loader = _prefetch_next_batch(CountingLoader, queue_depth=3)
+    clean.append(loader)
+    assert loader.ntok_total == 10_000  # read before any batch: prefetch still starts
+    got = []
+    for name, args in calls:
+        result = getattr(loader, name)(*args)
+        if name == "next_batch":
+            got.append(result)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+
+
+def test_calls_ahead_runs_ahead_until_something_else_is_used(clean):
+    loader = _prefetch_next_batch(CountingLoader, queue_depth=2)
+    clean.append(loader)
+    loader.ntok_total
+    loader.next_batch()
+    assert loader._ahead is not None and loader._ahead._worker.thread.is_alive()
+    built_before = CountingLoader.built
+    loader.reset()  # the loader ran ahead: rebuilt and replayed to the caller's position first
+    assert CountingLoader.built == built_before + 1 and loader._ahead is None
+    x, _ = loader.next_batch()
+    assert torch.equal(x[0], torch.arange(8))  # after reset: the start of the stream
+
+
+def test_calls_ahead_prefetch_off_is_the_loader(clean):
+    assert type(_prefetch_next_batch(CountingLoader, prefetch=False)) is CountingLoader

@@ -252,6 +252,64 @@ def test_validation_generator_is_not_wrapped():
     assert "val_loader = data_generator('v', 512, 64)" in result.source
 
 
+DDL_SCRIPT = """
+class SOAP:
+    pass
+
+import os
+import torch
+
+class DistributedDataLoader:
+    def __init__(self, pattern, B, T, rank, world):
+        self.B, self.T, self.pos = B, T, rank * B * T
+        self.tokens = torch.arange(100_000)
+
+    def next_batch(self):
+        buf = self.tokens[self.pos : self.pos + self.B * self.T + 1]
+        self.pos += self.B * self.T
+        return buf[:-1].view(self.B, self.T).cuda(), buf[1:].view(self.B, self.T).cuda()
+
+B, T = 4, 64
+ddp_rank = int(os.environ.get("RANK", "0"))
+train_loader = DistributedDataLoader("x", B, T, ddp_rank, 1)
+for step in range(10):
+    x, y = train_loader.next_batch()
+"""
+
+
+def test_loader_that_moves_batches_itself_runs_ahead():
+    result, notes = notes_for(DDL_SCRIPT, "train_prefetch")
+    assert notes[0].applied and ".cuda() copies" in notes[0].reason
+    assert 'train_loader = _prefetch_next_batch(lambda: DistributedDataLoader("x", B, T, ddp_rank, 1), prefetch=' in result.source
+    copy_notes = [n for n in result.notes if n.feature == "copy_stream"]
+    assert copy_notes[0].applied
+    # `import os` comes after the first class: the runtime's constants need their own.
+    head = result.source.split("TRAIN_PREFETCH = ", 1)[0]
+    assert "import os" in head
+    exec(compile(result.source.split("train_loader = ", 1)[0], "out.py", "exec"), {})  # runs: no NameError
+
+
+def test_loader_that_moves_batches_itself_with_a_per_step_argument_is_left_alone():
+    source = DDL_SCRIPT.replace("def next_batch(self):", "def next_batch(self, rows=4):").replace(
+        "train_loader.next_batch()", "train_loader.next_batch(step)"
+    )
+    result, notes = notes_for(source, "train_prefetch")
+    assert not notes[0].applied and "per-step argument `step`" in notes[0].reason
+
+
+def test_parallel_assignment_names_are_run_constants():
+    # `B, T = 512, 64` binds each name once: the next_batch arguments are constant,
+    # so no rollback is needed.
+    body = """
+    B, T = 512, 64
+    train_loader = DistributedTokenLoader("x", 0, 1, device)
+    for step in range(10):
+        x, y = train_loader.next_batch(B, T, 1)
+    """
+    result, notes = notes_for(script(body), "train_prefetch")
+    assert notes[0].applied and "rollback=True" not in result.source and "per-step" not in notes[0].reason
+
+
 def test_copy_stream_rewrites_h2d_calls_only_in_the_loader():
     result, notes = notes_for(script(CONSTANT_LOOP), "copy_stream")
     assert notes[0].applied

@@ -120,6 +120,73 @@ def test_generator_ranks_read_their_own_span(tmp_path):
     assert not torch.equal(firsts[0], firsts[1])
 
 
+DDL_TOP_LEVEL = """
+import glob, os
+from dataclasses import dataclass
+import numpy as np
+import torch
+
+def _load_data_shard(path):
+    header = np.fromfile(path, dtype="<i4", count=256)
+    return np.fromfile(path, dtype="<u2", count=int(header[2]), offset=1024)
+
+class DistributedDataLoader:
+    def __init__(self, pattern, B, T, process_rank, num_processes):
+        self.B, self.T, self.rank, self.n = B, T, process_rank, num_processes
+        self.files = sorted(glob.glob(pattern))
+        assert self.files, pattern
+        self.reset()
+
+    def reset(self):
+        self.shard = -1
+        self.advance()
+
+    def advance(self):
+        self.shard = (self.shard + 1) % len(self.files)
+        self.pos = self.rank * self.B * self.T
+        self.tokens = _load_data_shard(self.files[self.shard])
+
+    def next_batch(self):
+        B, T = self.B, self.T
+        buf = torch.tensor(self.tokens[self.pos : self.pos + B * T + 1].astype(np.int32), dtype=torch.long)
+        self.pos += B * T * self.n
+        if self.pos + B * T * self.n + 1 >= len(self.tokens):
+            self.advance()
+        return buf[:-1].view(B, T).cuda(), buf[1:].view(B, T).cuda()
+
+@dataclass
+class Hyperparameters:
+    input_bin: str = "data/fineweb10B/fineweb_train_*.bin"
+    batch_size: int = 4
+    sequence_length: int = 64
+
+args = Hyperparameters()
+ddp_rank = int(os.environ["RANK"])
+ddp_world_size = int(os.environ["WORLD_SIZE"])
+B, T = args.batch_size, args.sequence_length
+train_loader = DistributedDataLoader(args.input_bin, B, T, ddp_rank, ddp_world_size)
+for step in range(100):
+    x, y = train_loader.next_batch()
+    raise SystemExit("training must not run in verify")
+"""
+
+
+def test_top_level_script_with_a_loader_that_moves_batches_itself(tmp_path):
+    original = tmp_path / "train_gpt2.py"
+    original.write_text(DDL_TOP_LEVEL)
+    out = tmp_path / "patched.py"
+    out.write_text(patch_source(DDL_TOP_LEVEL).source)
+    assert "_prefetch_next_batch(lambda" in out.read_text()
+    result = verify(original, out, batches=16)
+    assert result.identical, result.difference
+    broken = out.read_text().replace(
+        "        batch = next(self._ahead)\n", "        batch = next(self._ahead)\n        if len(self._history) == 3:\n            batch = next(self._ahead)\n", 1
+    )
+    out.write_text(broken)
+    result = verify(original, out, batches=16)
+    assert (result.difference.rank, result.difference.batch) == (0, 3)
+
+
 def test_cannot_verify_a_script_without_loader(tmp_path):
     with pytest.raises(CannotVerify, match="no loader|no training loader"):
         verify(FIXTURES / "no_loader.py", FIXTURES / "no_loader.py")

@@ -140,6 +140,10 @@ def edit_tops(module: cst.Module, ctx: "Context", originals: set, visitor: cst.C
             body.append(stmt)
             continue
         new = stmt.visit(visitor)
+        if isinstance(new, cst.FlattenSentinel):  # statements inserted before a top-level one
+            body.extend(new.nodes)
+            visitor.rebuilt[stmt] = new.nodes[-1]
+            continue
         if isinstance(new, cst.CSTNode) and new is not stmt:
             visitor.rebuilt[stmt] = new
         body.append(new)

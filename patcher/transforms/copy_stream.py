@@ -34,6 +34,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         return module, notes or [Note(FEATURE, False, "no training loader construction found")]
     for name in sorted(classes):
         cls = survey.loader_classes[name]
+        if cls.device_index is None and cls.cuda_in_next_batch and "train_prefetch" in ctx.enabled and not (cls.prefetches or cls.unsafe):
+            ctx.toggle("TRAIN_COPY_STREAM")
+            notes.append(Note(FEATURE, True, f"{name}.next_batch moves its batch to the GPU itself: those copies run on the copy stream, on the prefetch thread", cls.line))
+            continue
         if not cls.h2d_calls:
             notes.append(Note(FEATURE, False, f"{name}.next_batch has no `.to(self.device, non_blocking=True)` copy", cls.line))
             continue

@@ -44,12 +44,24 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     for target in sorted({i.target for i in iterators}):
         group = [i for i in iterators if i.target == target]
         for site in group:
-            replacements[site.call] = _iterator_call(site, ctx, module)
+            replacements[site.call] = _runner_call("_prefetch_iterator", site, ctx, module)
         lines = ", ".join(str(i.line) for i in group)
         notes.append(Note(FEATURE, True, f"`{target}` (generator {group[0].function}) built at line {lines} runs ahead on a background thread", group[0].line))
         ctx.need("prefetch_iterator")
     for target in sorted({c.target for c in sites}):
         group = [c for c in sites if c.target == target]
+        cls = survey.loader_classes[group[0].class_name]
+        if cls.device_index is None and cls.cuda_in_next_batch and not cls.prefetches and not cls.unsafe:
+            reason, line = _calls_ahead_blocker(group, survey)
+            if reason is not None:
+                notes.append(Note(FEATURE, False, reason, line))
+                continue
+            for site in group:
+                replacements[site.call] = _runner_call("_prefetch_next_batch", site, ctx, module)
+            lines = ", ".join(str(c.line) for c in group)
+            notes.append(Note(FEATURE, True, f"`{target}` built at line {lines}: next_batch() runs ahead on a background thread, its own .cuda() copies on the copy stream", group[0].line))
+            ctx.need("prefetch_iterator")
+            continue
         reason, line, reshape_arg, rollback = _blocker(group, ctx)
         if reason is not None:
             notes.append(Note(FEATURE, False, reason, line))
@@ -169,8 +181,10 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")
 
 
-def _iterator_call(site, ctx: Context, module: cst.Module) -> cst.Call:
-    """`_prefetch_iterator(lambda: <the script's call>, prefetch=…, queue_depth=…, copy_stream=…)`."""
+def _runner_call(runner: str, site, ctx: Context, module: cst.Module) -> cst.Call:
+    """`<runner>(lambda: <the script's call>, prefetch=…, queue_depth=…, copy_stream=…)`:
+    `_prefetch_iterator` for a data generator, `_prefetch_next_batch` for a loader whose
+    next_batch() moves batches to the GPU itself."""
     sep = ctx.code(", ", ",")
     parts = [
         ctx.code(f"lambda: {module.code_for_node(site.call)}", f"lambda:{module.code_for_node(site.call)}"),
@@ -180,4 +194,14 @@ def _iterator_call(site, ctx: Context, module: cst.Module) -> cst.Call:
     ]
     if site.target != "train_loader":
         parts.append(f"slot={site.target!r}")
-    return cst.parse_expression(f"_prefetch_iterator({sep.join(parts)})")
+    return cst.parse_expression(f"{runner}({sep.join(parts)})")
+
+
+def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
+    """Why a loader that moves batches to the GPU itself cannot run ahead exactly, else (None, None)."""
+    for call in (c for site in group for c in survey.calls_on(site)):
+        changing = [call.args[i] for i, const in enumerate(call.constant) if not const]
+        if changing:
+            names = ", ".join(f"`{a}`" for a in changing)
+            return f"next_batch gets per-step argument {names} and moves batches to the GPU itself; only constant arguments run ahead", call.line
+    return None, None

@@ -31,7 +31,7 @@ import threading
 
 import torch
 
-from templates.prefetch_loader import _EMPTY, _free_slot, _Handoff, _live_prefetchers, _running_workers, _WorkerError
+from templates.prefetch_loader import _free_slot, _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_worker, _WorkerError
 
 
 def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
@@ -61,8 +61,6 @@ class _PrefetchIterator:
     latter with the worker's traceback.
     """
 
-    _POLL_S = 0.1
-
     def __init__(self, iterator, queue_depth=2, copy_stream=True):
         self._iterator = iterator
         self._depth = max(1, int(queue_depth))
@@ -81,15 +79,9 @@ class _PrefetchIterator:
             raise self._ended
         if self._worker is None:
             self._worker = _IteratorWorker(self._iterator, self._depth, self._cuda, self._stream)
-            _running_workers.add(self._worker)
-            self._worker.thread.start()
+            _start_worker(self._worker)
         worker = self._worker
-        while True:
-            item = worker.queue.get(self._POLL_S)
-            if item is not _EMPTY:
-                break
-            if not worker.thread.is_alive() and worker.queue.empty():
-                raise RuntimeError("prefetch worker exited without an item")
+        item = _next_built(worker)
         if isinstance(item, _WorkerError):
             self.shutdown()
             if isinstance(item.error, StopIteration):
@@ -114,10 +106,7 @@ class _PrefetchIterator:
         worker, self._worker = self._worker, None
         if worker is None:
             return
-        worker.stop.set()
-        worker.queue.clear()
-        worker.thread.join(timeout=1.0)
-        _running_workers.discard(worker)
+        _stop_worker(worker)
         if self._ended is None and worker.thread.ident is not None:
             self._ended = RuntimeError("prefetch iterator shut down")
 
@@ -145,20 +134,15 @@ class _IteratorWorker:
                 torch.cuda.set_device(self.cuda)  # per thread: the rank's device, not device 0
             while not self.stop.is_set():
                 if self.stream is None:
-                    self._put((next(self.iterator), None))
+                    self.queue.put_until((next(self.iterator), None), self.stop)
                     continue
                 with torch.cuda.stream(self.stream):
                     value = next(self.iterator)
                     ready = torch.cuda.Event()
                     ready.record(self.stream)
-                self._put((value, ready))
+                self.queue.put_until((value, ready), self.stop)
         except BaseException as error:  # StopIteration included: handed to the caller
-            self._put(_WorkerError(error))
-
-    def _put(self, item):
-        while not self.stop.is_set():
-            if self.queue.put(item, _PrefetchIterator._POLL_S):
-                return
+            self.queue.put_until(_WorkerError(error), self.stop)
 
 
 def _record_stream(value, stream):

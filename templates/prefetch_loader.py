@@ -46,6 +46,8 @@ _live_prefetchers = {}
 # Every running worker, stopped at interpreter exit: a daemon thread still inside a
 # torch op while Python finalizes aborts the process.
 _running_workers = set()
+# How often a blocked caller or worker looks at the stop event (s).
+_POLL_S = 0.1
 
 
 def _stop_workers_at_exit():
@@ -103,8 +105,6 @@ class _PrefetchLoader:
     A worker's exception is re-raised in the caller with the worker's traceback.
     """
 
-    _POLL_S = 0.1  # how often a blocked caller or worker looks at the stop event
-
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True):
         self._make_loader = make_loader
         self._device = torch.device(device)
@@ -118,7 +118,6 @@ class _PrefetchLoader:
         self._handed_out = []  # arguments of every batch handed out, for replay
         self._worker = None
         self._worker_args = None  # the arguments the worker builds with
-        self._worker_key = None
         self._on_host = self._device.type == "cpu"
         self._settled = False
         self._ahead = False  # the loader has built batches nobody took (after a shutdown)
@@ -144,7 +143,7 @@ class _PrefetchLoader:
             if self._ahead:
                 self._replay()
             self._start(args)
-        elif self._key(args) != self._worker_key:
+        elif self._key(args) != self._key(self._worker_args):
             self._resync(args)
         # Else only the reshape argument changed: the hand-out reshapes.
 
@@ -158,10 +157,7 @@ class _PrefetchLoader:
         if worker is None:
             return
         self._ahead = True
-        worker.stop.set()
-        worker.queue.clear()
-        worker.thread.join(timeout=1.0)
-        _running_workers.discard(worker)
+        _stop_worker(worker)
 
     close = shutdown
 
@@ -199,9 +195,8 @@ class _PrefetchLoader:
 
     def _start(self, args):
         worker = _Worker(self._loader, args, self._depth, self._pin, self._rollback, self._host_copy)
-        self._worker, self._worker_args, self._worker_key = worker, args, self._key(args)
-        _running_workers.add(worker)
-        worker.thread.start()
+        self._worker, self._worker_args = worker, args
+        _start_worker(worker)
 
     def _resync(self, args):
         # Batches queued with other arguments are wrong for this call. With snapshots,
@@ -230,17 +225,11 @@ class _PrefetchLoader:
         return self._take_built().batch
 
     def _take_built(self):
-        worker = self._worker
-        while True:
-            item = worker.queue.get(self._POLL_S)
-            if item is _EMPTY:
-                if not worker.thread.is_alive() and worker.queue.empty():
-                    raise RuntimeError("prefetch worker exited without a batch")
-                continue
-            if isinstance(item, _WorkerError):
-                self.shutdown()
-                raise item.error.with_traceback(item.error.__traceback__)
-            return item
+        item = _next_built(self._worker)
+        if isinstance(item, _WorkerError):
+            self.shutdown()
+            raise item.error.with_traceback(item.error.__traceback__)
+        return item
 
     def _to_device(self, item, args):
         # The worker built `item` with `self._worker_args`; only a changed reshape
@@ -293,14 +282,33 @@ class _Worker:
         try:
             while not self.stop.is_set():
                 before = _snapshot(self.loader) if self.rollback else None
-                self._put(_Built(_stage(self.loader.next_batch(*self.args), self.pin, self.copy), before))
+                self.queue.put_until(_Built(_stage(self.loader.next_batch(*self.args), self.pin, self.copy), before), self.stop)
         except BaseException as error:  # handed to the caller, which re-raises it
-            self._put(_WorkerError(error))
+            self.queue.put_until(_WorkerError(error), self.stop)
 
-    def _put(self, item):
-        while not self.stop.is_set():
-            if self.queue.put(item, _PrefetchLoader._POLL_S):
-                return
+
+def _start_worker(worker):
+    """Start a worker (`thread`, `stop`, `queue`), registered for the stop at exit."""
+    _running_workers.add(worker)
+    worker.thread.start()
+
+
+def _stop_worker(worker):
+    """Stop a worker and drop what it queued; returns within about `_POLL_S` s (1 s at most)."""
+    worker.stop.set()
+    worker.queue.clear()
+    worker.thread.join(timeout=1.0)
+    _running_workers.discard(worker)
+
+
+def _next_built(worker):
+    """The worker's next queued item, waiting for it; RuntimeError if the worker died without one."""
+    while True:
+        item = worker.queue.get(_POLL_S)
+        if item is not _EMPTY:
+            return item
+        if not worker.thread.is_alive() and worker.queue.empty():
+            raise RuntimeError("prefetch worker exited without a batch")
 
 
 _EMPTY = object()
@@ -337,6 +345,12 @@ class _Handoff:
         if len(self._items) >= self._want:
             _signal(self._filled)
         return True
+
+    def put_until(self, item, stop):
+        """Append `item` once there is room, unless `stop` (an Event) is set first."""
+        while not stop.is_set():
+            if self.put(item, _POLL_S):
+                return
 
     def get(self, timeout):
         """The oldest item, or `_EMPTY` if none came within `timeout` s. Does not wake the producer."""

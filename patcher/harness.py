@@ -176,19 +176,25 @@ class LoaderRecipe:
                 values.append(self._eval_constant(code, ns))
         return tuple(values)
 
-    def _eval_constant(self, code: str, ns: dict, depth: int = 0, scope=None):
+    def _eval_constant(self, code: str, ns: dict, scope=None):
         """Evaluate a run-constant expression; a local it names is evaluated from its one assignment."""
-        scope = scope if scope is not None else self.call_scope
-        try:
-            return eval(code, ns)
-        except NameError as error:
-            name = getattr(error, "name", None)
-            owner = scope.resolve(name) if name and scope is not None else None
-            bindings = owner.bindings.get(name, []) if owner is not None else []
-            if depth > 8 or len(bindings) != 1 or bindings[0][1] is None:
-                raise HarnessError(f"cannot evaluate `{code}` outside the script: {error}") from None
-            ns[name] = self._eval_constant(self.survey.module.code_for_node(bindings[0][1]), ns, depth + 1, owner)
-            return self._eval_constant(code, ns, depth + 1, scope)
+        return evaluate_script_code(self.survey, code, ns, scope if scope is not None else self.call_scope)
+
+
+def evaluate_script_code(surveyed: Survey, code: str, ns: dict, scope, depth: int = 0):
+    """Evaluate the script's `code` in `ns`. A name missing from `ns` that has exactly one
+    assignment where `scope` resolves it is evaluated first, from that assignment (and
+    stored in `ns`). Raises HarnessError when a name cannot be found that way."""
+    try:
+        return eval(code, ns)
+    except NameError as error:
+        name = getattr(error, "name", None)
+        owner = scope.resolve(name) if name and scope is not None else None
+        bindings = owner.bindings.get(name, []) if owner is not None else []
+        if depth > 8 or len(bindings) != 1 or bindings[0][1] is None:
+            raise HarnessError(f"cannot evaluate `{code}` outside the script: {error}") from None
+        ns[name] = evaluate_script_code(surveyed, surveyed.module.code_for_node(bindings[0][1]), ns, owner, depth + 1)
+        return evaluate_script_code(surveyed, code, ns, scope, depth + 1)
 
 
 def patched_constructions(source: str, recipe: LoaderRecipe) -> list[str]:
@@ -317,19 +323,11 @@ class IteratorRecipe:
             raise HarnessError(f"the patched script builds `{target}` {len(wrapped)} times, the original {len(codes)}")
         return cls(surveyed, target, codes, wrapped)
 
-    def evaluate(self, code: str, module: types.ModuleType, depth: int = 0):
+    def evaluate(self, code: str, module: types.ModuleType):
         """Evaluate `code` in the module's globals; a module-level name it uses that the
         definitions-only import left out (`args = Hyperparameters()`) is evaluated from
         its one assignment in the original script first."""
-        try:
-            return eval(code, module.__dict__)
-        except NameError as error:
-            name = getattr(error, "name", None)
-            bindings = self.survey.collector.module_scope.bindings.get(name, []) if name else []
-            if depth > 8 or len(bindings) != 1 or bindings[0][1] is None:
-                raise HarnessError(f"cannot evaluate `{code}` outside the script: {error}") from None
-            module.__dict__[name] = self.evaluate(self.survey.module.code_for_node(bindings[0][1]), module, depth + 1)
-            return self.evaluate(code, module, depth + 1)
+        return evaluate_script_code(self.survey, code, module.__dict__, self.survey.collector.module_scope)
 
 
 class SimulatedDist:

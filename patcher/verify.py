@@ -190,25 +190,30 @@ def _compare_rank(recipe, patched_sites, modules, plan: _Plan, rank: int) -> Dif
     spaces = [recipe.namespace(m, plan.hparams_for(rank), rank, plan.world_size, cpu) for m in modules]
     builders = [lambda i: recipe.build(recipe.constructions[i], spaces[0]), lambda i: recipe.evaluate(patched_sites[i], spaces[1], recipe.constructions[i].binding)]
     phases = [("warmup", 0, plan.warmup), ("train", len(recipe.constructions) - 1, plan.batches)] if plan.warmup else [("train", 0, plan.batches)]
-    loaders = [None, None]
+    return _compare_phases(rank, phases, lambda side, index: builders[side](index), lambda loader, batch: loader.next_batch(*recipe.arguments(spaces[0], batch, plan.seq_lens)), "loader")
+
+
+def _compare_phases(rank: int, phases, build, draw, what: str) -> Difference | None:
+    """Build both sides for each (phase, construction index, count) and compare `count`
+    draws in order; the first difference, or None. build(side, index) -> source;
+    draw(source, n) -> the n-th batch of the phase. Both sides are closed at the end."""
+    sources = [None, None]
     try:
-        for phase, site, count in phases:
+        for phase, index, count in phases:
             for side in (0, 1):
-                _close(loaders[side])
-                loaders[side] = builders[side](site)
-            for batch in range(count):
-                args = recipe.arguments(spaces[0], batch, plan.seq_lens)
+                _close(sources[side])
+                sources[side] = build(side, index)
+            for n in range(count):
                 try:
-                    reference = loaders[0].next_batch(*args)
+                    reference = draw(sources[0], n)
                 except Exception as error:
-                    raise CannotVerify(f"the original loader fails here (rank {rank}, batch {batch}): {type(error).__name__}: {error}") from None
-                got = [reference, loaders[1].next_batch(*args)]
-                diff = _first_difference(got[0], got[1])
+                    raise CannotVerify(f"the original {what} fails here (rank {rank}, batch {n}): {type(error).__name__}: {error}") from None
+                diff = _first_difference(reference, draw(sources[1], n))
                 if diff is not None:
-                    return Difference(rank, phase, batch, diff[0], diff[1])
+                    return Difference(rank, phase, n, diff[0], diff[1])
     finally:
-        for loader in loaders:
-            _close(loader)
+        for source in sources:
+            _close(source)
     return None
 
 
@@ -314,25 +319,9 @@ def _compare_iterator_rank(recipe: IteratorRecipe, modules, rank: int, world_siz
     for module in modules:
         if "dist" in module.__dict__:
             module.__dict__["dist"] = SimulatedDist(rank, world_size)
-    iterators = [None, None]
-    try:
-        for index, count in enumerate(counts):
-            phase = "train" if index == len(counts) - 1 else "warmup"
-            for side in (0, 1):
-                _close(iterators[side])
-                iterators[side] = recipe.evaluate((recipe.original, recipe.patched)[side][index], modules[side])
-            for item in range(count):
-                try:
-                    reference = next(iterators[0])
-                except Exception as error:
-                    raise CannotVerify(f"the original generator fails here (rank {rank}, item {item}): {type(error).__name__}: {error}") from None
-                diff = _first_difference(reference, next(iterators[1]))
-                if diff is not None:
-                    return Difference(rank, phase, item, diff[0], diff[1])
-    finally:
-        for iterator in iterators:
-            _close(iterator)
-    return None
+    phases = [("train" if index == len(counts) - 1 else "warmup", index, count) for index, count in enumerate(counts)]
+    codes = (recipe.original, recipe.patched)
+    return _compare_phases(rank, phases, lambda side, index: recipe.evaluate(codes[side][index], modules[side]), lambda iterator, n: next(iterator), "generator")
 
 
 def _close(loader) -> None:

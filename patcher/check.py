@@ -535,11 +535,14 @@ def _run_child(script: str, module_name: str, cwd: str, timeout: float) -> Impor
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         return ImportResult(False, error=f"timed out after {timeout:g} s", seconds=time.monotonic() - start)
-    seconds = time.monotonic() - start
+    return _import_result(out, time.monotonic() - start, f"import child exited with code {proc.returncode} and no result: {_last_line(err)}")
+
+
+def _import_result(out: bytes, seconds: float, no_result: str) -> ImportResult:
+    """The ImportResult in the child's last JSON line; `no_result` is the error without one."""
     reply = _last_json(out)
     if reply is None:
-        why = f"import child exited with code {proc.returncode} and no result: {_last_line(err)}"
-        return ImportResult(False, error=why, seconds=seconds)
+        return ImportResult(False, error=no_result, seconds=seconds)
     return ImportResult(
         ok=bool(reply.get("ok")),
         stubbed=list(reply.get("stubbed") or []),
@@ -586,11 +589,7 @@ def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> Impo
     finally:
         os.close(read_end)
     _, status = os.waitpid(pid, 0)
-    seconds = time.monotonic() - start
-    reply = _last_json(data)
-    if reply is None:
-        return ImportResult(False, error=f"import child exited with status {status} and no result", seconds=seconds)
-    return ImportResult(ok=bool(reply.get("ok")), stubbed=list(reply.get("stubbed") or []), error=reply.get("error"), seconds=seconds, line=reply.get("line"))
+    return _import_result(data, time.monotonic() - start, f"import child exited with status {status} and no result")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

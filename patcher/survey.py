@@ -781,12 +781,17 @@ def _find_constructions_and_calls(collector: _SiteCollector, result: Survey) -> 
             )
         )
     for c in result.constructions:
-        if "calib" in c.target.lower() or "val" in c.target.lower():
+        if _names_other_data(c.target):
             c.reason = f"`{c.target}` is not the training loader"
         elif not result.calls_on(c):
             c.reason = f"`{c.target}` has no next_batch call where it is built"
         else:
             c.training = True
+
+
+def _names_other_data(target: str) -> bool:
+    """True for a variable named for validation or calibration data, not training data."""
+    return "calib" in target.lower() or "val" in target.lower()
 
 
 DIST_LOCAL_QUERIES = {"get_rank", "get_world_size", "is_initialized", "is_available", "get_backend"}
@@ -803,7 +808,7 @@ def _find_iterators(collector: _SiteCollector, result: Survey) -> None:
         site = IteratorSite(target.value, func.value, assign, assign.value, result.line_of(assign), binding)
         advanced = [c for c, sc in collector.next_calls if c.args[0].value.value == target.value and sc.resolve(target.value) is binding]
         uses = sorted({a.attr for a in collector.attribute_uses if a.base == target.value and a.scope.resolve(a.base) is binding})
-        if "calib" in site.target.lower() or "val" in site.target.lower():
+        if _names_other_data(site.target):
             site.reason = f"`{site.target}` is not the training data source"
         elif "send" in uses:
             site.reason = (
@@ -815,12 +820,12 @@ def _find_iterators(collector: _SiteCollector, result: Survey) -> None:
         elif not advanced:
             site.reason = f"`{site.target}` is never advanced with next()"
         else:
-            site.reason = _generator_unsafe(generators[func.value], result)
+            site.reason = _generator_unsafe(generators[func.value])
             site.training = site.reason is None
         result.iterators.append(site)
 
 
-def _generator_unsafe(function: cst.FunctionDef, result: Survey) -> str | None:
+def _generator_unsafe(function: cst.FunctionDef) -> str | None:
     """Why running `function` on another thread could change what it yields, else None."""
     name = function.name.value
     for node in _walk(function):

@@ -295,13 +295,16 @@ class IteratorRecipe:
 
     target: the variable (`train_loader`); original / patched: the construction
     expressions, in source order, of the original and of the patched script;
-    survey: the original's survey (for the module-level names the expressions use).
+    survey: the original's survey (for the module-level names the expressions use);
+    sent: the expressions that may give the values the script passes to
+    `target.send(value)` (see `_sent_value_codes`), in source order.
     """
 
     survey: Survey
     target: str
     original: list[str]
     patched: list[str]
+    sent: list[str] = field(default_factory=list)
 
     @classmethod
     def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
@@ -321,13 +324,56 @@ class IteratorRecipe:
         ]
         if len(wrapped) != len(codes):
             raise HarnessError(f"the patched script builds `{target}` {len(wrapped)} times, the original {len(codes)}")
-        return cls(surveyed, target, codes, wrapped)
+        sends = [c for i in sites if i.target == target for c in i.sends]
+        return cls(surveyed, target, codes, wrapped, _sent_value_codes(surveyed, sends))
+
+    def sent_values(self, module: types.ModuleType) -> list:
+        """The values of `sent` that evaluate outside training (module-level names only)
+        to something other than None, distinct, in order; the others are left out."""
+        values = []
+        for code in self.sent:
+            try:
+                value = self.evaluate(code, module)
+            except HarnessError:
+                continue
+            if value is not None and value not in values:
+                values.append(value)
+        return values
 
     def evaluate(self, code: str, module: types.ModuleType):
         """Evaluate `code` in the module's globals; a module-level name it uses that the
         definitions-only import left out (`args = Hyperparameters()`) is evaluated from
         its one assignment in the original script first."""
         return evaluate_script_code(self.survey, code, module.__dict__, self.survey.collector.module_scope)
+
+
+def _sent_value_codes(surveyed: Survey, sends: list[cst.Call]) -> list[str]:
+    """Source of what each `target.send(value)` may pass: the argument itself, or for a
+    name the values assigned to it in its scope, and both branches of a conditional
+    (`(bs, seq_len) if step == k else None`); the literal None left out."""
+    scopes = dict(surveyed.collector.send_calls)
+    codes: list[str] = []
+
+    def add(expr: cst.BaseExpression, scope, depth: int) -> None:
+        if m.matches(expr, m.Name("None")):
+            return
+        if isinstance(expr, cst.IfExp):
+            add(expr.body, scope, depth)
+            add(expr.orelse, scope, depth)
+            return
+        home = scope.resolve(expr.value) if isinstance(expr, cst.Name) and depth < 3 else None
+        if home is not None:
+            for kind, value in home.bindings[expr.value]:
+                if kind == "assign" and value is not None:
+                    add(value, home, depth + 1)
+            return
+        code = surveyed.module.code_for_node(expr)
+        if code not in codes:
+            codes.append(code)
+
+    for call in sends:
+        add(call.args[0].value, scopes[call], 0)
+    return codes
 
 
 class SimulatedDist:

@@ -100,8 +100,9 @@ class IteratorSite:
     """`target = generator_function(...)`: a data generator built in the script.
 
     function: the generator function's name; node: the `Assign`; call: its value.
-    training: the training data source (advanced with `next(target)`, named for
-    training); reason: why it is not prefetched, or None.
+    training: the training data source (advanced with `next(target)` or
+    `target.send(value)`, named for training); sends: the `target.send(value)` calls;
+    reason: why it is not prefetched, or None.
     """
 
     target: str
@@ -112,6 +113,7 @@ class IteratorSite:
     binding: object = None
     training: bool = False
     reason: str | None = None
+    sends: list = field(default_factory=list)
 
 
 @dataclass
@@ -218,6 +220,7 @@ def survey(module: cst.Module) -> Survey:
             result.loader_classes[cls.name.value] = _survey_loader(cls, classes, result)
     _find_constructions_and_calls(collector, result)
     _find_iterators(collector, result)
+    _inside_training_generators(result)
     result.hyperparameters = _find_hyperparameters(module, result)
     result.log_function = _find_log_function(collector)
     result.squares = _find_squares(collector, result)
@@ -315,6 +318,7 @@ class _SiteCollector(cst.CSTVisitor):
         self.functions: list[cst.FunctionDef] = []
         self.attribute_uses: list[AttributeUse] = []
         self.next_calls: list[tuple[cst.Call, _Scope]] = []  # next(name)
+        self.send_calls: list[tuple[cst.Call, _Scope]] = []  # name.send(value)
         self.generator_functions: set[cst.FunctionDef] = set()  # functions that yield
         # every f-string, with the f-strings it sits in
         self.fstrings: list[tuple[cst.FormattedString, tuple]] = []
@@ -419,6 +423,8 @@ class _SiteCollector(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         if m.matches(node, m.Call(func=m.Name("next"), args=[m.Arg(m.Name()), m.ZeroOrMore()])):
             self.next_calls.append((node, self.scope))
+        if m.matches(node, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("send")), args=[m.Arg(keyword=None)])):
+            self.send_calls.append((node, self.scope))
         if m.matches(node, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("next_batch")))):
             self.calls.append((node, self.scope))
             self.top_of[node] = self.top
@@ -807,14 +813,12 @@ def _find_iterators(collector: _SiteCollector, result: Survey) -> None:
         binding = scope.resolve(target.value)
         site = IteratorSite(target.value, func.value, assign, assign.value, result.line_of(assign), binding)
         advanced = [c for c, sc in collector.next_calls if c.args[0].value.value == target.value and sc.resolve(target.value) is binding]
-        uses = sorted({a.attr for a in collector.attribute_uses if a.base == target.value and a.scope.resolve(a.base) is binding})
+        site.sends = [c for c, sc in collector.send_calls if c.func.value.value == target.value and sc.resolve(target.value) is binding]
+        # `.send(value)` is exact in the runtime (rebuild and replay); other methods are not ours to run ahead
+        uses = sorted({a.attr for a in collector.attribute_uses if a.base == target.value and a.scope.resolve(a.base) is binding} - ({"send"} if site.sends else set()))
+        advanced += site.sends
         if _names_other_data(site.target):
             site.reason = f"`{site.target}` is not the training data source"
-        elif "send" in uses:
-            site.reason = (
-                f"`{site.target}.send(...)` passes new parameters during the run; an item built ahead "
-                "was built without them and a generator cannot be rolled back"
-            )
         elif uses:
             site.reason = f"`{site.target}` is used as {', '.join(f'`{site.target}.{u}`' for u in uses)}, not only with next()"
         elif not advanced:
@@ -823,6 +827,17 @@ def _find_iterators(collector: _SiteCollector, result: Survey) -> None:
             site.reason = _generator_unsafe(generators[func.value])
             site.training = site.reason is None
         result.iterators.append(site)
+
+
+def _inside_training_generators(result: Survey) -> None:
+    """A loader built inside a data generator that runs ahead as a whole (modded-nanogpt's
+    `BOSFinder` in `distributed_data_generator`) is not wrapped a second time."""
+    generators = {i.function for i in result.iterators if i.training}
+    for construction in result.constructions:
+        scope = construction.scope
+        if construction.training and isinstance(scope, cst.FunctionDef) and scope.name.value in generators:
+            construction.training = False
+            construction.reason = f"`{construction.target}` is built inside the data generator {scope.name.value}, which runs ahead as a whole"
 
 
 def _generator_unsafe(function: cst.FunctionDef) -> str | None:

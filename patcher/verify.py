@@ -83,8 +83,11 @@ class VerifyResult:
         return d
 
 
-def verify(original: str | Path, patched: str | Path, batches: int = 64, world_size: int = 2, seed: int = 0, warmup: int = 4) -> VerifyResult:
+def verify(original: str | Path, patched: str | Path, batches: int = 64, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None) -> VerifyResult:
     """Compare the training batches of `original` and `patched` for ranks 0..world_size-1.
+
+    sends: expressions (over the script's module-level names) of values to pass to a
+    data generator's `.send()` besides those the script's own calls pass.
 
     Returns a `VerifyResult`. Raises `CannotVerify` when the loader cannot be driven
     outside the script, and `SourceError` for unreadable input.
@@ -101,6 +104,7 @@ def verify(original: str | Path, patched: str | Path, batches: int = 64, world_s
         except HarnessError as iterator_error:
             why = iterator_error if "generator" in str(iterator_error) or "`" in str(iterator_error) else error
             raise CannotVerify(f"{original}: {why}") from None
+        iterator.sent += [code for code in sends or [] if code not in iterator.sent]
         return _verify_iterator(iterator, (original, patched), (original_source, patched_source), batches, world_size, seed, warmup, notes, started)
     patched_sites = patched_constructions(patched_source, recipe)
     if len(patched_sites) != len(recipe.constructions):
@@ -229,7 +233,8 @@ def _verify_iterator(recipe: IteratorRecipe, paths, sources, batches, world_size
         try:
             tokens_per_item = _largest_int_argument(recipe, recipe.original[-1], modules[0])
             _write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), seed, notes)
-            difference = _first_rank_difference(lambda rank: _compare_iterator_rank(recipe, modules, rank, world_size, counts), world_size)
+            sends = _send_schedule(recipe, modules, batches, notes)
+            difference = _first_rank_difference(lambda rank: _compare_iterator_rank(recipe, modules, rank, world_size, counts, sends), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{paths[0]}: {error}") from None
     notes.append(f"generator `{recipe.target}`: {sum(counts)} items per rank" + (f" ({warmup} per warm-up build)" if len(counts) > 1 else ""))
@@ -315,13 +320,42 @@ def _write_iterator_shards(recipe, modules, root, tokens_per_item, items, seed, 
     notes.append(f"4 shards x {tokens_per_shard} tokens in {data_dir}/; {tokens_per_item} tokens per item")
 
 
-def _compare_iterator_rank(recipe: IteratorRecipe, modules, rank: int, world_size: int, counts) -> Difference | None:
+def _send_schedule(recipe: IteratorRecipe, modules, batches: int, notes: list[str]) -> dict:
+    """Where the comparison sends values, as the script does: {item: (original's value,
+    patched's value)}, each distinct value the script's `.send(...)` passes (evaluated
+    in each script's own module) at evenly spaced items of every phase."""
+    if not recipe.sent:
+        return {}
+    values = [recipe.sent_values(module) for module in modules]
+    if not values[0] or len(values[0]) != len(values[1]) or batches < 2:
+        notes.append(f"`{recipe.target}.send(...)`: no value it passes could be evaluated outside training ({', '.join(recipe.sent)}); items drawn with next() only (--send EXPR gives one)")
+        return {}
+    at = [(i + 1) * batches // (len(values[0]) + 1) for i in range(len(values[0]))]
+    notes.append(f"`{recipe.target}.send(...)` of {', '.join(map(repr, values[0]))} at item {', '.join(map(str, at))}")
+    return {n: pair for n, pair in zip(at, zip(*values))}
+
+
+def _compare_iterator_rank(recipe: IteratorRecipe, modules, rank: int, world_size: int, counts, sends: dict) -> Difference | None:
+    """Both generators of one rank, item by item; at the items in `sends` each side is
+    sent its own script's value instead of advanced with next()."""
     for module in modules:
         if "dist" in module.__dict__:
             module.__dict__["dist"] = SimulatedDist(rank, world_size)
     phases = [("train" if index == len(counts) - 1 else "warmup", index, count) for index, count in enumerate(counts)]
     codes = (recipe.original, recipe.patched)
-    return _compare_phases(rank, phases, lambda side, index: recipe.evaluate(codes[side][index], modules[side]), lambda iterator, n: next(iterator), "generator")
+    sides = {}
+
+    def build(side, index):
+        iterator = recipe.evaluate(codes[side][index], modules[side])
+        sides[id(iterator)] = side
+        return iterator
+
+    def draw(iterator, n):
+        if n in sends:
+            return iterator.send(sends[n][sides[id(iterator)]])
+        return next(iterator)
+
+    return _compare_phases(rank, phases, build, draw, "generator")
 
 
 def _close(loader) -> None:

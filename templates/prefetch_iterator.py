@@ -22,9 +22,18 @@ for (cold start), the rest ahead.
 its batch to the GPU itself and takes no device (`return x.cuda(), y.cuda()`).
 
 Exactness: the same generator object is advanced by `next` only, one item per item
-handed out, so the sequence is the original's. `.send(value)` is not supported: an
-item built ahead was built without the value, and a generator cannot be rolled back;
-the patch leaves generators that receive `.send` unpatched, and calling it here raises.
+handed out, so the sequence is the original's. `.send(None)` is `next()`. `.send(value)`
+with a value (modded-nanogpt's new batch size and sequence length) arrives after the
+worker has already resumed the generator with None at that `yield` and built items
+ahead without the value; a generator frame cannot be rolled back, so those items are
+dropped and the generator is rebuilt: a new one from the script's own expression,
+replayed with every value the caller passed so far (None for `next`), then sent the
+new value. The item handed out is therefore the one the original returns, never one
+built with stale parameters. The rebuild costs one pass over the items handed out so
+far, on the caller's thread; it is meant for schedules that change a few times a run
+(the usual `.send(None)` per step costs nothing). Only a generator built through
+`_prefetch_iterator` (which keeps the expression) can be rebuilt; otherwise a value
+sent raises.
 """
 
 import threading
@@ -47,7 +56,7 @@ def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=
     _free_slot(slot)
     if not prefetch:
         return make_iterator()
-    iterator = _PrefetchIterator(make_iterator(), queue_depth, copy_stream)
+    iterator = _PrefetchIterator(make_iterator(), queue_depth, copy_stream, remake=make_iterator)
     _live_prefetchers[slot] = iterator
     return iterator
 
@@ -58,11 +67,15 @@ class _PrefetchIterator:
     `next()` returns exactly what `next(iterator)` would (tuples of tensors on the
     iterator's device, numpy arrays, ...), in order. StopIteration and any exception
     raised by the iterator reach the caller at the item where they happened, the
-    latter with the worker's traceback.
+    latter with the worker's traceback. `send(value)` as a generator's (module
+    docstring); remake: `() -> iterator`, a new iterator equal to `iterator` when
+    built, needed for sending values other than None.
     """
 
-    def __init__(self, iterator, queue_depth=2, copy_stream=True):
+    def __init__(self, iterator, queue_depth=2, copy_stream=True, remake=None):
         self._iterator = iterator
+        self._remake = remake
+        self._sent = []  # per item handed out: the value the caller passed (None for next)
         self._depth = max(1, int(queue_depth))
         self._cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self._stream = torch.cuda.Stream(device=self._cuda) if (copy_stream and self._cuda is not None) else None
@@ -78,8 +91,7 @@ class _PrefetchIterator:
         if self._ended is not None:
             raise self._ended
         if self._worker is None:
-            self._worker = _IteratorWorker(self._iterator, self._depth, self._cuda, self._stream)
-            _start_worker(self._worker)
+            self._start()
         worker = self._worker
         item = _next_built(worker)
         if isinstance(item, _WorkerError):
@@ -94,12 +106,43 @@ class _PrefetchIterator:
             current.wait_event(ready)
             _record_stream(value, current)
         worker.queue.room()  # last: see _PrefetchLoader.next_batch
+        self._sent.append(None)
         return value
 
     def send(self, value):
+        """`generator.send(value)`: the next item, built after the generator received `value`.
+
+        Raises TypeError for a value sent before the first item (as a generator does),
+        RuntimeError when a value is sent and the iterator cannot be rebuilt.
+        """
         if value is None:
             return next(self)
-        raise RuntimeError("prefetch: .send() of a value to a generator that runs ahead; patch with --skip train_prefetch")
+        if not self._sent:
+            raise TypeError("can't send non-None value to a just-started generator")
+        if self._remake is None:
+            raise RuntimeError("prefetch: .send() of a value to an iterator that runs ahead and cannot be rebuilt")
+        if self._ended is not None:
+            return next(self)  # ended: StopIteration or the error, as for next()
+        self.shutdown()
+        self._ended = None
+        self._iterator = self._rebuilt()
+        item = self._iterator.send(value)  # StopIteration and errors reach the caller as the original's
+        self._sent.append(value)
+        self._start()  # the next items, ahead again with the new parameters
+        return item
+
+    def _start(self):
+        self._worker = _IteratorWorker(self._iterator, self._depth, self._cuda, self._stream)
+        _start_worker(self._worker)
+
+    def _rebuilt(self):
+        """A new iterator where the caller's is: built by `remake`, then replayed with
+        every value handed to the caller's one so far, the items dropped."""
+        iterator = self._remake()
+        next(iterator)
+        for value in self._sent[1:]:
+            iterator.send(value)  # send(None) is next()
+        return iterator
 
     def shutdown(self):
         """Stop the worker and drop queued items; returns within about `_POLL_S` s."""

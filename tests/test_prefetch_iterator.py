@@ -7,6 +7,8 @@ import traceback
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from templates.prefetch_iterator import _prefetch_iterator, _prefetch_next_batch, _PrefetchIterator, _record_stream
 from templates.prefetch_loader import _live_prefetchers
@@ -80,13 +82,81 @@ def test_prefetch_off_returns_the_generator_itself(clean):
     assert _prefetch_iterator(lambda: gen, prefetch=False) is gen
 
 
-def test_send_none_is_next_and_a_value_is_refused(clean):
+def resizable_generator(tokens_per_item=6, made=None):
+    """A stream of int32 tokens cut into items whose length `.send(n)` changes (the
+    modded-nanogpt shape: the new size applies from the next item on)."""
+    stream = torch.arange(100_000, dtype=torch.int32) * 3
+    pos = 0
+    while True:
+        item = stream[pos : pos + tokens_per_item].clone()
+        pos += tokens_per_item
+        if made is not None:
+            made.append(pos)
+        new = yield item, tokens_per_item
+        if new is not None:
+            tokens_per_item = new
+
+
+def drive(iterator, calls):
+    """Items of `iterator` for `calls` (None: next(); int: send(int))."""
+    return [next(iterator) if c is None else iterator.send(c) for c in calls]
+
+
+def test_send_none_is_next(clean):
     want = list(token_generator(2))
     it = _prefetch_iterator(lambda: token_generator(), queue_depth=2)
     clean.append(it)
     assert_item_equal(it.send(None), want[0])
-    with pytest.raises(RuntimeError, match="send"):
-        it.send((1024, 64))
+    assert_item_equal(it.send(None), want[1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(calls=st.lists(st.none() | st.integers(1, 9), min_size=1, max_size=25), depth=st.integers(1, 3))
+def test_send_of_a_value_hands_out_what_the_generator_would(calls, depth):
+    """Items built ahead with the old size are never handed out: every item equals the
+    plain generator's under the same next/send sequence."""
+    calls = [None] + calls  # a just-started generator takes no value
+    it = _prefetch_iterator(lambda: resizable_generator(), queue_depth=depth)
+    try:
+        got = drive(it, calls)
+    finally:
+        it.shutdown()
+    want = drive(resizable_generator(), calls)
+    assert [(g[0].tolist(), g[1]) for g in got] == [(w[0].tolist(), w[1]) for w in want]
+
+
+def test_send_rebuilds_then_runs_ahead_again(clean):
+    made = []
+    it = _prefetch_iterator(lambda: resizable_generator(made=made), queue_depth=2)
+    clean.append(it)
+    drive(it, [None, None, None])
+    item = it.send(4)
+    assert item[1] == 4 and item[0].tolist() == [3 * t for t in range(18, 22)]
+    # after the send, the new generator runs ahead with the new size
+    it._worker.queue.wait_full(WAIT_S)
+    assert made[-1] > 22 and (made[-1] - 22) % 4 == 0
+
+
+def test_send_before_the_first_item_and_without_a_rebuild_recipe(clean):
+    it = _prefetch_iterator(lambda: resizable_generator(), queue_depth=2)
+    clean.append(it)
+    with pytest.raises(TypeError, match="just-started"):
+        it.send(5)
+    plain = _PrefetchIterator(resizable_generator(), queue_depth=2)
+    clean.append(plain)
+    next(plain)
+    with pytest.raises(RuntimeError, match="cannot be rebuilt"):
+        plain.send(5)
+
+
+def test_send_after_the_end_is_stop_iteration(clean):
+    it = _prefetch_iterator(lambda: token_generator(1), queue_depth=2)
+    clean.append(it)
+    next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    with pytest.raises(StopIteration):
+        it.send(3)
 
 
 def test_builds_at_most_depth_plus_two_items_ahead(clean):

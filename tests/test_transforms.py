@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import textwrap
 
+import libcst as cst
 import pytest
 
 from patcher.patch import features_from, patch_source
+from patcher.survey import survey
 
 LOADER = '''
 import os
@@ -233,7 +235,7 @@ def test_top_level_generator_is_wrapped_and_its_copies_noted():
 @pytest.mark.parametrize(
     "extra, loop, reason_part",
     [
-        ("pass", "train_loader.send((1024, 64))", ".send(...)` passes new parameters"),
+        ("pass", "train_loader.throw(ValueError)", "`train_loader.throw`"),
         ("noise = torch.randint(0, 9, (1,))", "next(train_loader)", "global torch RNG"),
         ("dist.all_reduce(buf)", "next(train_loader)", "collective"),
         ("pass", "0, 0", "never advanced with next()"),
@@ -243,6 +245,15 @@ def test_generator_left_alone_with_the_reason(extra, loop, reason_part):
     result, notes = notes_for(generator_script(extra, loop), "train_prefetch")
     assert not notes[0].applied and reason_part in notes[0].reason
     assert "_prefetch_iterator(" not in result.source
+
+
+def test_generator_receiving_send_is_wrapped_and_its_sends_surveyed():
+    source = generator_script(loop="train_loader.send((1024, 64) if step == 5 else None)")
+    result, notes = notes_for(source, "train_prefetch")
+    assert notes[0].applied
+    assert "train_loader = _prefetch_iterator(lambda: data_generator(" in result.source
+    sites = [i for i in survey(cst.parse_module(source)).iterators if i.training]
+    assert [cst.Module([]).code_for_node(c.args[0].value) for c in sites[0].sends] == ["(1024, 64) if step == 5 else None"]
 
 
 def test_validation_generator_is_not_wrapped():

@@ -96,6 +96,27 @@ def test_catches_a_generator_that_skips_an_item(tmp_path):
     assert (result.difference.rank, result.difference.phase, result.difference.batch) == (0, "train", 5)
 
 
+IGNORE_SENT_VALUE = (
+    "        if value is None:\n            return next(self)\n        if not self._sent:",
+    "        if True:  # a broken send: the value is dropped\n            return next(self)\n        if not self._sent:",
+)
+
+
+def test_generator_compared_across_a_send_of_new_parameters(tmp_path):
+    original, out = patched(tmp_path, "generator_toplevel")
+    result = verify(original, out, batches=16)
+    assert result.identical
+    assert any(".send(...)` of (1024, 32) at item 8" in n for n in result.notes)
+
+
+def test_catches_a_generator_that_ignores_a_sent_value(tmp_path):
+    original, out = patched(tmp_path, "generator_toplevel", IGNORE_SENT_VALUE)
+    result = verify(original, out, batches=16)
+    assert not result.identical
+    # items before the send match; the first item after it was built with the old size
+    assert (result.difference.rank, result.difference.phase, result.difference.batch) == (0, "train", 8)
+
+
 def test_generator_ranks_read_their_own_span(tmp_path):
     # dist.get_rank() inside the generator answers the simulated rank: rank 1's first
     # item is not rank 0's (a harness that ignored ranks would compare rank 0 twice).

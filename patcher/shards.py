@@ -51,7 +51,7 @@ def shard_name(split: str, index: int) -> str:
     return f"fineweb_{split}_{index:06d}.bin"
 
 
-def _make_tokens(rng: np.random.Generator, n: int, vocab_size: int, bos_id: int | None) -> np.ndarray:
+def _make_tokens(rng: np.random.Generator, n: int, vocab_size: int, bos_id: int | None, doc_len_range: tuple[int, int] = DOC_LEN_RANGE) -> np.ndarray:
     """Return `n` tokens, dtype uint16, shape (n,), values in [0, vocab_size)."""
     steps = rng.choice(np.array([1, 2, 3], dtype=np.int64), size=n, p=[0.6, 0.3, 0.1])
     start = int(rng.integers(vocab_size))
@@ -60,7 +60,7 @@ def _make_tokens(rng: np.random.Generator, n: int, vocab_size: int, bos_id: int 
         # Ordinary tokens never equal bos_id: map them onto the other vocab_size - 1 ids.
         others = np.array([t for t in range(vocab_size) if t != bos_id], dtype=np.int64)
         tokens = others[tokens % (vocab_size - 1)]
-        lo, hi = DOC_LEN_RANGE
+        lo, hi = doc_len_range
         pos = 0
         while pos < n:
             tokens[pos] = bos_id
@@ -93,6 +93,7 @@ def write_shards(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     seed: int = 0,
     bos_id: int | None = None,
+    doc_len_range: tuple[int, int] = DOC_LEN_RANGE,
 ) -> dict:
     """Write synthetic train and val shards into `directory` (created if missing).
 
@@ -100,7 +101,8 @@ def write_shards(
     tokens_per_shard: tokens per file (>= 1); vocab_size: token ids are in
     [0, vocab_size), 2 <= vocab_size <= 65536; seed: int, the only source of
     randomness; bos_id: None, or a token id in [0, vocab_size) put at each
-    document start (the first token of every shard is a document start).
+    document start (the first token of every shard is a document start);
+    doc_len_range: inclusive (min, max) document length in tokens, BOS included.
     Writes `fineweb_train_000000.bin`, ... and `fineweb_val_000000.bin`, ...
     (see the module docstring for the byte layout).
     Returns: dict with "directory" (str), "train_files" / "val_files" (lists of str
@@ -122,7 +124,7 @@ def write_shards(
     for split, count in (("train", train_shards), ("val", val_shards)):
         for i in range(count):
             path = out / shard_name(split, i)
-            write_shard(path, _make_tokens(rng, tokens_per_shard, vocab_size, bos_id))
+            write_shard(path, _make_tokens(rng, tokens_per_shard, vocab_size, bos_id, doc_len_range))
             files[split].append(str(path))
     return {
         "directory": str(out),

@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +41,13 @@ from patcher.harness import (
     point_at_shards,
 )
 from patcher.patch import features_from, patch_source
-from patcher.shards import write_shards
+from patcher.shards import DOC_LEN_RANGE, write_shards
 from patcher.source import read_script
 
 EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
+
+# Document lengths (tokens, BOS included) for scripts sized for web text.
+WEB_DOC_LEN_RANGE = (128, 1024)
 
 
 class CannotVerify(Exception):
@@ -209,10 +214,16 @@ def _compare_phases(rank: int, phases, build, draw, what: str) -> Difference | N
                 sources[side] = build(side, index)
             for n in range(count):
                 try:
-                    reference = draw(sources[0], n)
+                    with _draw_deadline(DRAW_TIMEOUT_S):
+                        reference = draw(sources[0], n)
                 except Exception as error:
                     raise CannotVerify(f"the original {what} fails here (rank {rank}, batch {n}): {type(error).__name__}: {error}") from None
-                diff = _first_difference(reference, draw(sources[1], n))
+                try:
+                    with _draw_deadline(DRAW_TIMEOUT_S):
+                        candidate = draw(sources[1], n)
+                except DrawTimeout as error:
+                    raise CannotVerify(f"the patched {what} hangs here (rank {rank}, batch {n}): {error}") from None
+                diff = _first_difference(reference, candidate)
                 if diff is not None:
                     return Difference(rank, phase, n, diff[0], diff[1])
     finally:
@@ -231,9 +242,11 @@ def _verify_iterator(recipe: IteratorRecipe, paths, sources, batches, world_size
             module.__dict__.setdefault("device", torch.device("cpu"))
         counts = [warmup] * (len(recipe.original) - 1) + [batches]
         try:
-            tokens_per_item = _largest_int_argument(recipe, recipe.original[-1], modules[0])
-            _write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), seed, notes)
             sends = _send_schedule(recipe, modules, batches, notes)
+            # a sent value can ask for bigger items than the construction (a batch-size schedule)
+            sent_ints = [v for pair in sends.values() for v in _ints_in(pair[0])]
+            tokens_per_item = max([_largest_int_argument(recipe, recipe.original[-1], modules[0]), *sent_ints])
+            _write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), seed, notes)
             difference = _first_rank_difference(lambda rank: _compare_iterator_rank(recipe, modules, rank, world_size, counts, sends), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{paths[0]}: {error}") from None
@@ -292,6 +305,12 @@ def _largest_int_argument(recipe: IteratorRecipe, code: str, module) -> int:
     return max(values, default=65536)
 
 
+def _ints_in(value) -> list[int]:
+    """The ints in a sent value: the value itself, or the items of a tuple or list."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return [v for v in items if isinstance(v, int) and not isinstance(v, bool)]
+
+
 def _write_iterator_shards(recipe, modules, root, tokens_per_item, items, seed, notes) -> None:
     """Shards where the scripts look: `Hyperparameters.train_files`, or the glob literal
     of the construction (relative to the working directory, `root`)."""
@@ -316,8 +335,23 @@ def _write_iterator_shards(recipe, modules, root, tokens_per_item, items, seed, 
     # Four shards holding 1.5 times what the run reads (a generator may walk the files
     # once, without wrapping around); every shard crossed, each holds several items.
     tokens_per_shard = max(math.ceil(tokens_per_item * items * 1.5 / 4), 4 * tokens_per_item + 2)
-    write_shards(os.path.join(root, data_dir), train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=256, seed=seed, bos_id=1)
-    notes.append(f"4 shards x {tokens_per_shard} tokens in {data_dir}/; {tokens_per_item} tokens per item")
+    bos_id = _script_bos_id(modules[0])
+    # A script that names its BOS id sizes buffers for web-text documents (modded-nanogpt:
+    # "median doc length is ~400"); short synthetic documents would overflow them.
+    doc_lens = DOC_LEN_RANGE if bos_id is None else WEB_DOC_LEN_RANGE
+    bos_id = 1 if bos_id is None else bos_id
+    write_shards(os.path.join(root, data_dir), train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=max(256, bos_id + 1), seed=seed, bos_id=bos_id, doc_len_range=doc_lens)
+    notes.append(f"4 shards x {tokens_per_shard} tokens in {data_dir}/, documents starting with BOS {bos_id}; {tokens_per_item} tokens per item")
+
+
+def _script_bos_id(module) -> int | None:
+    """The BOS token id the script aligns documents to: a module-level int whose name
+    says BOS (`BOS_ID = 50256` in modded-nanogpt), else None. Shards without that id
+    would leave a BOS-aligned generator with no document to start from."""
+    for name, value in vars(module).items():
+        if "BOS" in name.upper() and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0xFFFF:
+            return value
+    return None
 
 
 def _send_schedule(recipe: IteratorRecipe, modules, batches: int, notes: list[str]) -> dict:
@@ -356,6 +390,36 @@ def _compare_iterator_rank(recipe: IteratorRecipe, modules, rank: int, world_siz
         return next(iterator)
 
     return _compare_phases(rank, phases, build, draw, "generator")
+
+
+# A batch takes milliseconds to build; one that has not come after this long never will
+# (a generator that walks its files once and ran out, a script thread that died).
+DRAW_TIMEOUT_S = 60.0
+
+
+class DrawTimeout(Exception):
+    """A draw from a loader or generator did not return within its deadline."""
+
+
+@contextlib.contextmanager
+def _draw_deadline(seconds: float):
+    """Raise `DrawTimeout` in the main thread if the body runs longer than `seconds`
+    (SIGALRM interrupts a wait on a lock or event there). A no-op off the main thread
+    or where SIGALRM does not exist."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise DrawTimeout(f"no batch after {seconds:.0f} s (the data source waits on data that never comes)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _close(loader) -> None:

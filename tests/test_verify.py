@@ -211,3 +211,39 @@ def test_top_level_script_with_a_loader_that_moves_batches_itself(tmp_path):
 def test_cannot_verify_a_script_without_loader(tmp_path):
     with pytest.raises(CannotVerify, match="no loader|no training loader"):
         verify(FIXTURES / "no_loader.py", FIXTURES / "no_loader.py")
+
+
+HANG_ON_NEXT = (
+    "        worker = self._worker\n        item = _next_built(worker)\n",
+    "        worker = self._worker\n        threading.Event().wait()  # a broken hand-out: waits forever\n        item = _next_built(worker)\n",
+)
+
+
+def test_a_hanging_patched_generator_is_reported_not_waited_on(tmp_path, monkeypatch):
+    import patcher.verify
+
+    monkeypatch.setattr(patcher.verify, "DRAW_TIMEOUT_S", 1.0)
+    original, out = patched(tmp_path, "generator_toplevel", HANG_ON_NEXT)
+    with pytest.raises(CannotVerify, match=r"patched generator hangs here \(rank 0, batch 0\).*no batch after 1 s"):
+        verify(original, out, batches=4)
+
+
+def test_bos_id_read_from_the_script_and_web_length_documents(tmp_path):
+    import types
+
+    import numpy as np
+
+    from patcher.shards import read_shard, write_shards
+    from patcher.verify import WEB_DOC_LEN_RANGE, _script_bos_id
+
+    script = types.ModuleType("script")
+    assert _script_bos_id(script) is None
+    script.BOS_ID = 50256
+    script.ATTN_WINDOW = 128  # an int whose name does not say BOS is not taken
+    assert _script_bos_id(script) == 50256
+    files = write_shards(tmp_path, train_shards=1, val_shards=0, tokens_per_shard=200_000, vocab_size=50257, bos_id=50256, doc_len_range=WEB_DOC_LEN_RANGE)
+    tokens = read_shard(files["train_files"][0])
+    starts = np.flatnonzero(tokens == 50256)
+    lengths = np.diff(starts)
+    assert starts[0] == 0
+    assert lengths.min() >= WEB_DOC_LEN_RANGE[0] and lengths.max() <= WEB_DOC_LEN_RANGE[1]

@@ -113,7 +113,7 @@ def _run(args) -> int:
         enabled = features_from(args.only, args.skip)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    result = patch_source(script.source, enabled)
+    result = patch_source(script.source, enabled, module=script.module)
     for note in result.skipped:
         if note.feature == "py310_fstrings" and note.reason.startswith("cannot rewrite"):
             where = " payload" if script.wrapped else ""

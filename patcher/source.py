@@ -165,12 +165,15 @@ class Script:
     path: where it was read. raw: the file's text exactly as read (line endings kept).
     source: the Python code to patch, i.e. the decompressed payload when wrapped, else
     `raw`. wrapper: how the payload is packed, or None for a plain script.
+    module: `source` as libcst parsed it while reading (None where it was not), so
+    that patching does not parse a 60-160 KB script a second time.
     """
 
     path: Path
     raw: str
     source: str
     wrapper: Wrapper | None = None
+    module: cst.Module | None = field(default=None, repr=False, compare=False)
 
     @property
     def wrapped(self) -> bool:
@@ -196,8 +199,8 @@ def read_script(path: str | Path) -> Script:
     """
     p = Path(path)
     raw = _read_text(p)
-    source, wrapper = _analyse(p, raw, check_payload=True)
-    return Script(path=p, raw=raw, source=source, wrapper=wrapper)
+    source, wrapper, module = _analyse(p, raw, check_payload=True)
+    return Script(path=p, raw=raw, source=source, wrapper=wrapper, module=module)
 
 
 def render(script: Script, new_source: str, rewrap: bool = True) -> str:
@@ -356,8 +359,8 @@ def _syntax_reason(message: str) -> str:
     return message
 
 
-def _analyse(path: Path, raw: str, check_payload: bool) -> tuple[str, Wrapper | None]:
-    """(code to patch, wrapper or None) for the file text `raw`."""
+def _analyse(path: Path, raw: str, check_payload: bool) -> tuple[str, Wrapper | None, cst.Module | None]:
+    """(code to patch, wrapper or None, that code parsed or None) for the file text `raw`."""
     has_bom = raw.startswith(_BOM)
     # libcst drops a BOM when printing, so parse without it and re-add it on render.
     module = _parse(path, raw[1:] if has_bom else raw)
@@ -366,18 +369,19 @@ def _analyse(path: Path, raw: str, check_payload: bool) -> tuple[str, Wrapper | 
     lines = _Lines(module)
     stmt = _wrapper_statement(path, stmts, imports, lines)
     if stmt is None:
-        return raw, None
+        return raw, None, None if has_bom else module
 
     exec_line = lines.of(stmt)
     match = _match_wrapper(path, _exec_call(stmt), imports, exec_line)
     blob = _decode_literal(path, match, exec_line)
     payload = _decompress(path, match, blob, exec_line)
+    parsed = None
     if check_payload:
         if not payload.strip():
             raise SourceError(path, "wrapped payload is empty", line=exec_line)
-        _parse(path, payload, payload_line=exec_line)
+        parsed = _parse(path, payload, payload_line=exec_line)
     wrapper = _make_wrapper(module, stmts, match, blob, raw, exec_line, has_bom)
-    return payload, wrapper
+    return payload, wrapper, parsed
 
 
 def _wrapper_statement(
@@ -926,7 +930,7 @@ def _render_module(w: Wrapper, literal: cst.BaseExpression) -> str:
 def _check_round_trip(path: Path, w: Wrapper, rendered: str, new_source: str) -> None:
     """Decode `rendered` with the reader and insist it gives back `new_source`."""
     try:
-        payload, again = _analyse(path, rendered, check_payload=False)
+        payload, again, _ = _analyse(path, rendered, check_payload=False)
     except SourceError as e:
         raise RuntimeError(f"rendered wrapper does not read back: {e}") from e
     if again is None or payload != new_source:

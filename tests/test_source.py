@@ -714,3 +714,18 @@ def test_property_read_render_recovers_payload(style, text):
         assert w2.piece_width in (None, w.piece_width)
         if s.wrapper.has_wrapper_size:
             assert code_bytes(out) - int(again.wrapper.size_node.value) == s.wrapper.wrapper_size_delta
+
+
+@pytest.mark.parametrize("name", ["tokenstream_readable.py", "wrapped_lzma_raw.py", "wrapped_lzma_oneline.py"])
+def test_read_script_hands_over_the_parsed_code_it_patches(name):
+    # The main job patches script.module instead of parsing the code again: it must be
+    # the code to patch (the payload of a wrapper), not the wrapper file.
+    script = read_script(Path(__file__).resolve().parent.parent / "fixtures" / name)
+    assert script.module is not None
+    assert script.module.code == script.source
+
+
+def test_read_script_with_a_bom_leaves_parsing_to_the_patcher(tmp_path):
+    path = tmp_path / "bom.py"
+    path.write_text("\ufeffx = 1\n", encoding="utf-8")
+    assert read_script(path).module is None

@@ -24,7 +24,8 @@ Modes (`TRAINING_TIMING_BREAKDOWN`):
   critical path.
 
 A step's line is logged for the first 10 steps, then every `TRAINING_TIMING_EVERY`
-steps, and for every step that ran a validation. Lines look like
+steps, and, in breakdown mode, for every step that ran a validation (a step's line
+counts the validation run at the top of its loop iteration). Lines look like
 `step_timing step:3 batch_cpu_ms:1.20 h2d_ms:0.31 forward_ms:40.02 ...`.
 The idea of synchronising around each phase is the usual one for CUDA timing
 (kernels run asynchronously; `torch.cuda.Event` timing would be the alternative

@@ -70,7 +70,7 @@ _step_timing_forced = _force_sync_toggles(os.environ)
 
 
 def _cuda_in_use():
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.cuda.is_initialized()
 
 
 class _Phase:

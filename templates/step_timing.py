@@ -115,12 +115,13 @@ class _StepTimer:
         """Close the previous step (log it when due) and start timing the next one.
 
         Takes: mode: int, `TRAINING_TIMING_BREAKDOWN` (0 off, 1 breakdown, 2 data
-        wait); every: int, `TRAINING_TIMING_EVERY` (steps between lines after the
-        first 10; <= 0: only the first 10); log: the script's log function (one str).
+        wait, any other value off); every: int, `TRAINING_TIMING_EVERY` (steps
+        between lines after the first 10; <= 0: only the first 10); log: the
+        script's log function (takes one str).
         Returns None. Call it first in the training loop's body.
         """
         now = time.perf_counter()
-        if self.mode == 0 and mode:
+        if self.mode == 0 and mode in (_BREAKDOWN, _DATA_WAIT):
             self.mode, self.every, self.log = int(mode), int(every), log
             log(self._header())
         elif self._step_start is not None and self.mode:

@@ -714,3 +714,15 @@ def test_property_read_render_recovers_payload(style, text):
         assert w2.piece_width in (None, w.piece_width)
         if s.wrapper.has_wrapper_size:
             assert code_bytes(out) - int(again.wrapper.size_node.value) == s.wrapper.wrapper_size_delta
+
+
+def test_long_one_line_payload_reads_and_renders(tmp_path):
+    # ~470 pieces of 100 characters on one line nest ~470 levels of implicit
+    # concatenation; reading, rendering and reading back must not hit the recursion limit.
+    payload = PAYLOAD + "NOISE = " + repr(os.urandom(36_000).hex()) + "\n"
+    built = build(payload, width=100)
+    assert built.text.count('""') > 400
+    script = read_script(write(tmp_path, built.text))
+    assert script.source == payload
+    out = render(script, payload + "# patched\n")
+    assert read_script(write(tmp_path, out, "again.py")).source == payload + "# patched\n"

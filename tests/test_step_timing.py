@@ -72,9 +72,10 @@ def _run_steps(timer: _StepTimer, mode: int, every: int, steps: int, val_at=(), 
     return lines
 
 
-def test_off_only_calls_and_logs_nothing(sync_calls):
+@pytest.mark.parametrize("mode", [0, 3, -1])
+def test_off_only_calls_and_logs_nothing(sync_calls, mode):
     timer = _StepTimer()
-    lines = _run_steps(timer, 0, 1, 5)
+    lines = _run_steps(timer, mode, 1, 5)
     assert lines == [] and sync_calls == []
     assert timer.time("batch", lambda: 42) == 42
 
@@ -490,3 +491,4 @@ def test_data_wait_run_never_synchronises(runs):
 def test_timing_off_logs_no_timing(runs):
     out = runs[("tokenstream_validating", "off")]
     assert "step_timing" not in out and "sync_calls:0" in out
+

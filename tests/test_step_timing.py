@@ -148,6 +148,19 @@ def test_exception_in_a_phase_propagates_and_unregisters(sync_calls):
     assert _h2d_timers == [] and timer._open == []
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_breakdown_times_a_real_h2d_copy():
+    timer = _StepTimer()
+    lines: list[str] = []
+    timer.next_step(1, 1, lines.append)
+    host = torch.arange(1 << 20, dtype=torch.int64)
+    x = timer.time("batch", lambda: _h2d(host, "cuda", False))
+    timer.next_step(1, 1, lines.append)
+    assert torch.equal(x.cpu(), host)
+    fields = _fields("x " + LINE.findall(lines[-1])[0][1])
+    assert float(fields["h2d_ms"]) > 0.0
+
+
 @pytest.mark.parametrize(
     "env, forced",
     [

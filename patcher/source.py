@@ -31,9 +31,11 @@ import lzma
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import tokenize
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,7 +201,8 @@ def read_script(path: str | Path) -> Script:
     """
     p = Path(path)
     raw = _read_text(p)
-    source, wrapper, module = _analyse(p, raw, check_payload=True)
+    with _deep_recursion():
+        source, wrapper, module = _analyse(p, raw, check_payload=True)
     return Script(path=p, raw=raw, source=source, wrapper=wrapper, module=module)
 
 
@@ -215,11 +218,28 @@ def render(script: Script, new_source: str, rewrap: bool = True) -> str:
     w = script.wrapper
     if w is None or not rewrap:
         return new_source
-    text = _encode_payload(w, new_source)
-    literal = _build_literal(w, text)
-    rendered = _render_module(w, literal)
-    _check_round_trip(script.path, w, rendered, new_source)
+    with _deep_recursion():
+        text = _encode_payload(w, new_source)
+        literal = _build_literal(w, text)
+        rendered = _render_module(w, literal)
+        _check_round_trip(script.path, w, rendered, new_source)
     return rendered
+
+
+@contextmanager
+def _deep_recursion(frames: int = 10_000):
+    """Room for libcst to visit and print a wrapper's literal.
+
+    A payload of N implicitly concatenated pieces on one line nests N levels deep, and
+    libcst visits and prints it recursively: a few hundred 100-character pieces (about
+    30 KB of encoded payload) pass Python's default limit of 1,000 frames.
+    """
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, frames))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def write_atomic(path: str | Path, text: str, backup_suffix: str | None = None) -> None:

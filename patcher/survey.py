@@ -22,6 +22,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 INJECTED_NAMES = {
     "train_prefetch": "_make_train_loader",
     "copy_stream": "_h2d",
+    "step_timing": "_step_timer",
 }
 
 ACTIVATIONS = {"relu", "leaky_relu", "gelu", "silu", "relu6", "elu", "mish", "softplus"}

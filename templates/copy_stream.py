@@ -15,6 +15,8 @@ data_prefetcher and timm's PrefetchLoader, plus `record_stream`, which those omi
 import torch
 
 _copy_streams = {}
+# Step timers timing H2D copies (TRAINING_TIMING_BREAKDOWN=1, templates/step_timing.py).
+_h2d_timers = []
 
 
 def _h2d(tensor, device, copy_stream=True):
@@ -27,6 +29,9 @@ def _h2d(tensor, device, copy_stream=True):
     `copy_stream=False`, or when `device` is not CUDA, this is exactly
     `tensor.to(device, non_blocking=True)`, the original script's call.
     """
+    if _h2d_timers and not _h2d_timers[-1].inside("h2d"):
+        with _h2d_timers[-1].phase("h2d"):
+            return _h2d(tensor, device, copy_stream)
     device = torch.device(device)
     if not copy_stream or device.type != "cuda":
         return tensor.to(device, non_blocking=True)

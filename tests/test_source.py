@@ -729,3 +729,15 @@ def test_read_script_with_a_bom_leaves_parsing_to_the_patcher(tmp_path):
     path = tmp_path / "bom.py"
     path.write_text("\ufeffx = 1\n", encoding="utf-8")
     assert read_script(path).module is None
+
+
+def test_long_one_line_payload_reads_and_renders(tmp_path):
+    # ~470 pieces of 100 characters on one line nest ~470 levels of implicit
+    # concatenation; reading, rendering and reading back must not hit the recursion limit.
+    payload = PAYLOAD + "NOISE = " + repr(os.urandom(36_000).hex()) + "\n"
+    built = build(payload, width=100)
+    assert built.text.count('""') > 400
+    script = read_script(write(tmp_path, built.text))
+    assert script.source == payload
+    out = render(script, payload + "# patched\n")
+    assert read_script(write(tmp_path, out, "again.py")).source == payload + "# patched\n"

@@ -8,13 +8,15 @@ import libcst as cst
 
 from patcher.survey import Survey
 
-FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings"]
+FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings", "step_timing"]
 
 # Toggle name -> (attribute in the Hyperparameters idiom, default)
 TOGGLES = {
     "TRAIN_PREFETCH": ("train_prefetch", 1),
     "TRAIN_PREFETCH_QUEUE": ("train_prefetch_queue", 2),
     "TRAIN_COPY_STREAM": ("train_copy_stream", 1),
+    "TRAINING_TIMING_BREAKDOWN": ("training_timing_breakdown", 0),
+    "TRAINING_TIMING_EVERY": ("training_timing_every", 200),
 }
 
 

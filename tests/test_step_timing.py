@@ -1,0 +1,507 @@
+"""Step timing: the runtime (templates/step_timing.py), the transform
+(patcher/transforms/step_timing.py) on sources and fixtures, and fixture runs on CPU.
+
+Timing values are never asserted (they vary); the tests look at which fields are
+logged, on which steps, what each wrapped call returns, and how many times
+`torch.cuda.synchronize` is called (a counting stand-in, CUDA reported in use).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import libcst as cst
+import pytest
+import torch
+
+import templates.step_timing as step_timing_mod
+from patcher.demo import STEP_LINE
+from patcher.patch import features_from, patch_source
+from patcher.shards import write_shards
+from patcher.source import read_script, render
+from templates.copy_stream import _h2d, _h2d_timers
+from templates.step_timing import _force_sync_toggles, _StepTimer
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+BREAKDOWN_FIELDS = ["batch_cpu_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms", "val_ms", "step_ms"]
+LINE = re.compile(r"^step_timing step:(\d+) (.*)$", re.M)
+
+
+# ---------------------------------------------------------------------------
+# Runtime
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sync_calls(monkeypatch):
+    """Counts torch.cuda.synchronize calls, with CUDA reported in use."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))
+    return calls
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(part.split(":", 1) for part in line.split()[1:])
+
+
+def _run_steps(timer: _StepTimer, mode: int, every: int, steps: int, val_at=(), h2d=True) -> list[str]:
+    """Drive `steps` training steps the way a patched loop does; returns the log lines."""
+    lines: list[str] = []
+    for step in range(steps + 1):
+        timer.next_step(mode, every, lines.append)
+        if step == steps:
+            break
+        if step in val_at:
+            timer.time("val", lambda: 0.0)
+        if h2d:
+            x, y = timer.time("batch", lambda: (_h2d(torch.ones(2, 3), "cpu", False), torch.zeros(2, 3)))
+        else:
+            x, y = timer.time("batch", lambda: (torch.ones(2, 3), torch.zeros(2, 3)))
+        loss = timer.time("forward", lambda: (x - y).sum())
+        timer.time("backward", lambda: None)
+        timer.time("optimizer", lambda: None)
+        assert loss.item() == 6.0
+    return lines
+
+
+@pytest.mark.parametrize("mode", [0, 3, -1])
+def test_off_only_calls_and_logs_nothing(sync_calls, mode):
+    timer = _StepTimer()
+    lines = _run_steps(timer, mode, 1, 5)
+    assert lines == [] and sync_calls == []
+    assert timer.time("batch", lambda: 42) == 42
+
+
+def test_breakdown_logs_every_field_and_synchronises(sync_calls):
+    timer = _StepTimer()
+    lines = _run_steps(timer, 1, 200, 3)
+    assert lines[0].startswith("step_timing mode:breakdown every:200")
+    assert "forced off:" in lines[0]
+    steps = LINE.findall("\n".join(lines))
+    assert [int(n) for n, _ in steps] == [1, 2, 3]
+    for _, rest in steps:
+        fields = _fields("x " + rest)
+        assert list(fields) == BREAKDOWN_FIELDS
+        assert all(float(v) >= 0.0 for v in fields.values())
+    # batch, h2d (inside batch), forward, backward, optimizer: two synchronisations each
+    assert len(sync_calls) == 3 * 5 * 2
+    assert _h2d_timers == []  # the batch phase unregisters itself
+
+
+def test_breakdown_without_h2d_copy_says_so(sync_calls):
+    lines = _run_steps(_StepTimer(), 1, 200, 1, h2d=False)
+    assert "h2d_ms:-" in lines[1]
+
+
+def test_data_wait_never_synchronises(sync_calls):
+    timer = _StepTimer()
+    lines = _run_steps(timer, 2, 200, 4, val_at=(2,))
+    assert sync_calls == []
+    assert lines[0].startswith("step_timing mode:data_wait")
+    steps = LINE.findall("\n".join(lines))
+    assert [int(n) for n, _ in steps] == [1, 2, 3, 4]
+    assert list(_fields("x " + steps[0][1])) == ["data_wait_ms", "step_ms", "data_wait_total_ms"]
+    waits = [float(_fields("x " + rest)["data_wait_ms"]) for _, rest in steps]
+    assert float(_fields("x " + steps[-1][1])["data_wait_total_ms"]) == pytest.approx(sum(waits), abs=0.02)
+
+
+def test_first_ten_steps_then_every_n(sync_calls):
+    lines = _run_steps(_StepTimer(), 2, 7, 30)
+    assert [int(n) for n, _ in LINE.findall("\n".join(lines))] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 14, 21, 28]
+    lines = _run_steps(_StepTimer(), 2, 0, 15)
+    assert [int(n) for n, _ in LINE.findall("\n".join(lines))] == list(range(1, 11))
+
+
+def test_steps_with_validation_are_logged(sync_calls):
+    lines = _run_steps(_StepTimer(), 1, 100, 25, val_at=(17,))
+    logged = {int(n): _fields("x " + rest) for n, rest in LINE.findall("\n".join(lines))}
+    assert sorted(logged) == list(range(1, 11)) + [18]
+
+
+def test_phases_before_the_loop_are_not_timed(sync_calls):
+    timer = _StepTimer()
+    assert timer.time("batch", lambda: 7) == 7  # e.g. a warm-up step through a shared step function
+    assert sync_calls == []
+    lines: list[str] = []
+    timer.next_step(1, 1, lines.append)
+    timer.next_step(1, 1, lines.append)
+    assert _fields("x " + LINE.findall(lines[1])[0][1])["forward_ms"] == "0.00"
+
+
+def test_exception_in_a_phase_propagates_and_unregisters(sync_calls):
+    timer = _StepTimer()
+    timer.next_step(1, 1, lambda line: None)
+
+    def boom():
+        raise RuntimeError("loader failed")
+
+    with pytest.raises(RuntimeError, match="loader failed"):
+        timer.time("batch", boom)
+    assert _h2d_timers == [] and timer._open == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_breakdown_times_a_real_h2d_copy():
+    timer = _StepTimer()
+    lines: list[str] = []
+    timer.next_step(1, 1, lines.append)
+    host = torch.arange(1 << 20, dtype=torch.int64)
+    x = timer.time("batch", lambda: _h2d(host, "cuda", False))
+    timer.next_step(1, 1, lines.append)
+    assert torch.equal(x.cpu(), host)
+    fields = _fields("x " + LINE.findall(lines[-1])[0][1])
+    assert float(fields["h2d_ms"]) > 0.0
+
+
+@pytest.mark.parametrize(
+    "env, forced",
+    [
+        ({"TRAINING_TIMING_BREAKDOWN": "1"}, ["TRAIN_PREFETCH", "TRAIN_COPY_STREAM"]),
+        ({"TRAINING_TIMING_BREAKDOWN": "2", "TRAIN_PREFETCH": "1"}, []),
+        ({"TRAINING_TIMING_BREAKDOWN": "0"}, []),
+        ({}, []),
+        ({"TRAINING_TIMING_BREAKDOWN": "yes"}, []),
+    ],
+)
+def test_breakdown_forces_prefetch_and_copy_stream_off(env, forced):
+    environ = dict(env)
+    assert _force_sync_toggles(environ) == forced
+    for name in forced:
+        assert environ[name] == "0"
+    if not forced:
+        assert environ == env
+
+
+def test_header_names_the_forced_toggles(monkeypatch):
+    monkeypatch.setattr(step_timing_mod, "_step_timing_forced", ["TRAIN_PREFETCH", "TRAIN_COPY_STREAM"])
+    lines: list[str] = []
+    _StepTimer().next_step(1, 5, lines.append)
+    assert "forced off: TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=0" in lines[0]
+
+
+# ---------------------------------------------------------------------------
+# Transform
+# ---------------------------------------------------------------------------
+
+HEAD = '''
+import os
+import torch
+
+class Hyperparameters:
+    iterations = int(os.environ.get("ITERATIONS", 10))
+
+class Loader:
+    def __init__(self, pattern, device):
+        self.device = device
+        self.pos = 0
+
+    def next_batch(self, tokens, seq_len):
+        self.pos += tokens
+        x = torch.arange(self.pos, self.pos + tokens).reshape(-1, seq_len)
+        return x.to(self.device, non_blocking=True), x.to(self.device, non_blocking=True)
+'''
+
+MAIN_LOOP = '''
+def main():
+    args = Hyperparameters()
+    device = torch.device("cpu")
+    def log0(msg):
+        print(msg)
+    train_loader = Loader("x", device)
+    for warmup_step in range(2):
+        for micro_step in range(2):
+            x, y = train_loader.next_batch(64, 8)
+            warmup_loss = model(x, y)
+            warmup_loss.backward()
+        for opt in optimizers:
+            opt.step()
+    step = 0
+    while True:
+        if step % 5 == 0:
+            val_loss = eval_val(args, model)
+        if step == args.iterations:
+            break
+        for micro_step in range(2):
+            x, y = train_loader.next_batch(64, 8)
+            with torch.autocast(device_type="cpu", enabled=False):
+                loss = model(x, y)
+            (loss * 0.5).backward()
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = 0.1
+        for opt in optimizers:
+            opt.step()
+        step += 1
+'''
+
+STEP_FN = '''
+def log(msg):
+    print(msg)
+
+def train_model(h, device):
+    train_loader = Loader("x", device)
+    def step_fn(step):
+        for micro_step in range(2):
+            x, y, cu = train_loader.next_batch(64, 8)
+            loss = model(x, y, cu_seqlens=cu)
+            (loss / 2).backward()
+        optimizers.step(distributed=False)
+    for warmup_step in range(3):
+        step_fn(warmup_step)
+    step = 0
+    while True:
+        if step == h.iterations:
+            val_loss, val_bpb = eval_val(h, device)
+            break
+        step_fn(step)
+        step += 1
+'''
+
+# tab-indented: the survey reads the script as minified
+MINIFIED = HEAD.replace("    ", "\t") + '''
+def log(msg):print(msg)
+def main():
+\th=Hyperparameters();device=torch.device("cpu");train_loader=Loader("x",device)
+\tfor step in range(h.iterations):
+\t\tx,y=train_loader.next_batch(64,8);loss=model(x,y);loss.backward();optimizer_tok.step();optimizer_muon.step()
+'''
+
+
+def _timing(source: str, enabled=None):
+    result = patch_source(source, enabled)
+    return result, [n for n in result.notes if n.feature == "step_timing"]
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        pytest.param(
+            HEAD + MAIN_LOOP,
+            [
+                '        _step_timer.next_step(Hyperparameters.training_timing_breakdown, Hyperparameters.training_timing_every, log0)\n        if step % 5 == 0:',
+                'val_loss = _step_timer.time("val", lambda: eval_val(args, model))',
+                'x, y = _step_timer.time("batch", lambda: train_loader.next_batch(64, 8))',
+                'loss = _step_timer.time("forward", lambda: model(x, y))',
+                '_step_timer.time("backward", lambda: (loss * 0.5).backward())',
+                '            _step_timer.time("optimizer", lambda: opt.step())',
+                '                group["lr"] = 0.1',
+            ],
+            id="main-loop-with-validation",
+        ),
+        pytest.param(
+            HEAD + STEP_FN,
+            [
+                '    while True:\n        _step_timer.next_step(Hyperparameters.training_timing_breakdown, Hyperparameters.training_timing_every, log)',
+                'x, y, cu = _step_timer.time("batch", lambda: train_loader.next_batch(64, 8))',
+                'loss = _step_timer.time("forward", lambda: model(x, y, cu_seqlens=cu))',
+                '_step_timer.time("optimizer", lambda: optimizers.step(distributed=False))',
+                'val_loss, val_bpb = _step_timer.time("val", lambda: eval_val(h, device))',
+                '    for warmup_step in range(3):\n        step_fn(warmup_step)',
+            ],
+            id="step-function-called-by-the-loop",
+        ),
+        pytest.param(
+            MINIFIED,
+            [
+                '\tfor step in range(h.iterations):\n\t\t_step_timer.next_step(Hyperparameters.training_timing_breakdown,Hyperparameters.training_timing_every,log)\n',
+                'x,y=_step_timer.time("batch",lambda:train_loader.next_batch(64,8));loss=_step_timer.time("forward",lambda:model(x,y));'
+                '_step_timer.time("backward",lambda:loss.backward());_step_timer.time("optimizer",lambda:optimizer_tok.step());'
+                '_step_timer.time("optimizer",lambda:optimizer_muon.step())',
+            ],
+            id="minified-one-micro-step",
+        ),
+    ],
+)
+def test_rewrites_the_training_step(source, expected):
+    result, notes = _timing(source)
+    assert [n.applied for n in notes] == [True], notes
+    for piece in expected:
+        assert piece in result.source
+    compile(result.source, "patched.py", "exec")
+    assert 'training_timing_breakdown = int(os.environ.get("TRAINING_TIMING_BREAKDOWN", 0))' in result.source
+    assert "class _StepTimer" in result.source and "def _h2d(" in result.source
+
+
+def test_only_the_main_loop_is_timed():
+    result, notes = _timing(HEAD + MAIN_LOOP)
+    assert "            x, y = train_loader.next_batch(64, 8)\n            warmup_loss = model(x, y)" in result.source
+    assert result.source.count("_step_timer.time(") == 5
+    assert "val line" in notes[0].reason and notes[0].line == HEAD.count("\n") + MAIN_LOOP[: MAIN_LOOP.index("while True")].count("\n") + 1
+
+
+@pytest.mark.parametrize(
+    "body, reason_part",
+    [
+        pytest.param(
+            MAIN_LOOP.replace("(loss * 0.5).backward()", "fitness = loss.item()").replace("warmup_loss.backward()", "pass"),
+            "no `.backward()` after the forward",
+            id="evolution-strategies-no-backward",
+        ),
+        pytest.param(
+            MAIN_LOOP.replace("opt.step()", "opt.zero_grad()"),
+            "no optimizer step",
+            id="no-optimizer-step",
+        ),
+        pytest.param(
+            MAIN_LOOP.replace("loss = model(x, y)", "loss = model(tokens)").replace("warmup_loss = model(x, y)", "warmup_loss = model(tokens)"),
+            "no forward",
+            id="forward-does-not-take-the-batch",
+        ),
+        pytest.param(
+            "\ndef main():\n    train_loader = Loader('x', device)\n    x, y = train_loader.next_batch(64, 8)\n    loss = model(x, y)\n    loss.backward()\n",
+            "not inside a training loop",
+            id="batch-outside-any-loop",
+        ),
+        pytest.param(
+            "\ndef main():\n    train_loader = Loader('x', device)\n    for step in range(3):\n        batch = train_loader.next_batch(64, 8)[0]\n",
+            "not a plain",
+            id="batch-not-assigned-directly",
+        ),
+        pytest.param(MAIN_LOOP.replace("def log0(msg):", "def show(msg):"), "no log function", id="no-log-function"),
+        pytest.param("\ndef main():\n    pass\n", "no `next_batch` call", id="no-loader-call"),
+    ],
+)
+def test_noop(body, reason_part):
+    source = HEAD + body
+    result, notes = _timing(source)
+    assert len(notes) == 1 and not notes[0].applied
+    assert reason_part in notes[0].reason
+    assert "_step_timer" not in result.source
+
+
+def test_needs_the_env_toggles():
+    source = HEAD + MAIN_LOOP
+    _, notes = _timing(source, features_from(None, ["env_toggles"]))
+    assert not notes[0].applied and "env_toggles is off" in notes[0].reason
+    _, notes = _timing(source.replace('iterations = int(os.environ.get("ITERATIONS", 10))', "iterations = 10"))
+    assert not notes[0].applied and "no Hyperparameters class with an env line" in notes[0].reason
+    result, notes = _timing(source, features_from(["step_timing"], None))
+    assert notes[0].applied and "training_timing_every = int(" in result.source
+    assert "_make_train_loader" not in result.source  # train_prefetch not asked for
+
+
+def test_patched_script_is_already_patched():
+    once = patch_source(HEAD + MAIN_LOOP, features_from(["step_timing"], None)).source
+    again = patch_source(once)
+    assert again.already_patched and again.source == once
+
+
+FIXTURE_NAMES = [
+    "tokenstream_readable", "tokenstream_validating", "shuffled_minified", "coprime_dataclass",
+    "curriculum", "batch_switch", "document_packing", "wrapped_lzma_raw", "wrapped_lzma_oneline",
+]
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixtures_get_the_step_timing(name):
+    script = read_script(FIXTURES / f"{name}.py")
+    result, notes = _timing(script.source)
+    assert [n.applied for n in notes] == [True], notes
+    tree = cst.parse_module(result.source)
+    assert tree.code.count("_step_timer.next_step(") == 1
+    for phase in ("batch", "forward", "backward", "optimizer"):
+        assert f'_step_timer.time("{phase}",' in tree.code
+    assert ('_step_timer.time("val",' in tree.code) == (name == "tokenstream_validating")
+
+
+@pytest.mark.parametrize("name", ["generator_toplevel", "no_loader"])
+def test_fixtures_without_a_training_step(name):
+    result, notes = _timing(read_script(FIXTURES / f"{name}.py").source)
+    assert not any(n.applied for n in notes)
+    assert "_step_timer" not in result.source
+
+
+# ---------------------------------------------------------------------------
+# Fixture runs on CPU
+# ---------------------------------------------------------------------------
+
+SYNC_COUNTER = textwrap.dedent(
+    """
+    import runpy, sys, torch
+    calls = []
+    torch.cuda.is_initialized = lambda: True  # CUDA "in use": the breakdown would synchronise
+    torch.cuda.synchronize = lambda *a, **k: calls.append(1)
+    runpy.run_path(sys.argv[1], run_name="__main__")
+    print("sync_calls:" + str(len(calls)))
+    """
+)
+RUNS = {
+    ("tokenstream_validating", "original"): {},
+    ("tokenstream_validating", "breakdown"): {"TRAINING_TIMING_BREAKDOWN": "1", "TRAINING_TIMING_EVERY": "5"},
+    ("tokenstream_validating", "data_wait"): {"TRAINING_TIMING_BREAKDOWN": "2", "TRAINING_TIMING_EVERY": "5"},
+    ("tokenstream_validating", "off"): {},
+    ("shuffled_minified", "original"): {},
+    ("shuffled_minified", "breakdown"): {"TRAINING_TIMING_BREAKDOWN": "1"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    data = tmp_path_factory.mktemp("shards")
+    write_shards(data, bos_id=1)
+    out = tmp_path_factory.mktemp("patched")
+    counter = out / "count_sync.py"
+    counter.write_text(SYNC_COUNTER)
+    paths = {}
+    for name in {n for n, _ in RUNS}:
+        script = read_script(FIXTURES / f"{name}.py")
+        paths[name] = out / f"{name}.py"
+        paths[name].write_text(render(script, patch_source(script.source).source))
+
+    def run(key):
+        name, mode = key
+        script = FIXTURES / f"{name}.py" if mode == "original" else paths[name]
+        env = dict(os.environ, DATA_PATH=str(data), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **RUNS[key])
+        done = subprocess.run([sys.executable, str(counter), str(script)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{key}: {done.stderr[-2000:]}"
+        return done.stdout
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(RUNS, pool.map(run, RUNS)))
+
+
+@pytest.mark.parametrize("key", [k for k in RUNS if k[1] != "original"])
+def test_losses_stay_bit_identical(runs, key):
+    reference = STEP_LINE.findall(runs[(key[0], "original")])
+    assert len(reference) >= 20
+    assert STEP_LINE.findall(runs[key]) == reference
+
+
+def test_breakdown_run_logs_every_field(runs):
+    out = runs[("tokenstream_validating", "breakdown")]
+    assert "patch_prefetch train_prefetch:0 train_prefetch_queue:2 train_copy_stream:0 training_timing_breakdown:1" in out
+    assert "step_timing mode:breakdown every:5 (synchronising every phase; forced off: TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=0)" in out
+    steps = {int(n): _fields("x " + rest) for n, rest in LINE.findall(out)}
+    # 24 steps, VAL_LOSS_EVERY=8: validations at the top of steps 1, 9 and 17
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 17, 20]
+    for n, fields in steps.items():
+        assert list(fields) == BREAKDOWN_FIELDS
+        assert (float(fields["val_ms"]) > 0) == (n in (1, 9, 17))
+        assert float(fields["forward_ms"]) > 0 and float(fields["backward_ms"]) > 0
+    assert int(re.search(r"sync_calls:(\d+)", out).group(1)) > 0
+    minified = runs[("shuffled_minified", "breakdown")]
+    assert len(LINE.findall(minified)) >= 10 and "h2d_ms:-" not in minified
+
+
+def test_data_wait_run_never_synchronises(runs):
+    out = runs[("tokenstream_validating", "data_wait")]
+    assert "patch_prefetch train_prefetch:1 train_prefetch_queue:2 train_copy_stream:1 training_timing_breakdown:2" in out
+    assert "step_timing mode:data_wait every:5" in out
+    steps = LINE.findall(out)
+    assert [int(n) for n, _ in steps] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20]
+    assert all(list(_fields("x " + rest)) == ["data_wait_ms", "step_ms", "data_wait_total_ms"] for _, rest in steps)
+    assert "sync_calls:0" in out
+
+
+def test_timing_off_logs_no_timing(runs):
+    out = runs[("tokenstream_validating", "off")]
+    assert "step_timing" not in out and "sync_calls:0" in out
+

@@ -44,6 +44,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
+from patcher import cst_walk
 from patcher.source import Script, code_bytes, read_script
 from patcher.survey import pep701_kind
 
@@ -413,7 +414,7 @@ def _pep701_sites(source: str) -> list[_FstringSite]:
     if module is None:
         return []
     finder = _Pep701Finder(module)
-    module.visit(finder)
+    cst_walk.visit(module, finder)
     if not finder.found:
         return []
     positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
@@ -627,6 +628,8 @@ _CHEAP_CALLS = frozenset(
         "os.path.abspath", "os.path.expanduser",
         "TypeVar", "typing.TypeVar", "namedtuple", "collections.namedtuple", "NamedTuple",
         "field", "dataclasses.field", "re.compile", "logging.getLogger",
+        # run names built at the top of modded-nanogpt scripts: run_id = f"... {uuid.uuid4()}"
+        "uuid.uuid4", "uuid.uuid1", "time.time", "repr",
     }
 )
 
@@ -743,7 +746,7 @@ def _is_cheap_expr(node: cst.CSTNode) -> bool:
 def _value_children(node: cst.CSTNode) -> list[cst.CSTNode]:
     """The sub-expressions of `node` that get evaluated (not operators or whitespace)."""
     out: list[cst.CSTNode] = []
-    for child in node.children:
+    for child in cst_walk.children(node):
         if isinstance(child, cst.BaseExpression):
             out.append(child)
         elif isinstance(child, (cst.BaseElement, cst.BaseDictElement, cst.SubscriptElement, cst.ComparisonTarget)):
@@ -800,7 +803,7 @@ class _ImportTimeCalls(cst.CSTVisitor):
 def _starts_gpu_or_dist(stmt: cst.CSTNode) -> bool:
     """Calls `torch.cuda.*` or `init_process_group` while the statement runs."""
     calls = _ImportTimeCalls()
-    stmt.visit(calls)
+    cst_walk.visit(stmt, calls)
     return any(n.startswith(("torch.cuda.", "cuda.")) or n.rsplit(".", 1)[-1] == "init_process_group" for n in calls.names)
 
 
@@ -916,7 +919,7 @@ def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool 
         return []
     script = Path(path)
     found = _Findings(script.name)
-    module.visit(found)
+    cst_walk.visit(module, found)
     imports = [(node, name) for node, name in found.imports if _sibling_module(script, name)]
     anchors = found.anchors if found.code_literals else []  # no code-file name, no path to one
     if not imports and not anchors:

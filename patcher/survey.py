@@ -17,6 +17,8 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from patcher import cst_walk
+
 # Names of the runtime pieces injected by the transforms: their presence at module
 # level means the script was already patched.
 INJECTED_NAMES = {
@@ -214,7 +216,7 @@ def survey(module: cst.Module) -> Survey:
     result.already_patched = {feature for feature, name in INJECTED_NAMES.items() if name in top_names}
     classes = {n.name.value: n for n in module.body if isinstance(n, cst.ClassDef)}
     collector = _SiteCollector()
-    module.visit(collector)
+    cst_walk.visit(module, collector)
     result.collector = collector
     for cls in classes.values():
         if _method(cls, "next_batch") is not None:
@@ -1024,13 +1026,7 @@ def _names_assigned_from_activation(fn: cst.FunctionDef) -> dict[str, str]:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _walk(node: cst.CSTNode):
-    """Every node below `node` (pre-order), `node` included."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        yield current
-        stack.extend(reversed(current.children))
+_walk = cst_walk.walk
 
 
 def _dotted(node: cst.BaseExpression) -> str:

@@ -566,3 +566,22 @@ def test_check_of_a_150kb_script_is_fast(tmp_path):
     result = check_file(path, "3.10")
     assert result.ok, result.as_dict()
     assert time.monotonic() - start < 10
+
+
+def test_definitions_keep_a_run_name_built_from_a_uuid():
+    # modded-nanogpt: `run_id = f"... {str(uuid.uuid4())[0:5]}"` at the top, then
+    # `run_id: str = run_id` as a dataclass default; dropping the first breaks the class.
+    from patcher.check import definitions_only
+
+    source = (
+        "import uuid\nfrom dataclasses import dataclass\n"
+        "run_id = f\"Baseline - {str(uuid.uuid4())[0:5]}\"\n"
+        "@dataclass\nclass Hyperparameters:\n    run_id: str = run_id\n"
+        "args = Hyperparameters()\nprint(args)\n"
+    )
+    kept = definitions_only(source)
+    assert "run_id = f\"Baseline" in kept
+    assert "args = Hyperparameters()" not in kept
+    namespace: dict = {}
+    exec(compile(kept, "script.py", "exec"), namespace)
+    assert namespace["Hyperparameters"]().run_id.startswith("Baseline - ")

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
+from patcher import cst_walk
 from patcher.transforms.base import Context, Note, ReplaceNodes, edit_tops, replace_nodes
 
 FEATURE = "step_timing"
@@ -120,7 +121,7 @@ class _Trees:
             node, parent = stack.pop()
             self.parent[node] = parent
             self.order[node] = len(self.order)
-            stack.extend((child, node) for child in reversed(node.children))
+            stack.extend((child, node) for child in reversed(cst_walk.children(node)))
 
     def ancestors(self, node: cst.CSTNode):
         self.walk(self.survey.top_level_of(node))
@@ -192,12 +193,12 @@ def _caller_loop(function: cst.FunctionDef | None, trees: _Trees) -> cst.CSTNode
 
 def _inside(root: cst.CSTNode, trees: _Trees) -> list[cst.CSTNode]:
     """Nodes under `root` in source order, not entering nested functions, classes, lambdas."""
-    out, stack = [], list(reversed(root.children))
+    out, stack = [], list(reversed(cst_walk.children(root)))
     while stack:
         node = stack.pop()
         out.append(node)
         if not isinstance(node, NESTED):
-            stack.extend(reversed(node.children))
+            stack.extend(reversed(cst_walk.children(node)))
     return out
 
 

@@ -399,9 +399,19 @@ class _FstringSite:
     text: str
 
 
-@lru_cache(maxsize=4)
+# The tree of the code being checked when the caller already has it (the main job's
+# patched module, which libcst prints to exactly that code): {code: module}, one entry.
+_KNOWN_TREE: dict[str, cst.Module] = {}
+
+
 def _parse(source: str) -> cst.Module | None:
     """libcst module for `source` (3.12 grammar, so PEP 701 parses), None if it does not parse."""
+    known = _KNOWN_TREE.get(source)
+    return known if known is not None else _parse_text(source)
+
+
+@lru_cache(maxsize=4)
+def _parse_text(source: str) -> cst.Module | None:
     try:
         return cst.parse_module(source)
     except (cst.ParserSyntaxError, RecursionError, ValueError):
@@ -837,9 +847,13 @@ def check_file(
     its error says why. Raises `SourceError` for a file `read_script` rejects (missing,
     empty, binary, unparsable, corrupt wrapper, exec(open(other).read()) only).
     script: the file as already read (`patcher.source.Script`, e.g. what the main job
-    just wrote and round-tripped), so that it is not read and unwrapped again.
+    just wrote and round-tripped), so that it is not read and unwrapped again; its
+    `module`, when set, is used instead of parsing `source` again.
     """
     script = read_script(path) if script is None else script
+    _KNOWN_TREE.clear()
+    if script.module is not None:
+        _KNOWN_TREE[script.source] = script.module
     name = str(path)
     compiled = compile_source(script.source, name, target)
     compiled.where = "payload" if script.wrapped else "file"

@@ -143,7 +143,7 @@ def _run(args) -> int:
     }
     check = None
     if wrote and not args.no_check:
-        check = _check_written(text, _written_script(script, result.source, text), out_path, in_path, args)
+        check = _check_written(text, _written_script(script, result, text), out_path, in_path, args)
         report["check"] = check.as_dict()
     stream = sys.stderr if out_path == "-" else sys.stdout
     if args.diff:
@@ -182,13 +182,14 @@ def _run_tree(args) -> int:
     return tree.run(args, options)
 
 
-def _written_script(script: Script, patched: str, text: str) -> Script:
-    """The written file as a Script: `text` on disk, its code, and its wrapper if any."""
+def _written_script(script: Script, result, text: str) -> Script:
+    """The written file as a Script: `text` on disk, its code, its wrapper if any, and
+    the patched tree (`result.module` prints to exactly `result.source`)."""
     if text == script.raw:
         return script
-    if script.wrapped and text != patched:
-        return Script(script.path, text, patched, script.wrapper)  # re-wrapped; render checked the round trip
-    return Script(script.path, text, text)
+    if script.wrapped and text != result.source:
+        return Script(script.path, text, result.source, script.wrapper, result.module)  # re-wrapped; render checked the round trip
+    return Script(script.path, text, text, module=result.module if text == result.source else None)
 
 
 def _check_written(text: str, written: Script, out_path, in_path: Path, args):

@@ -25,13 +25,15 @@ class PatchResult:
 
     source: the patched source (equal to the input when nothing applied).
     notes: one `Note` per feature decision. already_patched: the input carries
-    this tool's runtime already, so nothing was changed.
+    this tool's runtime already, so nothing was changed. module: the patched tree
+    (`module.code == source`), so that checking the output need not parse it again.
     """
 
     source: str
     notes: list[Note] = field(default_factory=list)
     already_patched: bool = False
     survey: Survey | None = None
+    module: cst.Module | None = field(default=None, repr=False)
 
     @property
     def applied(self) -> list[str]:
@@ -81,7 +83,7 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
         notes.extend(new_notes)
     if ctx.templates or ctx.constants:
         module = _insert_runtime(module, ctx)
-    return PatchResult(module.code, notes, False, surveyed)
+    return PatchResult(module.code, notes, False, surveyed, module)
 
 
 def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:

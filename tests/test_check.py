@@ -585,3 +585,23 @@ def test_definitions_keep_a_run_name_built_from_a_uuid():
     namespace: dict = {}
     exec(compile(kept, "script.py", "exec"), namespace)
     assert namespace["Hyperparameters"]().run_id.startswith("Baseline - ")
+
+
+def test_check_uses_the_tree_it_is_handed_instead_of_parsing_again(tmp_path, monkeypatch):
+    import libcst
+
+    import patcher.check as check_mod
+    from patcher.source import Script
+
+    code = "import os\nimport helper\n\ndef main():\n    pass\n"
+    (tmp_path / "helper.py").write_text("")
+    path = tmp_path / "train_gpt.py"
+    path.write_text(code)
+    script = Script(path, code, code, module=libcst.parse_module(code))
+
+    def no_parse(source):
+        raise AssertionError("parsed again")
+
+    monkeypatch.setattr(check_mod, "_parse_text", no_parse)
+    result = check_mod.check_file(path, run_import=False, script=script)
+    assert any("imports helper" in w for w in result.warnings)

@@ -22,7 +22,14 @@ import templates
 TEMPLATE_DIR = Path(templates.__file__).parent
 
 # template name -> templates it uses, injected before it
-DEPENDENCIES = {"copy_stream": [], "prefetch_loader": ["copy_stream"], "prefetch_iterator": ["prefetch_loader"]}
+DEPENDENCIES = {
+    "copy_stream": [],
+    "prefetch_loader": ["copy_stream"],
+    "prefetch_iterator": ["prefetch_loader"],
+    "prefetch_val": ["prefetch_loader"],
+    "val_bytecount": [],
+    "val_progress": [],
+}
 
 MARKER = "# patch-prefetch runtime: {names}. Toggles: {toggles}."
 

@@ -22,6 +22,9 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 INJECTED_NAMES = {
     "train_prefetch": "_make_train_loader",
     "copy_stream": "_h2d",
+    "val_prefetch": "_val_prefetch",
+    "val_bytecount": "_val_byte_count",
+    "val_progress": "_val_progress",
 }
 
 ACTIVATIONS = {"relu", "leaky_relu", "gelu", "silu", "relu6", "elu", "mish", "softplus"}

@@ -8,13 +8,17 @@ import libcst as cst
 
 from patcher.survey import Survey
 
-FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings"]
+FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings", "val_prefetch", "val_bytecount", "val_progress"]
 
 # Toggle name -> (attribute in the Hyperparameters idiom, default)
 TOGGLES = {
     "TRAIN_PREFETCH": ("train_prefetch", 1),
     "TRAIN_PREFETCH_QUEUE": ("train_prefetch_queue", 2),
     "TRAIN_COPY_STREAM": ("train_copy_stream", 1),
+    "VAL_PREFETCH": ("val_prefetch", 1),
+    "VAL_COPY_STREAM": ("val_copy_stream", 1),
+    "VAL_BYTECOUNT_DEVICE": ("val_bytecount_device", "cuda"),  # a string toggle
+    "VAL_PROGRESS_LOG_EVERY": ("val_progress_log_every", 0),
 }
 
 

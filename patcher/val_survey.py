@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.survey import Survey, _dotted, _walk
+from patcher.survey import Survey, _dotted
 
 # Calls a slice bound may make: pure functions of their arguments.
 PURE_CALLS = {"min", "max", "int", "abs", "len"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import base64
 import bz2
+import contextlib
 import copy
 import gzip
 import io
@@ -31,6 +32,7 @@ import lzma
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import tokenize
 import zlib
@@ -212,10 +214,11 @@ def render(script: Script, new_source: str, rewrap: bool = True) -> str:
     w = script.wrapper
     if w is None or not rewrap:
         return new_source
-    text = _encode_payload(w, new_source)
-    literal = _build_literal(w, text)
-    rendered = _render_module(w, literal)
-    _check_round_trip(script.path, w, rendered, new_source)
+    with _deep_nesting():
+        text = _encode_payload(w, new_source)
+        literal = _build_literal(w, text)
+        rendered = _render_module(w, literal)
+        _check_round_trip(script.path, w, rendered, new_source)
     return rendered
 
 
@@ -356,8 +359,29 @@ def _syntax_reason(message: str) -> str:
     return message
 
 
+@contextlib.contextmanager
+def _deep_nesting():
+    """Context with room for deep libcst recursion.
+
+    A payload of N implicitly concatenated pieces is a ConcatenatedString N deep, which
+    libcst builds, visits and prints recursively (a few frames per level): past the
+    default limit at about 300 pieces, a size a patched record reaches.
+    """
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
+
 def _analyse(path: Path, raw: str, check_payload: bool) -> tuple[str, Wrapper | None]:
     """(code to patch, wrapper or None) for the file text `raw`."""
+    with _deep_nesting():
+        return _analyse_text(path, raw, check_payload)
+
+
+def _analyse_text(path: Path, raw: str, check_payload: bool) -> tuple[str, Wrapper | None]:
     has_bom = raw.startswith(_BOM)
     # libcst drops a BOM when printing, so parse without it and re-add it on render.
     module = _parse(path, raw[1:] if has_bom else raw)

@@ -76,36 +76,35 @@ def function_namespace(module: types.ModuleType, function: cst.FunctionDef, code
 
 
 def loop_batches(surveyed: Survey, function: cst.FunctionDef, loop: cst.For, ns: dict) -> list[tuple]:
-    """Run `loop`'s iterable and its statements up to those that bind x and y; (x, y) per batch.
+    """Run `loop`'s iterable and its simple statements up to those that bind x and y; (x, y) per batch.
 
-    The statements before the loop that define nested functions (the patched `_val_slice`)
-    are defined first. Raises HarnessError when a name the loop reads cannot be evaluated
-    or the loop binds no x and y.
+    First the function's statements before the loop run in `ns`, in order (those that
+    fail outside the script, e.g. `model.eval()` with no model, are skipped); this
+    defines the locals the loop reads and the patched `_val_slice`. A name still
+    missing is evaluated from its one assignment. Compound statements inside the loop
+    (`if end > n: continue`) are not run: both scripts' batches are compared for every
+    start. Raises HarnessError when the loop binds no x and y in its simple statements.
     """
     module = surveyed.module
     scope = surveyed.collector.scope_of[function]
     body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [loop.body]
-    smalls = []
-    for stmt in body:
-        if not isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
-            break
-        smalls.extend(stmt.body)
-    bound, steps = set(), []
+    smalls = [small for stmt in body if isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)) for small in stmt.body]
+    bound, steps, run = set(), [], []
     for small in smalls:
+        run.append(small)
         steps.append(module.code_for_node(small.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)))
         bound |= {n.value for t in m.findall(small, m.AssignTarget()) for n in m.findall(t, m.Name())}
         if set(BATCH_NAMES) <= bound:
             break
     if not set(BATCH_NAMES) <= bound:
-        raise HarnessError(f"the loop in {function.name.value} binds no x and y in its first statements")
-    for nested in (n for n in _walk_own(function.body) if isinstance(n, cst.FunctionDef) and n is not function):
-        exec(compile(cst.Module(body=[nested.with_changes(leading_lines=[])]).code, "<val loop>", "exec"), ns)
-    for name in set(_names_read(loop.iter)) | {n for s in smalls for n in _names_read(s)}:
+        raise HarnessError(f"the loop in {function.name.value} binds no x and y in its simple statements")
+    _run_before(function.body, loop, ns)
+    for name in set(_names_read(loop.iter)) | {n for s in run for n in _names_read(s)}:
         if "." not in name and name not in ns and scope.resolve(name) is scope:
             try:
                 evaluate_script_code(surveyed, name, ns, scope)
-            except HarnessError:
-                pass  # bound by the loop itself
+            except Exception:
+                pass  # bound by the loop itself, or not needed for x and y
     target = module.code_for_node(loop.target)
     batches = []
     code = compile("\n".join(steps), "<val loop body>", "exec")
@@ -115,3 +114,20 @@ def loop_batches(surveyed: Survey, function: cst.FunctionDef, loop: cst.For, ns:
         exec(code, ns)
         batches.append(tuple(ns[name] for name in BATCH_NAMES))
     return batches
+
+
+def _run_before(block: cst.BaseSuite, loop: cst.For, ns: dict) -> bool:
+    """Run the statements of `block` that come before `loop` (entering the block that holds
+    it, such as `with torch.inference_mode():`); True once the loop is reached."""
+    statements = block.body if isinstance(block, cst.IndentedBlock) else [block]
+    for stmt in statements:
+        if stmt is loop:
+            return True
+        if any(n is loop for n in _walk_own(stmt)):
+            inner = getattr(stmt, "body", None)
+            return inner is not None and _run_before(inner, loop, ns)
+        try:
+            exec(compile(cst.Module(body=[stmt.with_changes(leading_lines=[])]).code, "<before val loop>", "exec"), ns)
+        except Exception:
+            pass  # needs what only the running script has (the model, a process group)
+    return False

@@ -256,7 +256,8 @@ def _run_verify(args) -> int:
         for note in result.notes:
             print(f"  {note}")
         if result.identical:
-            print(f"identical: {result.batches_compared} batches over {result.world_size} ranks ({result.seconds:.1f} s)")
+            val = f" and {result.val_batches_compared} validation batches" if result.val_batches_compared else ""
+            print(f"identical: {result.batches_compared} batches{val} over {result.world_size} ranks ({result.seconds:.1f} s)")
         else:
             d = result.difference
             print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}, field {d.field}: {d.what}")

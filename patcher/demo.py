@@ -16,7 +16,7 @@ import tempfile
 
 from patcher.shards import write_shards
 
-STEP_LINE = re.compile(r"^(step:\d+ train_loss:\S+|final val_loss:\S+)$", re.M)
+STEP_LINE = re.compile(r"^(step:\d+ train_loss:\S+|final val_loss:\S+|final val_bpb:\S+)$", re.M)
 
 
 def run_script(path: str, data_dir: str, **env: str) -> list[str]:

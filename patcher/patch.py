@@ -12,11 +12,12 @@ import libcst as cst
 
 from patcher import render
 from patcher.survey import Survey, survey
-from patcher.transforms import copy_stream, env_toggles, mlp_fusion, py310_fstrings, step_timing, train_prefetch
+from patcher.transforms import copy_stream, env_toggles, mlp_fusion, py310_fstrings, step_timing, train_prefetch, val_bytecount, val_prefetch, val_progress
 from patcher.transforms.base import FEATURES, Context, Note
 
-# Order matters: env_toggles defines what the others referenced.
-TRANSFORMS = [train_prefetch, copy_stream, mlp_fusion, step_timing, env_toggles, py310_fstrings]
+# Order matters: env_toggles defines what the others referenced; val_bytecount edits
+# statements inside the loops val_prefetch rebuilds, val_progress wraps what it built.
+TRANSFORMS = [train_prefetch, copy_stream, mlp_fusion, step_timing, val_bytecount, val_prefetch, val_progress, env_toggles, py310_fstrings]
 
 
 @dataclass
@@ -58,7 +59,7 @@ def features_from(only: list[str] | None, skip: list[str] | None) -> set[str]:
         if name not in FEATURES:
             raise ValueError(f"unknown feature {name!r}; choose from {', '.join(FEATURES)}")
     enabled = set(only) if only else set(FEATURES)
-    if only and ({"train_prefetch", "copy_stream", "step_timing"} & enabled):
+    if only and ({"train_prefetch", "copy_stream", "step_timing", "val_prefetch", "val_bytecount", "val_progress"} & enabled):
         enabled.add("env_toggles")  # the switches come with the behaviour they switch
     return enabled - set(skip or [])
 

@@ -22,7 +22,15 @@ import templates
 TEMPLATE_DIR = Path(templates.__file__).parent
 
 # template name -> templates it uses, injected before it
-DEPENDENCIES = {"copy_stream": [], "prefetch_loader": ["copy_stream"], "prefetch_iterator": ["prefetch_loader"], "step_timing": ["copy_stream"]}
+DEPENDENCIES = {
+    "copy_stream": [],
+    "prefetch_loader": ["copy_stream"],
+    "prefetch_iterator": ["prefetch_loader"],
+    "prefetch_val": ["prefetch_loader"],
+    "val_bytecount": [],
+    "val_progress": [],
+    "step_timing": ["copy_stream"],
+}
 
 MARKER = "# patch-prefetch runtime: {names}. Toggles: {toggles}."
 

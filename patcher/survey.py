@@ -25,6 +25,9 @@ INJECTED_NAMES = {
     "train_prefetch": "_make_train_loader",
     "copy_stream": "_h2d",
     "step_timing": "_step_timer",
+    "val_prefetch": "_val_prefetch",
+    "val_bytecount": "_val_byte_count",
+    "val_progress": "_val_progress",
 }
 
 ACTIVATIONS = {"relu", "leaky_relu", "gelu", "silu", "relu6", "elu", "mish", "softplus"}

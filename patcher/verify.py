@@ -43,6 +43,7 @@ from patcher.harness import (
 from patcher.patch import features_from, patch_source
 from patcher.shards import DOC_LEN_RANGE, write_shards
 from patcher.source import read_script
+from patcher.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
 
 EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
 
@@ -75,6 +76,7 @@ class VerifyResult:
     difference: Difference | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    val_batches_compared: int = 0
 
     def as_dict(self) -> dict:
         d = {
@@ -84,6 +86,7 @@ class VerifyResult:
             "difference": None if self.difference is None else vars(self.difference),
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
+            "val_batches_compared": self.val_batches_compared,
         }
         return d
 
@@ -135,8 +138,49 @@ def verify(original: str | Path, patched: str | Path, batches: int = 64, world_s
             difference = _first_rank_difference(lambda rank: _compare_rank(recipe, patched_sites, modules if rank == 0 else load(rank), plan, rank), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{original}: {error}") from None
+        val_compared = 0
+        if difference is None:
+            val_compared, difference = _compare_val(recipe, patched_source, lambda rank: modules if rank == 0 else load(rank), plan, seed, notes)
     per_rank = plan.warmup + plan.batches
-    return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - started)
+    return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - started, val_compared)
+
+
+def _compare_val(recipe, patched_source: str, load, plan: "_Plan", seed: int, notes: list[str]) -> tuple[int, Difference | None]:
+    """The (x, y) batches of every evaluation loop val_prefetch rewrote, for every rank.
+
+    Returns (batches compared, first difference or None). A loop that cannot be driven
+    outside its function is noted, not failed.
+    """
+    try:
+        pairs = val_loop_pairs(recipe.survey, patched_source)
+    except HarnessError as error:
+        notes.append(f"validation batches not compared: {error}")
+        return 0, None
+    compared = 0
+    for site, patched_survey, patched_function, patched_loop in pairs:
+        for rank in range(plan.world_size):
+            modules = load(rank)
+            hparams = plan.hparams_for(rank)
+            tokens = val_tokens_for(hparams, plan.world_size, seed)
+            sides = ((recipe.survey, site.function_node, site.loop), (patched_survey, patched_function, patched_loop))
+            try:
+                batches = [
+                    loop_batches(s, f, loop, function_namespace(module, f, s.module.code_for_node, hparams, rank, plan.world_size, tokens))
+                    for module, (s, f, loop) in zip(modules, sides)
+                ]
+            except Exception as error:  # the script's own code outside its function
+                notes.append(f"validation batches of {site.function} (line {site.line}) not compared: {type(error).__name__}: {error}")
+                break
+            if len(batches[0]) != len(batches[1]):
+                return compared, Difference(rank, f"val:{site.function}", min(map(len, batches)), 0, f"{len(batches[0])} batches vs {len(batches[1])}")
+            for n, (reference, candidate) in enumerate(zip(*batches)):
+                diff = _first_difference(reference, candidate)
+                if diff is not None:
+                    return compared, Difference(rank, f"val:{site.function}", n, diff[0], diff[1])
+            compared += len(batches[0])
+        else:
+            notes.append(f"validation loop of {site.function} (line {site.line}): x, y of every batch compared on {plan.world_size} ranks")
+    return compared, None
 
 
 def _first_rank_difference(compare, world_size: int) -> Difference | None:

@@ -29,7 +29,7 @@ def test_patch_writes_output_and_json_report(tmp_path, capsys):
     code, stdout, _ = run([FIXTURES / "tokenstream_readable.py", "-o", out, "--json"], capsys)
     assert code == EXIT_OK
     report = json.loads(stdout)
-    assert report["applied"] == ["train_prefetch", "copy_stream", "mlp_fusion", "step_timing", "env_toggles"]
+    assert report["applied"] == ["train_prefetch", "copy_stream", "mlp_fusion", "step_timing", "val_bytecount", "val_prefetch", "env_toggles"]
     assert report["wrapped"] is False
     assert report["code_bytes"]["after"] == len(out.read_bytes()) > report["code_bytes"]["before"]
     assert {"input", "output", "applied", "skipped", "code_bytes", "wrapped"} <= set(report)

@@ -741,3 +741,16 @@ def test_long_one_line_payload_reads_and_renders(tmp_path):
     assert script.source == payload
     out = render(script, payload + "# patched\n")
     assert read_script(write(tmp_path, out, "again.py")).source == payload + "# patched\n"
+
+
+def test_rewrap_of_a_payload_with_many_pieces_reads_back(tmp_path):
+    # A one-line wrapper of 100-character pieces: a grown payload of ~600 pieces nests
+    # its ConcatenatedString deeper than the default recursion limit allows libcst to visit.
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "wrapped_lzma_oneline.py"
+    script = read_script(fixture)
+    noise = "".join(hashlib.sha256(str(i).encode()).hexdigest() for i in range(1500))
+    grown = script.source + f"\nPADDING = {noise!r}\n"
+    out = tmp_path / "train_gpt.py"
+    out.write_text(render(script, grown))
+    assert out.read_text().count('""') > 400
+    assert read_script(out).source == grown

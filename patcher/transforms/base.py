@@ -8,7 +8,7 @@ import libcst as cst
 
 from patcher.survey import Survey
 
-FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings", "step_timing"]
+FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings", "step_timing", "val_prefetch", "val_bytecount", "val_progress"]
 
 # Toggle name -> (attribute in the Hyperparameters idiom, default)
 TOGGLES = {
@@ -17,6 +17,10 @@ TOGGLES = {
     "TRAIN_COPY_STREAM": ("train_copy_stream", 1),
     "TRAINING_TIMING_BREAKDOWN": ("training_timing_breakdown", 0),
     "TRAINING_TIMING_EVERY": ("training_timing_every", 200),
+    "VAL_PREFETCH": ("val_prefetch", 1),
+    "VAL_COPY_STREAM": ("val_copy_stream", 1),
+    "VAL_BYTECOUNT_DEVICE": ("val_bytecount_device", "cuda"),  # a string toggle
+    "VAL_PROGRESS_LOG_EVERY": ("val_progress_log_every", 0),
 }
 
 

@@ -1,6 +1,7 @@
 """Transform `env_toggles`: run-time switches for everything injected, plus a log line.
 
-`TRAIN_PREFETCH` (1), `TRAIN_PREFETCH_QUEUE` (2) and `TRAIN_COPY_STREAM` (1) are
+`TRAIN_PREFETCH` (1), `TRAIN_PREFETCH_QUEUE` (2), `TRAIN_COPY_STREAM` (1) and the
+validation toggles (`VAL_BYTECOUNT_DEVICE` is a string, read without `int()`) are
 added in the script's own Hyperparameters idiom, copied from one of its existing
 `name = int(os.environ.get("NAME", default))` lines (a `;`-joined one-liner in a
 minified script, annotated fields in a dataclass), or as module constants where
@@ -12,6 +13,7 @@ toggle at 0 the script runs its original code paths.
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 
 from patcher.survey import env_idiom_call
 from patcher.transforms.base import TOGGLES, Context, Note, ReplaceNodes, Tracking, edit_tops, insert_before, small_statement
@@ -46,6 +48,8 @@ def _like(sample: cst.BaseSmallStatement, env_name: str) -> cst.BaseSmallStateme
     old_name = sample.targets[0].target.value if isinstance(sample, cst.Assign) else sample.target.value
     call = env_idiom_call(sample.value, old_name)
     quote = call.args[0].value.quote
+    if isinstance(default, str):
+        return _like_text(sample, call, env_name, attr, default, quote)
     new_call = call.with_changes(
         args=[
             call.args[0].with_changes(value=cst.SimpleString(f"{quote}{env_name}{quote}")),
@@ -59,8 +63,23 @@ def _like(sample: cst.BaseSmallStatement, env_name: str) -> cst.BaseSmallStateme
     return sample.with_changes(targets=[sample.targets[0].with_changes(target=cst.Name(attr))], value=value, semicolon=cst.MaybeSentinel.DEFAULT)
 
 
+def _like_text(sample, call: cst.Call, env_name: str, attr: str, default: str, quote: str) -> cst.BaseSmallStatement:
+    """A string toggle in the sample's style: `attr = os.environ.get("NAME", "default")`,
+    the sample's own getter call when it is `os.environ.get`/`os.getenv`, with no int()."""
+    args = [cst.SimpleString(f"{quote}{env_name}{quote}"), cst.SimpleString(f"{quote}{default}{quote}")]
+    if m.matches(call.func, m.Attribute(value=m.Attribute(value=m.Name("os"), attr=m.Name("environ")), attr=m.Name("get")) | m.Attribute(value=m.Name("os"), attr=m.Name("getenv"))):
+        value = call.with_changes(args=[call.args[0].with_changes(value=args[0]), call.args[1].with_changes(value=args[1], comma=cst.MaybeSentinel.DEFAULT)])
+    else:
+        value = cst.parse_expression(f"os.environ.get({quote}{env_name}{quote}, {quote}{default}{quote})")
+    if isinstance(sample, cst.AnnAssign):
+        return sample.with_changes(target=cst.Name(attr), annotation=sample.annotation.with_changes(annotation=cst.Name("str")), value=value, semicolon=cst.MaybeSentinel.DEFAULT)
+    return sample.with_changes(targets=[sample.targets[0].with_changes(target=cst.Name(attr))], value=value, semicolon=cst.MaybeSentinel.DEFAULT)
+
+
 def _constant_code(env_name: str, ctx: Context) -> str:
     _, default = TOGGLES[env_name]
+    if isinstance(default, str):
+        return ctx.code(f'{env_name} = os.environ.get("{env_name}", "{default}")', f'{env_name}=os.environ.get("{env_name}","{default}")')
     return ctx.code(f'{env_name} = int(os.environ.get("{env_name}", {default}))', f'{env_name}=int(os.environ.get("{env_name}",{default}))')
 
 

@@ -1,0 +1,126 @@
+"""Transform `val_prefetch`: validation batches built ahead, H2D double-buffered on a copy stream.
+
+In an evaluation loop that slices a token tensor per batch (`patcher/val_survey.py`),
+
+    for batch_seq_start in range(seq_start, seq_end, local_batch_seqs):
+        batch_seq_end = min(batch_seq_start + local_batch_seqs, seq_end)
+        ...
+        local = val_tokens[raw_start:raw_end].to(device=device, dtype=torch.int64, non_blocking=True)
+
+becomes
+
+    def _val_slice(batch_seq_start):
+        batch_seq_end = min(batch_seq_start + local_batch_seqs, seq_end)
+        ...
+        return val_tokens[raw_start:raw_end]
+    for batch_seq_start, _val_batch in _val_prefetch(range(seq_start, seq_end, local_batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=<VAL_PREFETCH>, copy_stream=<VAL_COPY_STREAM>):
+        batch_seq_end = min(batch_seq_start + local_batch_seqs, seq_end)
+        ...
+        local = _val_batch
+
+(runtime: `templates/prefetch_val.py`). The loop's own statements stay, so everything
+else in the body sees the same names. Skipped, with the reason, where the slice is not
+a pure function of the loop variable, the loop is not over `range(...)` (the
+sliding-window loops, which fill a batch window by window), or `.to(...)` takes other
+arguments.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from patcher.transforms.base import Context, Note, Tracking, edit_tops
+from patcher.val_survey import ValLoop, _walk_own, find_val_loops
+
+FEATURE = "val_prefetch"
+BATCH_NAME = "_val_batch"
+
+
+def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
+    """Rewrite every evaluation loop whose slice can be built ahead. Returns (module, notes)."""
+    survey = ctx.survey
+    if not survey.uses_torch:
+        return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
+    sites = find_val_loops(survey)
+    if not sites:
+        return module, [Note(FEATURE, False, "no evaluation loop that copies a token slice to the device per batch")]
+    notes, plans = [], {}
+    taken: dict[int, set[str]] = {}
+    for site in sites:
+        if site.reason is not None:
+            notes.append(Note(FEATURE, False, site.reason, site.line))
+            continue
+        names = taken.setdefault(id(site.function_node), {n.value for n in _walk_own(site.function_node) if isinstance(n, cst.Name)})
+        slice_name = _free_name("_val_slice", names)
+        names.add(slice_name)
+        plans[site.loop] = _Plan(site, slice_name, _iterable(site, slice_name, ctx, module), _slice_function(site, slice_name, ctx))
+        notes.append(Note(FEATURE, True, f"{site.function}: `{module.code_for_node(site.window)}` built one batch ahead on a background thread, H2D on the copy stream", site.line))
+    if plans:
+        ctx.need("prefetch_val")
+        tops = {survey.top_level_of(loop) for loop in plans}
+        module = edit_tops(module, ctx, tops, _RewriteLoops(plans))
+    return module, notes
+
+
+class _Plan:
+    """What one loop becomes: its site, the slice function's name, new iterable and definition."""
+
+    def __init__(self, site: ValLoop, slice_name: str, iterable: cst.BaseExpression, definition: cst.FunctionDef):
+        self.site, self.slice_name, self.iterable, self.definition = site, slice_name, iterable, definition
+
+
+def _free_name(base: str, taken: set[str]) -> str:
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}{n}"
+    return name
+
+
+def _iterable(site: ValLoop, slice_name: str, ctx: Context, module: cst.Module) -> cst.BaseExpression:
+    sep = ctx.code(", ", ",")
+    to_kwargs = f"dict({sep.join(f'{a.keyword.value}={module.code_for_node(a.value)}' for a in site.to_call.args)})"
+    copy_stream = ctx.toggle("VAL_COPY_STREAM") if "copy_stream" in ctx.enabled else "False"
+    parts = [module.code_for_node(site.loop.iter), slice_name, to_kwargs, f"prefetch={ctx.toggle('VAL_PREFETCH')}", f"copy_stream={copy_stream}"]
+    return cst.parse_expression(f"_val_prefetch({sep.join(parts)})")
+
+
+def _slice_function(site: ValLoop, slice_name: str, ctx: Context) -> cst.FunctionDef:
+    """`def _val_slice(<loop variable>): <the statements the slice needs>; return <slice>`."""
+    smalls = [s.with_changes(semicolon=cst.MaybeSentinel.DEFAULT) for s in site.prefix]
+    smalls.append(cst.Return(value=site.window.deep_clone(), whitespace_after_return=cst.SimpleWhitespace(" ")))
+    if ctx.minified:
+        semicolon = cst.Semicolon(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
+        smalls = [s.with_changes(semicolon=semicolon) for s in smalls[:-1]] + smalls[-1:]
+        body = cst.SimpleStatementSuite(body=smalls, leading_whitespace=cst.SimpleWhitespace(""))
+    else:
+        body = cst.IndentedBlock(body=[cst.SimpleStatementLine(body=[s]) for s in smalls])
+    return cst.FunctionDef(name=cst.Name(slice_name), params=cst.Parameters(params=[cst.Param(cst.Name(site.target))]), body=body)
+
+
+class _RewriteLoops(Tracking):
+    """Put each planned loop's slice function before it, iterate over `_val_prefetch`, and
+    read the batch from the loop target instead of the slice's `.to(...)`."""
+
+    def __init__(self, plans: dict[cst.For, _Plan]):
+        super().__init__()
+        self.plans = plans
+
+    def prepare(self, ctx: Context) -> None:
+        super().prepare(ctx)
+        self.by_loop = {id(ctx.resolve(loop)): plan for loop, plan in self.plans.items()}
+        self.to_calls = {id(ctx.resolve(plan.site.to_call)) for plan in self.plans.values()}
+
+    def leave_Call(self, original_node, updated_node):
+        return cst.Name(BATCH_NAME) if id(original_node) in self.to_calls else updated_node
+
+    def leave_For(self, original_node, updated_node):
+        plan = self.by_loop.get(id(original_node))
+        if plan is None:
+            return updated_node
+        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace("" if self.ctx.minified else " "))
+        target = cst.Tuple([cst.Element(updated_node.target, comma=comma), cst.Element(cst.Name(BATCH_NAME))], lpar=[], rpar=[])
+        loop = updated_node.with_changes(target=target, iter=plan.iterable, leading_lines=[])
+        definition = plan.definition.with_changes(leading_lines=updated_node.leading_lines)
+        self.rebuilt[original_node] = loop
+        return cst.FlattenSentinel([definition, loop])

@@ -1,0 +1,133 @@
+"""`verify` for evaluation loops: the patched loop feeds the model the original's (x, y).
+
+For every loop `val_prefetch` rewrote, both scripts' loops are driven outside the
+function for one rank: the function's parameters are stand-ins (the Hyperparameters
+instance, rank, world size, a CPU device, synthetic validation tokens), the locals the
+loop reads are evaluated from their one assignment in the function (the script's own
+code), and the loop's own statements run from its first up to the ones that bind `x`
+and `y` (the original's slice and `.to(...)`; the patched one's `_val_slice` and
+`_val_prefetch`, on its worker thread). Every batch's x and y are compared: dtype,
+shape and bytes, in order. The model is never called.
+"""
+
+from __future__ import annotations
+
+import types
+
+import libcst as cst
+import libcst.matchers as m
+import torch
+
+from patcher.harness import HarnessError, evaluate_script_code
+from patcher.survey import Survey, survey
+from patcher.val_survey import ValLoop, _names_read, _walk_own, find_val_loops
+
+BATCH_NAMES = ("x", "y")
+
+
+def val_loop_pairs(original: Survey, patched_source: str) -> list[tuple[ValLoop, Survey, cst.FunctionDef, cst.For]]:
+    """(original loop, patched survey, patched function, patched loop) for each loop the patch rewrote.
+
+    Raises HarnessError when the patched script lacks one of them.
+    """
+    patched = survey(cst.parse_module(patched_source))
+    functions = {f.name.value: f for f in patched.collector.functions}
+    pairs, used = [], {}
+    for site in (s for s in find_val_loops(original) if s.reason is None):
+        function = functions.get(site.function)
+        loops = [n for n in _walk_own(function.body) if isinstance(n, cst.For) and m.findall(n.iter, m.Call(func=m.Name("_val_prefetch")))] if function else []
+        index = used.get(site.function, 0)
+        if index >= len(loops):
+            raise HarnessError(f"the patched script has no rewritten loop {index + 1} in {site.function}")
+        used[site.function] = index + 1
+        pairs.append((site, patched, function, loops[index]))
+    return pairs
+
+
+def val_tokens_for(hparams, world_size: int, seed: int) -> torch.Tensor:
+    """Synthetic validation tokens, uint16: about 4 batches per rank plus a partial one."""
+    seq_len = int(getattr(hparams, "eval_seq_len", 0) or getattr(hparams, "train_seq_len", 1024))
+    batch = int(getattr(hparams, "val_batch_size", 0) or getattr(hparams, "val_batch_tokens", 0) or 64 * seq_len)
+    n = world_size * 4 * batch + 3 * seq_len + 1
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.int32).to(torch.uint16)
+
+
+def function_namespace(module: types.ModuleType, function: cst.FunctionDef, code_of, hparams, rank: int, world_size: int, val_tokens: torch.Tensor) -> dict:
+    """The module's globals plus stand-ins for `function`'s parameters, by name."""
+    ns = dict(module.__dict__)
+    data = types.SimpleNamespace(val_tokens=val_tokens)
+    known = {
+        "args": hparams, "h": hparams, "hparams": hparams, "hyperparameters": hparams,
+        "rank": rank, "world_size": world_size, "device": torch.device("cpu"),
+        "grad_accum_steps": getattr(hparams, "grad_accum_steps", max(1, 8 // world_size)),
+        "val_tokens": val_tokens, "val_data": data,
+    }
+    params = function.params
+    for param in list(params.posonly_params) + list(params.params) + list(params.kwonly_params):
+        name = param.name.value
+        if name in known:
+            ns[name] = known[name]
+        elif param.default is not None:
+            ns[name] = eval(code_of(param.default), ns)
+        else:
+            ns[name] = None  # the model and lookup tables: not read by the batch builder
+    return ns
+
+
+def loop_batches(surveyed: Survey, function: cst.FunctionDef, loop: cst.For, ns: dict) -> list[tuple]:
+    """Run `loop`'s iterable and its simple statements up to those that bind x and y; (x, y) per batch.
+
+    First the function's statements before the loop run in `ns`, in order (those that
+    fail outside the script, e.g. `model.eval()` with no model, are skipped); this
+    defines the locals the loop reads and the patched `_val_slice`. A name still
+    missing is evaluated from its one assignment. Compound statements inside the loop
+    (`if end > n: continue`) are not run: both scripts' batches are compared for every
+    start. Raises HarnessError when the loop binds no x and y in its simple statements.
+    """
+    module = surveyed.module
+    scope = surveyed.collector.scope_of[function]
+    body = loop.body.body if isinstance(loop.body, cst.IndentedBlock) else [loop.body]
+    smalls = [small for stmt in body if isinstance(stmt, (cst.SimpleStatementLine, cst.SimpleStatementSuite)) for small in stmt.body]
+    bound, steps, run = set(), [], []
+    for small in smalls:
+        run.append(small)
+        steps.append(module.code_for_node(small.with_changes(semicolon=cst.MaybeSentinel.DEFAULT)))
+        bound |= {n.value for t in m.findall(small, m.AssignTarget()) for n in m.findall(t, m.Name())}
+        if set(BATCH_NAMES) <= bound:
+            break
+    if not set(BATCH_NAMES) <= bound:
+        raise HarnessError(f"the loop in {function.name.value} binds no x and y in its simple statements")
+    _run_before(function.body, loop, ns)
+    for name in set(_names_read(loop.iter)) | {n for s in run for n in _names_read(s)}:
+        if "." not in name and name not in ns and scope.resolve(name) is scope:
+            try:
+                evaluate_script_code(surveyed, name, ns, scope)
+            except Exception:
+                pass  # bound by the loop itself, or not needed for x and y
+    target = module.code_for_node(loop.target)
+    batches = []
+    code = compile("\n".join(steps), "<val loop body>", "exec")
+    for item in evaluate_script_code(surveyed, module.code_for_node(loop.iter), ns, scope):
+        ns["__item"] = item
+        exec(f"{target} = __item", ns)
+        exec(code, ns)
+        batches.append(tuple(ns[name] for name in BATCH_NAMES))
+    return batches
+
+
+def _run_before(block: cst.BaseSuite, loop: cst.For, ns: dict) -> bool:
+    """Run the statements of `block` that come before `loop` (entering the block that holds
+    it, such as `with torch.inference_mode():`); True once the loop is reached."""
+    statements = block.body if isinstance(block, cst.IndentedBlock) else [block]
+    for stmt in statements:
+        if stmt is loop:
+            return True
+        if any(n is loop for n in _walk_own(stmt)):
+            inner = getattr(stmt, "body", None)
+            return inner is not None and _run_before(inner, loop, ns)
+        try:
+            exec(compile(cst.Module(body=[stmt.with_changes(leading_lines=[])]).code, "<before val loop>", "exec"), ns)
+        except Exception:
+            pass  # needs what only the running script has (the model, a process group)
+    return False

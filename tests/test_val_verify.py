@@ -1,0 +1,52 @@
+"""verify compares the evaluation loop's (x, y) batches too, and catches a broken validation prefetch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from patcher.patch import patch_source
+from patcher.source import read_script, render
+from patcher.verify import verify
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def patched(tmp_path: Path, name: str, breakage=None) -> tuple[Path, Path]:
+    original = FIXTURES / f"{name}.py"
+    script = read_script(original)
+    source = patch_source(script.source).source
+    if breakage is not None:
+        old, new = breakage
+        assert old in source, "the runtime changed; update this test's breakage"
+        source = source.replace(old, new, 1)
+    out = tmp_path / f"{name}_patched.py"
+    out.write_text(render(script, source, rewrap=False))
+    return original, out
+
+
+@pytest.mark.parametrize("name", ["tokenstream_readable", "shuffled_minified", "wrapped_lzma_oneline"])
+def test_validation_batches_identical(tmp_path, name):
+    original, out = patched(tmp_path, name)
+    result = verify(original, out, batches=8, world_size=2)
+    assert result.identical, result.difference
+    assert result.val_batches_compared >= 8
+    assert any("validation loop of eval_val" in note for note in result.notes)
+
+
+SHIFTED_SLICE = ("            return val_tokens[raw_start:raw_end]\n", "            return val_tokens[raw_start + 1:raw_end + 1]\n")
+# The runtime hands batch k+1 out as batch k from the third batch on.
+SKIPPED_BATCH = (
+    "                yield start, self._take(current, device)\n",
+    "                yield start, self._take(ahead if index == 2 and ahead is not None else current, device)\n",
+)
+
+
+@pytest.mark.parametrize("breakage, batch", [pytest.param(SHIFTED_SLICE, 0, id="shifted-slice"), pytest.param(SKIPPED_BATCH, 2, id="batch-handed-out-early")])
+def test_broken_validation_prefetch_is_caught(tmp_path, breakage, batch):
+    original, out = patched(tmp_path, "tokenstream_readable", breakage)
+    result = verify(original, out, batches=8, world_size=2)
+    assert not result.identical
+    d = result.difference
+    assert (d.rank, d.phase, d.batch) == (0, "val:eval_val", batch)

@@ -605,3 +605,35 @@ def test_check_uses_the_tree_it_is_handed_instead_of_parsing_again(tmp_path, mon
     monkeypatch.setattr(check_mod, "_parse_text", no_parse)
     result = check_mod.check_file(path, run_import=False, script=script)
     assert any("imports helper" in w for w in result.warnings)
+
+
+@pytest.mark.parametrize("name", ["tokenstream_readable", "shuffled_minified", "generator_toplevel", "batch_switch", "document_packing"])
+def test_the_patched_tree_gives_what_parsing_the_output_gives(name, tmp_path):
+    # check reuses PatchResult.module instead of parsing the written code again: the
+    # tree prints to exactly that code, and every analysis check makes of it agrees.
+    import libcst
+
+    import patcher.check as check_mod
+    from patcher.patch import patch_source
+    from patcher.source import read_script
+
+    script = read_script(Path(__file__).resolve().parent.parent / "fixtures" / f"{name}.py")
+    result = patch_source(script.source, module=script.module)
+    assert result.changed and result.module.code == result.source
+    (tmp_path / "helper.py").write_text("")
+    source = result.source + "import helper\n"  # something for the self-containedness check to find
+    tree = libcst.parse_module(result.source)
+    tree = tree.with_changes(body=[*result.module.body, *libcst.parse_module("import helper\n").body])
+    assert tree.code == source
+
+    def analyses():
+        return (check_mod.definitions_only(source), check_mod._pep701_sites(source), check_mod.self_contained_warnings(source, tmp_path / "train_gpt.py"))
+
+    check_mod._KNOWN_TREE.clear()
+    fresh = analyses()
+    check_mod._KNOWN_TREE[source] = tree
+    try:
+        assert analyses() == fresh
+    finally:
+        check_mod._KNOWN_TREE.clear()
+    assert any("imports helper" in w for w in fresh[2])

@@ -169,7 +169,7 @@ def _step_at(call: cst.Call, trees: _Trees) -> tuple[TrainingStep | None, str | 
     optimizer = [s.value for s in _after(region, anchor, trees) if _is_optimizer_step(s, trees)]
     if not optimizer:
         return None, "no optimizer step (`for opt in optimizers: opt.step()` or `optimizers.step()`) after the micro-step"
-    val = [n for n in _inside(driver, trees) if m.matches(n, m.Call(func=m.Name())) and n.func.value.startswith("eval_val") and not _in_fstring(n, driver, trees)]
+    val = [n for n in _inside(driver, trees) if isinstance(n, cst.Call) and isinstance(n.func, cst.Name) and n.func.value.startswith("eval_val") and not _in_fstring(n, driver, trees)]
     owner = next((a for a in trees.ancestors(driver) if isinstance(a, cst.FunctionDef)), None)
     return TrainingStep(call, forward.value, backward.value, optimizer, driver, owner, val), None
 
@@ -184,7 +184,7 @@ def _caller_loop(function: cst.FunctionDef | None, trees: _Trees) -> cst.CSTNode
     for candidate in tops:
         trees.walk(candidate)
         for node in _inside(candidate, trees):
-            if m.matches(node, m.Call(func=m.Name(function.name.value))):
+            if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == function.name.value:
                 loop = next((a for a in trees.ancestors(node) if isinstance(a, LOOPS + (cst.FunctionDef,))), None)
                 if isinstance(loop, LOOPS) and (found is None or trees.order[node] > trees.order[found[0]]):
                     found = (node, loop)

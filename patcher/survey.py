@@ -204,8 +204,19 @@ def _positions_in_statement(module: cst.Module, top: cst.CSTNode, starts: dict) 
             starts[stmt] = line
             line += module.code_for_node(stmt).count("\n")
     alone = cst.Module(body=[top], default_indent=module.default_indent, default_newline=module.default_newline)
-    positions = MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider)
-    return starts[top], positions
+    return starts[top], _positions(alone)
+
+
+def _positions(module: cst.Module) -> dict:
+    """{node: CodeRange} for `module`. libcst's PositionProvider prints the module with a
+    position-tracking state; resolving it through a MetadataWrapper also walks the whole
+    tree once more for nothing, so that internal step is called directly where it exists."""
+    provider = PositionProvider()
+    try:
+        provider._gen_impl(module)
+        return provider._computed
+    except AttributeError:  # a libcst without those internals
+        return MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
 
 
 def survey(module: cst.Module) -> Survey:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
+from patcher import cst_walk
 from patcher.survey import Survey, _dotted
 
 # Calls a slice bound may make: pure functions of their arguments.
@@ -88,8 +89,23 @@ def find_val_loops(survey: Survey) -> list[ValLoop]:
     """Every loop in an `eval*` function whose body copies a token slice to the device.
 
     A loop whose slice `.to(...)` sits only in a nested block or an inner loop is
-    reported too, with the reason, at the innermost loop holding it.
+    reported too, with the reason, at the innermost loop holding it. Surveyed once per
+    `Survey` (the three validation transforms ask the same question of the same module).
     """
+    cached = _VAL_LOOPS.get(id(survey))
+    if cached is not None and cached[0] is survey:
+        return list(cached[1])
+    found = _find_val_loops(survey)
+    _VAL_LOOPS.clear()  # one module at a time
+    _VAL_LOOPS[id(survey)] = (survey, found)
+    return list(found)
+
+
+# id(survey) -> (survey, its loops): the survey is kept so that its id is not reused.
+_VAL_LOOPS: dict[int, tuple[Survey, list[ValLoop]]] = {}
+
+
+def _find_val_loops(survey: Survey) -> list[ValLoop]:
     found = []
     for function in survey.collector.functions:
         if "eval" not in function.name.value:
@@ -161,7 +177,7 @@ def _walk_own(node: cst.CSTNode):
         yield current
         if isinstance(current, (cst.FunctionDef, cst.ClassDef, cst.Lambda)) and current is not node:
             continue
-        stack.extend(reversed(current.children))
+        stack.extend(reversed(cst_walk.children(current)))
 
 
 def _assigned_in(node: cst.CSTNode) -> dict[str, int]:

@@ -65,3 +65,17 @@ def test_deep_nesting_does_not_recurse():
     recorder = _Recorder()
     cst_walk.visit(module, recorder)
     assert sum(1 for kind, _ in recorder.calls if kind == "visit") > 6000
+
+
+def test_survey_positions_match_libcst_metadata():
+    # survey._positions calls PositionProvider's printing step directly; it must give
+    # what the public MetadataWrapper path gives, for every node.
+    from libcst.metadata import MetadataWrapper, PositionProvider
+
+    from patcher.survey import _positions
+
+    module = cst.parse_module((ROOT / "fixtures" / "tokenstream_readable.py").read_text())
+    expected = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    got = _positions(module)
+    assert len(got) == len(expected) > 1000
+    assert all(got[node] == expected[node] for node in expected)

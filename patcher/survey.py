@@ -337,6 +337,7 @@ class _SiteCollector(cst.CSTVisitor):
         self.next_calls: list[tuple[cst.Call, _Scope]] = []  # next(name)
         self.send_calls: list[tuple[cst.Call, _Scope]] = []  # name.send(value)
         self.generator_functions: set[cst.FunctionDef] = set()  # functions that yield
+        self.calls_by_name: dict[str, list[cst.Call]] = {}  # f(...) calls by the name f
         # every f-string, with the f-strings it sits in
         self.fstrings: list[tuple[cst.FormattedString, tuple]] = []
         self.fstring_stack: list[cst.FormattedString] = []
@@ -440,6 +441,8 @@ class _SiteCollector(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         # The callee's last name first: a script has thousands of calls, matchers are slow.
         func = node.func
+        if isinstance(func, cst.Name):
+            self.calls_by_name.setdefault(func.value, []).append(node)
         callee = func.value if isinstance(func, cst.Name) else func.attr.value if isinstance(func, cst.Attribute) else None
         if callee not in ("next", "send", "next_batch", "setattr"):
             return

@@ -179,9 +179,12 @@ def _caller_loop(function: cst.FunctionDef | None, trees: _Trees) -> cst.CSTNode
     if function is None:
         return None
     top = trees.survey.top_level_of(function)
+    # only the statements that call it by name (the survey lists those calls)
+    calls = trees.survey.collector.calls_by_name.get(function.name.value, [])
+    holding = dict.fromkeys(trees.survey.top_level_of(call) for call in calls)
     tops = [top] if top is not function else list(trees.survey.module.body)
     found = None
-    for candidate in tops:
+    for candidate in (t for t in tops if t in holding):
         trees.walk(candidate)
         for node in _inside(candidate, trees):
             if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == function.name.value:

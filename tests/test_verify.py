@@ -247,3 +247,30 @@ def test_bos_id_read_from_the_script_and_web_length_documents(tmp_path):
     lengths = np.diff(starts)
     assert starts[0] == 0
     assert lengths.min() >= WEB_DOC_LEN_RANGE[0] and lengths.max() <= WEB_DOC_LEN_RANGE[1]
+
+
+def test_a_name_reassigned_in_the_loop_is_evaluated_from_its_top_level_assignment():
+    # modded-nanogpt: `step_batch_size = args.train_bs_schedule[0]`, the generator built
+    # from it, then `step_batch_size = new_step_batch_size` inside the training loop.
+    import libcst
+
+    from patcher.harness import HarnessError, evaluate_script_code
+    from patcher.survey import survey
+
+    source = (
+        "schedule = (8, 16)\n"
+        "step_batch_size = schedule[0]\n"
+        "loader = make(step_batch_size)\n"
+        "for step in range(3):\n"
+        "    step_batch_size = schedule[step % 2]\n"
+        "if schedule:\n"
+        "    other = 1\n"
+        "else:\n"
+        "    other = 2\n"
+    )
+    surveyed = survey(libcst.parse_module(source))
+    scope = surveyed.collector.module_scope
+    ns = {"schedule": (8, 16)}
+    assert evaluate_script_code(surveyed, "step_batch_size * 2", ns, scope) == 16
+    with pytest.raises(HarnessError):  # two conditional assignments, none at top level: no guess
+        evaluate_script_code(surveyed, "other", {}, scope)

@@ -22,7 +22,7 @@ import templates
 TEMPLATE_DIR = Path(templates.__file__).parent
 
 # template name -> templates it uses, injected before it
-DEPENDENCIES = {"copy_stream": [], "prefetch_loader": ["copy_stream"], "prefetch_iterator": ["prefetch_loader"]}
+DEPENDENCIES = {"copy_stream": [], "prefetch_loader": ["copy_stream"], "prefetch_iterator": ["prefetch_loader"], "ordered_handoff": ["prefetch_loader"], "shuffled_assembly": []}
 
 MARKER = "# patch-prefetch runtime: {names}. Toggles: {toggles}."
 

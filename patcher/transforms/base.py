@@ -15,6 +15,8 @@ TOGGLES = {
     "TRAIN_PREFETCH": ("train_prefetch", 1),
     "TRAIN_PREFETCH_QUEUE": ("train_prefetch_queue", 2),
     "TRAIN_COPY_STREAM": ("train_copy_stream", 1),
+    "TRAIN_PREFETCH_WORKERS": ("train_prefetch_workers", 1),
+    "TRAIN_PREFETCH_NUMPY": ("train_prefetch_numpy", 1),
 }
 
 

@@ -19,9 +19,17 @@ Measured per step, in ms: the main thread's wait inside `next_batch` (p50, p99, 
 total) for each loader, and the time of the Python work of the step (to see how much
 the patched loader's worker slows the main thread). Producer throughput (batches/s)
 is measured separately: the original loader's `next_batch` in a tight loop, and the
-patched loader drained by a consumer that does nothing else (its rate is the
-worker's). The first `warmup` steps (the cold start, whose first batch is built
+patched loader's workers filling a queue while the caller only waits (their build
+rate). The first `warmup` steps (the cold start, whose first batch is built
 synchronously) are left out of the statistics, and the report says how many.
+
+Producer variants, measured in the same run, alternating, best of three rounds each:
+`python` (one worker calling the script's own `next_batch`, `TRAIN_PREFETCH_NUMPY=0`),
+`numpy` (one worker, batches planned and gathered in numpy, for a recognised
+ShuffledSequenceLoader) and `workers` (`--workers N` threads, numpy assembly where
+recognised); `patched` is the configuration the wait was measured with
+(`TRAIN_PREFETCH_WORKERS=N`, numpy on). Each rate comes with its ratio to the
+original's, and `producer_ratio_workers_vs_1` is N workers against one.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_on
 from patcher.patch import patch_source
 from patcher.shards import write_shards
 from patcher.source import SourceError, read_script
+from patcher.transforms.base import TOGGLES
 
 PYTHON_WORK_MS = 5.0
 WORLD_SIZE = 8
@@ -63,6 +72,7 @@ def run_bench(
     warmup: int = 3,
     producer_batches: int = 30,
     torch_threads: int = 1,
+    workers: int = 1,
 ) -> dict:
     """Benchmark one script. Returns the report dict (keys in the module docstring and README).
 
@@ -80,6 +90,8 @@ def run_bench(
     except HarnessError as error:
         raise BenchError(f"{script}: {error}") from None
     patched_site = patched_constructions(result.source, recipe)[0]
+    workers = max(1, int(workers))
+    variants = _producer_variants(patched_site, workers)
     with _shard_dir(data_dir) as directory, host_only_pinning([]), _torch_threads(torch_threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
         modules = load_module(original_source, str(script)), load_module(result.source, str(script))
@@ -88,17 +100,53 @@ def run_bench(
         # as in a real run.
         make_hp = hparams_factory(recipe, modules[0], WORLD_SIZE, directory)
         spaces = [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cpu")) for mod in modules]
-        _set_queue_depth(spaces[1], queue_depth)
+        _set_toggle(spaces[1], "TRAIN_PREFETCH_QUEUE", queue_depth)
         args = recipe.arguments(spaces[0], 0, [getattr(make_hp(0), "train_seq_len", 1024)])
         build = [lambda: recipe.build(recipe.constructions[0], spaces[0]), lambda: recipe.evaluate(patched_site, spaces[1], recipe.constructions[0].binding)]
         work_loops = _calibrate_python_work(PYTHON_WORK_MS)
+        _set_toggles(spaces[1], variants[variants["patched"]])
         waits, work = _alternate(build, args, steps + warmup, compute_ms, main_thread, work_loops)
         # Best of a few alternating rounds: the rate a side can reach on this machine.
-        rounds = [[_producer_rate(build[side], args, producer_batches, patched=side == 1) for side in (0, 1)] for _ in range(3)]
-        rates = [max(r[side] for r in rounds) for side in (0, 1)]
-    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, rates)
+        names = ["original"] + [name for name in ("python", "numpy", "workers") if name in variants]
+        rounds = []
+        for _ in range(3):
+            rates_now = {}
+            for name in names:
+                if name != "original":
+                    _set_toggles(spaces[1], variants[name])
+                rates_now[name] = _producer_rate(build[name != "original"], args, producer_batches, patched=name != "original")
+            rounds.append(rates_now)
+        rates = {name: max(r[name] for r in rounds) for name in names}
+        _set_toggles(spaces[1], {"TRAIN_PREFETCH_WORKERS": 1, "TRAIN_PREFETCH_NUMPY": 1})
+    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates[variants["patched"]]])
     report["torch_threads"] = torch_threads
+    _producer_report(report, rates, variants, workers)
     return report
+
+
+def _producer_variants(patched_site: str, workers: int) -> dict:
+    """Toggle settings per producer variant the patched construction supports, and
+    `"patched"`: the name of the one the wait is measured with."""
+    variants = {"python": {"TRAIN_PREFETCH_NUMPY": 0, "TRAIN_PREFETCH_WORKERS": 1}}
+    if "_ShuffledAssembly(" in patched_site:
+        variants["numpy"] = {"TRAIN_PREFETCH_NUMPY": 1, "TRAIN_PREFETCH_WORKERS": 1}
+    if "workers=" in patched_site and workers > 1:
+        variants["workers"] = {"TRAIN_PREFETCH_NUMPY": 1, "TRAIN_PREFETCH_WORKERS": workers}
+    variants["patched"] = "workers" if "workers" in variants else "numpy" if "numpy" in variants else "python"
+    return variants
+
+
+def _producer_report(report: dict, rates: dict, variants: dict, workers: int) -> None:
+    """Producer rate and ratio to the original's per variant; N workers against one."""
+    original = rates["original"]
+    report["workers"] = workers if "workers" in variants else 1
+    report["assembly"] = "numpy" if "numpy" in variants else "python"
+    for name in ("python", "numpy", "workers"):
+        rate = rates.get(name)
+        report[f"producer_batches_per_s_{name}"] = None if rate is None else round(rate, 2)
+        report[f"producer_ratio_{name}"] = round(rate / original, 3) if rate and original else None
+    one = rates.get("numpy", rates["python"])
+    report["producer_ratio_workers_vs_1"] = round(rates["workers"] / one, 3) if "workers" in rates and one else None
 
 
 @contextlib.contextmanager
@@ -112,13 +160,25 @@ def _torch_threads(count: int):
         torch.set_num_threads(previous)
 
 
-def _set_queue_depth(namespace: dict, depth: int) -> None:
-    """Set the TRAIN_PREFETCH_QUEUE toggle where the patched script reads it."""
-    if "TRAIN_PREFETCH_QUEUE" in namespace:
-        namespace["TRAIN_PREFETCH_QUEUE"] = depth
-    for value in namespace.values():
-        if isinstance(value, type) and "train_prefetch_queue" in vars(value):
-            setattr(value, "train_prefetch_queue", depth)
+def _set_toggles(namespace: dict, values: dict) -> None:
+    for env_name, value in values.items():
+        _set_toggle(namespace, env_name, value)
+
+
+def _set_toggle(namespace: dict, env_name: str, value) -> None:
+    """Set toggle `env_name` where the patched script reads it: a module constant, a
+    Hyperparameters class attribute, or the attribute of an instance that holds its own."""
+    attr = TOGGLES[env_name][0]
+    if env_name in namespace:
+        namespace[env_name] = value
+    for item in list(namespace.values()):
+        if isinstance(item, type) and attr in vars(item):
+            setattr(item, attr, value)
+        elif not isinstance(item, type) and attr in getattr(item, "__dict__", {}):
+            try:
+                setattr(item, attr, value)
+            except (AttributeError, TypeError):
+                object.__setattr__(item, attr, value)
 
 
 class _shard_dir:
@@ -144,6 +204,8 @@ def _ensure_shards(directory: str, shards: int, tokens: int, seed: int) -> None:
     files = sorted(Path(directory).glob("fineweb_train_*.bin"))
     if len(files) == shards and all(f.stat().st_size == expected for f in files):
         return  # reuse shards from an earlier run
+    for f in files:  # another count or size: none of the old ones may stay behind
+        f.unlink()
     write_shards(directory, train_shards=shards, val_shards=1, tokens_per_shard=tokens, vocab_size=1024, seed=seed)
 
 
@@ -262,6 +324,11 @@ def _print_table(report: dict, stream) -> None:
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f} {row[3]:10.1f}", file=stream)
     print(f"  total wait original / patched: {report['ratio']}x", file=stream)
     print(f"  producer: original {report['producer_batches_per_s_original']} batches/s, patched {report['producer_batches_per_s_patched']} batches/s ({report['producer_ratio']}x)", file=stream)
+    for name, label in (("python", "1 worker, script's next_batch"), ("numpy", "1 worker, numpy assembly"), ("workers", f"{report['workers']} workers, {report['assembly']} assembly")):
+        if report[f"producer_batches_per_s_{name}"] is not None:
+            print(f"    {label:34} {report[f'producer_batches_per_s_{name}']:>10} batches/s ({report[f'producer_ratio_{name}']}x original)", file=stream)
+    if report["producer_ratio_workers_vs_1"] is not None:
+        print(f"    {report['workers']} workers / 1 worker: {report['producer_ratio_workers_vs_1']}x", file=stream)
     if report["main_thread_slowdown_pct"] is not None:
         print(f"  main thread's Python work slowed by {report['main_thread_slowdown_pct']} %", file=stream)
 
@@ -276,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
     parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node)")
+    parser.add_argument("--workers", type=int, default=1, help="TRAIN_PREFETCH_WORKERS for the patched loader; above 1 the producer rate of N workers is reported against one (ShuffledSequenceLoader family)")
+    parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3; rank 0 of 8 reads every 8th in the ShuffledSequenceLoader family)")
     parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     try:
@@ -283,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit:
         return 2 if exit.code else 0
     try:
-        report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads)
+        report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers)
     except (BenchError, SourceError) as error:
         print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
         return 2

@@ -76,6 +76,7 @@ def build_verify_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int, default=64, help="batches per rank after the rebuild (default 64)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to simulate (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic shards")
+    parser.add_argument("--shard-tokens", type=int, help="tokens per synthetic train shard for a loader class (default: 4 shards holding about 2/3 of what the run reads); small shards make a ShuffledSequenceLoader reshuffle within the run")
     parser.add_argument("--send", action="append", default=[], metavar="EXPR", help="a value to pass to a data generator's .send() mid-run, as a Python expression over the script's module-level names (repeatable; the values the script's own .send() calls pass are used when they can be evaluated outside training)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -246,7 +247,7 @@ def _run_verify(args) -> int:
     from patcher.verify import CannotVerify, verify
 
     try:
-        result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send)
+        result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens)
     except CannotVerify as error:
         print(f"patch-prefetch verify: cannot verify: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -30,6 +30,8 @@ DEPENDENCIES = {
     "val_bytecount": [],
     "val_progress": [],
     "step_timing": ["copy_stream"],
+    "ordered_handoff": ["prefetch_loader"],
+    "shuffled_assembly": [],
 }
 
 MARKER = "# patch-prefetch runtime: {names}. Toggles: {toggles}."

@@ -44,6 +44,7 @@ from patcher.patch import features_from, patch_source
 from patcher.shards import DOC_LEN_RANGE, write_shards
 from patcher.source import read_script
 from patcher.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
+from patcher.transforms.base import TOGGLES
 
 EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
 
@@ -91,11 +92,14 @@ class VerifyResult:
         return d
 
 
-def verify(original: str | Path, patched: str | Path, batches: int = 64, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None) -> VerifyResult:
+def verify(original: str | Path, patched: str | Path, batches: int = 64, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None) -> VerifyResult:
     """Compare the training batches of `original` and `patched` for ranks 0..world_size-1.
 
     sends: expressions (over the script's module-level names) of values to pass to a
-    data generator's `.send()` besides those the script's own calls pass.
+    data generator's `.send()` besides those the script's own calls pass. shard_tokens:
+    tokens per synthetic train shard of a loader class (default: about 2/3 of what the
+    run reads over 4 shards); smaller shards make a loader that reshuffles when its
+    shards are used up (ShuffledSequenceLoader) do so within the run.
 
     Returns a `VerifyResult`. Raises `CannotVerify` when the loader cannot be driven
     outside the script, and `SourceError` for unreadable input.
@@ -132,9 +136,10 @@ def verify(original: str | Path, patched: str | Path, batches: int = 64, world_s
             return loaded
 
         modules = load(0)
+        notes.append(_toggle_note(modules[1]))
         difference = None
         try:
-            plan = _plan(recipe, modules[0], world_size, batches, warmup, data_dir, seed, notes)
+            plan = _plan(recipe, modules[0], world_size, batches, warmup, data_dir, seed, notes, shard_tokens)
             difference = _first_rank_difference(lambda rank: _compare_rank(recipe, patched_sites, modules if rank == 0 else load(rank), plan, rank), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{original}: {error}") from None
@@ -219,7 +224,21 @@ class _Plan:
     seq_lens: list[int]
 
 
-def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes) -> _Plan:
+def _toggle_note(module) -> str:
+    """The patched script's toggle values as it read them (module constants or Hyperparameters attributes)."""
+    values = []
+    for env_name, (attr, _default) in TOGGLES.items():
+        if env_name in module.__dict__:
+            values.append(f"{env_name}={module.__dict__[env_name]}")
+            continue
+        for value in list(module.__dict__.values()):
+            if isinstance(value, type) and attr in vars(value):
+                values.append(f"{env_name}={vars(value)[attr]}")
+                break
+    return "patched toggles: " + (" ".join(values) if values else "none found (defaults inline)")
+
+
+def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes, shard_tokens=None) -> _Plan:
     """Write shards sized for the run and decide the per-rank hyperparameters."""
     make_hparams = hparams_factory(recipe, module, world_size, data_dir)
     ns = recipe.namespace(module, make_hparams(0), 0, world_size, torch.device("cpu"))
@@ -230,7 +249,7 @@ def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, s
     total = tokens_per_call * (batches + warmup)
     # Four shards holding about 2/3 of what the run reads: boundaries are crossed and the
     # stream wraps around; every shard still fits several sequences.
-    tokens_per_shard = max(math.ceil(total / 6), 8 * (seq_len + 1))
+    tokens_per_shard = max(math.ceil(total / 6), 8 * (seq_len + 1)) if shard_tokens is None else max(int(shard_tokens), 2 * (seq_len + 1))
     write_shards(data_dir, train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=256, seed=seed, bos_id=1)
     notes.append(f"4 shards x {tokens_per_shard} tokens; {tokens_per_call} tokens per next_batch; {warmup} warm-up + {batches} batches per rank")
     if recipe.varying:

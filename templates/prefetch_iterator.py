@@ -170,6 +170,7 @@ class _IteratorWorker:
         self.queue = _Handoff(depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
+        self.threads = [self.thread]
 
     def _run(self):
         try:

@@ -27,6 +27,10 @@ time, never different data. An argument that the loader only uses as the trailin
 dimension of `.reshape(-1, n)` (the sequence length in the TokenStream family, where
 the stream advances by a span that does not depend on it) is left out of that check
 and applied when the batch is handed out.
+
+Several workers (`TRAIN_PREFETCH_WORKERS`): each batch is planned under one lock in
+call order (the loader advances), finished on any of the threads, and taken by its
+sequence number (`_OrderedHandoff`, templates/ordered_handoff.py).
 """
 
 import atexit
@@ -48,6 +52,8 @@ _live_prefetchers = {}
 _running_workers = set()
 # How often a blocked caller or worker looks at the stop event (s).
 _POLL_S = 0.1
+# [_OrderedHandoff] where templates/ordered_handoff.py is injected (several workers).
+_ORDERED_HANDOFF = []
 
 
 def _stop_workers_at_exit():
@@ -58,13 +64,14 @@ def _stop_workers_at_exit():
     # a worker stuck in a read still ends the process promptly.
     deadline = time.monotonic() + 3.0
     for worker in list(_running_workers):
-        worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for thread in worker.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(_stop_workers_at_exit)
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True, workers=1, assembly=None):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -78,14 +85,17 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     (only for loaders that never change an array in place; the survey checks that);
     host_copy: copy each batch built ahead even when it is not pinned, for loaders
     that may later write into an array a returned batch views (False when the survey
-    finds no such write: the batch is handed out as built).
+    finds no such write: the batch is handed out as built); workers: threads
+    building batches (`TRAIN_PREFETCH_WORKERS`); assembly: None (`next_batch` in the
+    worker) or `_ShuffledAssembly` (`TRAIN_PREFETCH_NUMPY`): `plan(loader, args)`
+    advances the loader as `next_batch(*args)`; `gather(plan, pin)` builds its batch.
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
     _free_slot(slot)
     if not prefetch:
         return make_loader(device)
-    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg, rollback, host_copy)
+    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg, rollback, host_copy, workers, assembly)
     _live_prefetchers[slot] = loader
     return loader
 
@@ -105,8 +115,10 @@ class _PrefetchLoader:
     A worker's exception is re-raised in the caller with the worker's traceback.
     """
 
-    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True):
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, workers=1, assembly=None):
         self._make_loader = make_loader
+        self._workers = max(1, int(workers))
+        self._assembly = assembly
         self._device = torch.device(device)
         self._pin = self._device.type == "cuda" and torch.cuda.is_available()
         self._copy_stream = copy_stream
@@ -194,7 +206,7 @@ class _PrefetchLoader:
         return args[: self._reshape_arg] + args[self._reshape_arg + 1 :]
 
     def _start(self, args):
-        worker = _Worker(self._loader, args, self._depth, self._pin, self._rollback, self._host_copy)
+        worker = _Worker(self._loader, args, self._depth, self._pin, self._rollback, self._host_copy, self._workers, self._assembly)
         self._worker, self._worker_args = worker, args
         _start_worker(worker)
 
@@ -218,7 +230,10 @@ class _PrefetchLoader:
     def _replay(self):
         self._loader = self._make_loader(torch.device("cpu"))
         for old_args in self._handed_out:
-            self._loader.next_batch(*old_args)
+            if self._assembly is not None:
+                self._assembly.plan(self._loader, old_args)
+            else:
+                self._loader.next_batch(*old_args)
         self._ahead = False
 
     def _take(self):
@@ -270,34 +285,63 @@ class _Built:
 
 
 class _Worker:
-    """Daemon thread: `loader.next_batch(*args)` in a loop into a bounded `_Handoff`."""
+    """Daemon threads: under `plan_lock`, number and plan a batch (`assembly.plan` or
+    `next_batch`); outside it, finish it (`assembly.gather` or `_stage`) and deliver
+    it under its number. One thread: a bounded `_Handoff`; several: `_OrderedHandoff`."""
 
-    def __init__(self, loader, args, depth, pin, rollback=False, copy=True):
-        self.loader, self.args, self.pin, self.rollback, self.copy = loader, args, pin, rollback, copy
-        self.queue = _Handoff(depth)
+    def __init__(self, loader, args, depth, pin, rollback=False, copy=True, workers=1, assembly=None):
+        self.loader, self.args, self.pin, self.rollback, self.copy, self.assembly = loader, args, pin, rollback, copy, assembly
+        workers = max(1, int(workers))
+        if workers > 1 and not _ORDERED_HANDOFF:
+            raise RuntimeError("prefetch: several workers need _OrderedHandoff (templates/ordered_handoff.py)")
+        self.queue = _Handoff(depth) if workers == 1 else _ORDERED_HANDOFF[0](depth, depth + workers)
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
+        self.plan_lock = threading.Lock()
+        self.planned = 0  # sequence number of the next plan
+        self.failed = False
+        self.threads = [threading.Thread(target=self._run, name="train-prefetch", daemon=True) for _ in range(workers)]
+        self.thread = self.threads[0]
 
     def _run(self):
-        try:
-            while not self.stop.is_set():
-                before = _snapshot(self.loader) if self.rollback else None
-                self.queue.put_until(_Built(_stage(self.loader.next_batch(*self.args), self.pin, self.copy), before), self.stop)
-        except BaseException as error:  # handed to the caller, which re-raises it
-            self.queue.put_until(_WorkerError(error), self.stop)
+        while self.queue.claim(self.stop):
+            item = None
+            with self.plan_lock:
+                if self.failed or self.stop.is_set():
+                    return
+                seq = self.planned
+                self.planned += 1
+                try:
+                    before = _snapshot(self.loader) if self.rollback else None
+                    plan = self.assembly.plan(self.loader, self.args) if self.assembly is not None else self.loader.next_batch(*self.args)
+                except BaseException as error:  # handed to the caller, which re-raises it
+                    self.failed = True
+                    item = _WorkerError(error)
+            if item is None:
+                try:
+                    item = _Built(self.assembly.gather(plan, self.pin) if self.assembly is not None else _stage(plan, self.pin, self.copy), before)
+                except BaseException as error:
+                    self.failed = True
+                    item = _WorkerError(error)
+                plan = None
+            self.queue.deliver(seq, item, self.stop)
+            if isinstance(item, _WorkerError):
+                return
 
 
 def _start_worker(worker):
-    """Start a worker (`thread`, `stop`, `queue`), registered for the stop at exit."""
+    """Start a worker (`threads`, `stop`, `queue`), registered for the stop at exit."""
     _running_workers.add(worker)
-    worker.thread.start()
+    for thread in worker.threads:
+        thread.start()
 
 
 def _stop_worker(worker):
     """Stop a worker and drop what it queued; returns within about `_POLL_S` s (1 s at most)."""
     worker.stop.set()
     worker.queue.clear()
-    worker.thread.join(timeout=1.0)
+    deadline = time.monotonic() + 1.0
+    for thread in worker.threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
     _running_workers.discard(worker)
 
 
@@ -307,7 +351,7 @@ def _next_built(worker):
         item = worker.queue.get(_POLL_S)
         if item is not _EMPTY:
             return item
-        if not worker.thread.is_alive() and worker.queue.empty():
+        if not any(t.is_alive() for t in worker.threads) and worker.queue.empty():
             raise RuntimeError("prefetch worker exited without a batch")
 
 
@@ -351,6 +395,14 @@ class _Handoff:
         while not stop.is_set():
             if self.put(item, _POLL_S):
                 return
+
+    def claim(self, stop):
+        """Before building an item: True unless `stop` is set (the one producer waits for room in `deliver`)."""
+        return not stop.is_set()
+
+    def deliver(self, seq, item, stop):
+        """The producer's item number `seq` (they come in order): `put_until`."""
+        self.put_until(item, stop)
 
     def get(self, timeout):
         """The oldest item, or `_EMPTY` if none came within `timeout` s. Does not wake the producer."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from patcher.bench import main, run_bench
@@ -42,3 +43,24 @@ def test_script_without_loader_is_one_line_exit_2(capsys):
     assert main([str(FIXTURES / "no_loader.py"), "--steps", "5"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nothing to benchmark" in err
+
+
+def test_producer_variants_for_a_shuffled_loader(tmp_path):
+    # One run reports the original, one worker with the script's own next_batch, one
+    # worker with the numpy assembly and N workers, each with its ratio to the original.
+    report = run_bench(FIXTURES / "shuffled_minified.py", steps=6, compute_ms=1, shard_tokens=50_000, shards=16, data_dir=str(tmp_path), workers=2, producer_batches=10)
+    assert report["workers"] == 2 and report["assembly"] == "numpy"
+    for name in ("python", "numpy", "workers"):
+        assert report[f"producer_batches_per_s_{name}"] > 0
+        assert report[f"producer_ratio_{name}"] == pytest.approx(report[f"producer_batches_per_s_{name}"] / report["producer_batches_per_s_original"], rel=1e-2)
+    assert report["producer_batches_per_s_patched"] == report["producer_batches_per_s_workers"]
+    assert report["producer_ratio_workers_vs_1"] == pytest.approx(report["producer_batches_per_s_workers"] / report["producer_batches_per_s_numpy"], rel=1e-2)
+    assert len(list(tmp_path.glob("fineweb_train_*.bin"))) == 16
+
+
+def test_other_families_report_one_python_worker(tmp_path):
+    report = run_bench(FIXTURES / "tokenstream_readable.py", steps=4, compute_ms=1, shard_tokens=50_000, data_dir=str(tmp_path), workers=2, producer_batches=5)
+    assert report["workers"] == 1 and report["assembly"] == "python"
+    assert report["producer_batches_per_s_numpy"] is None and report["producer_batches_per_s_workers"] is None
+    assert report["producer_ratio_workers_vs_1"] is None
+    assert report["producer_batches_per_s_patched"] == report["producer_batches_per_s_python"]

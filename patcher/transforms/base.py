@@ -21,6 +21,8 @@ TOGGLES = {
     "VAL_COPY_STREAM": ("val_copy_stream", 1),
     "VAL_BYTECOUNT_DEVICE": ("val_bytecount_device", "cuda"),  # a string toggle
     "VAL_PROGRESS_LOG_EVERY": ("val_progress_log_every", 0),
+    "TRAIN_PREFETCH_WORKERS": ("train_prefetch_workers", 1),
+    "TRAIN_PREFETCH_NUMPY": ("train_prefetch_numpy", 1),
 }
 
 

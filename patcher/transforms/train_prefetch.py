@@ -19,12 +19,20 @@ family) is applied at hand-out; any other changing argument gets `rollback=True`
 the worker snapshots the loader before each batch and a change restores it.
 A loader that never writes into an array it keeps gets `host_copy=False`: on a host
 device its batches are handed out as built, without a defensive copy.
+
+The ShuffledSequenceLoader family gets `workers=` (`TRAIN_PREFETCH_WORKERS` threads,
+batches handed out in order) and, when its `next_batch` is exactly the known shape
+(`patcher/assembly.py`), `assembly=_ShuffledAssembly(...)` under `TRAIN_PREFETCH_NUMPY`:
+the batch is planned (the RNG draws, in order) and gathered in numpy
+(`templates/shuffled_assembly.py`). Otherwise the worker calls the script's own
+`next_batch`, and the note says why.
 """
 
 from __future__ import annotations
 
 import libcst as cst
 
+from patcher.assembly import Recognition, recognise_shuffled
 from patcher.transforms.base import Context, Note, replace_nodes
 
 FEATURE = "train_prefetch"
@@ -66,13 +74,14 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         if reason is not None:
             notes.append(Note(FEATURE, False, reason, line))
             continue
+        recognition = _assembly(cls, ctx)
         for site in group:
-            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module)
+            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition)
         lines = ", ".join(str(c.line) for c in group)
-        extra = ""
+        extra = _assembly_note(cls, recognition, ctx)
         direct = _direct_uses(survey, group)
         if direct:
-            extra = f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
+            extra += f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
         if rollback:
             extra += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
         notes.append(Note(FEATURE, True, f"`{target}` built at line {lines} prefetches{extra}", group[0].line))
@@ -155,7 +164,24 @@ def _device_arg(call: cst.Call, cls) -> int | None:
     return None
 
 
-def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module) -> cst.Call:
+def _assembly(cls, ctx: Context) -> Recognition | None:
+    """For the ShuffledSequenceLoader family, whether numpy can assemble its batches; else None."""
+    if cls.family != "shuffled":
+        return None
+    return recognise_shuffled(cls.node, ctx.survey.module)
+
+
+def _assembly_note(cls, recognition: Recognition | None, ctx: Context) -> str:
+    if recognition is None:
+        return ""
+    workers = "TRAIN_PREFETCH_WORKERS threads, batches handed out in order"
+    if recognition.recognised:
+        return f" ({workers}); {cls.name}.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)"
+    where = f" at line {ctx.survey.line_of(recognition.node)}" if recognition.node is not None else ""
+    return f" ({workers}); numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
+
+
+def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None) -> cst.Call:
     cls = ctx.survey.loader_classes[site.class_name]
     index = _device_arg(site.call, cls)
     device_expr = module.code_for_node(site.call.args[index].value)
@@ -178,6 +204,13 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         parts.append("host_copy=False")
     if site.target != "train_loader":
         parts.append(f"slot={site.target!r}")
+    if recognition is not None:
+        ctx.need("ordered_handoff")
+        parts.append(f"workers={ctx.toggle('TRAIN_PREFETCH_WORKERS')}")
+        if recognition.recognised:
+            ctx.need("shuffled_assembly")
+            numpy_on = ctx.toggle("TRAIN_PREFETCH_NUMPY")
+            parts.append(ctx.code(f"assembly=_ShuffledAssembly({recognition.getter!r}) if {numpy_on} else None", f"assembly=_ShuffledAssembly({recognition.getter!r})if {numpy_on} else None"))
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")
 
 

@@ -1,0 +1,102 @@
+"""Injected runtime: the hand-off of several prefetch workers (feature `train_prefetch`).
+
+Rendered after `templates/prefetch_loader.py` into scripts whose loader may run
+`TRAIN_PREFETCH_WORKERS` > 1 threads (the ShuffledSequenceLoader family), and
+registered in `_ORDERED_HANDOFF`, where `_Worker` finds it; other scripts carry no
+copy of it.
+"""
+
+import threading
+import time
+
+from templates.prefetch_loader import _EMPTY, _ORDERED_HANDOFF, _POLL_S, _signal
+
+
+class _OrderedHandoff:
+    """Numbered items from several producers, taken by one consumer in number order.
+
+    A producer `claim`s a slot before it builds an item (at most `slots` items built
+    and not taken) and `deliver`s it under its number; the consumer takes item 0, 1,
+    2, ... (`get`), waiting when the next one is still being built, and frees a slot
+    with `room()` when it chooses, which wakes at most one producer. Items wait in a
+    dict; delivering and taking are single dict operations under the GIL. Signals as in
+    `_Handoff`: the consumer states how many items in a row it waits for (`_want`)
+    before it looks, and a producer signals only such a consumer.
+    """
+
+    _NOBODY = float("inf")
+
+    def __init__(self, depth, slots):
+        self.depth = depth
+        self._done = {}
+        self._next = 0  # number of the next item to take
+        self._free = threading.Semaphore(slots)
+        self._slots = slots
+        self._want = self._NOBODY
+        self._filled = threading.Lock()
+        self._filled.acquire()
+
+    def claim(self, stop):
+        """Wait for a free slot; False if `stop` (an Event) was set first."""
+        while not stop.is_set():
+            if self._free.acquire(timeout=_POLL_S):
+                return not stop.is_set()
+        return False
+
+    def deliver(self, seq, item, stop):
+        """Item number `seq`, built in the slot its producer claimed."""
+        self._done[seq] = item
+        if self._ready() >= self._want:
+            _signal(self._filled)
+
+    def _ready(self):
+        """How many items, from the next one on, are there in a row."""
+        n = 0
+        while self._next + n in self._done:
+            n += 1
+        return n
+
+    def get(self, timeout):
+        """The next item in order, or `_EMPTY` if it did not come within `timeout` s. Does not free its slot."""
+        if self._next not in self._done and not self._wait_for(1, timeout):
+            return _EMPTY
+        item = self._done.pop(self._next)
+        self._next += 1
+        return item
+
+    def wait_full(self, timeout):
+        """Block until `depth` items in a row are ready; False after `timeout` s."""
+        return self._wait_for(self.depth, timeout)
+
+    def _wait_for(self, count, timeout):
+        deadline = time.monotonic() + timeout
+        self._want = count
+        try:
+            while self._ready() < count:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._filled.acquire(timeout=left):
+                    return self._ready() >= count
+            return True
+        finally:
+            self._want = self._NOBODY
+
+    def room(self):
+        """Tell the producers that an item was taken (frees its slot)."""
+        self._free.release()
+
+    def clear(self):
+        """Drop every item and wake every producer waiting for a slot (to see its stop)."""
+        self._done.clear()
+        self._free.release(self._slots)
+
+    def qsize(self):
+        return self._ready()
+
+    def empty(self):
+        return self._next not in self._done
+
+    def full(self):
+        return self._ready() >= self.depth
+
+
+_ORDERED_HANDOFF.append(_OrderedHandoff)

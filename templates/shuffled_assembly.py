@@ -1,0 +1,119 @@
+"""Injected runtime: ShuffledSequenceLoader batches assembled in numpy (feature `train_prefetch`).
+
+Only for a `ShuffledSequenceLoader` whose `next_batch` has exactly the known shape
+(`patcher/assembly.py` recognises it; anything else keeps the script's own
+`next_batch`). The construction becomes
+
+    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, ...,
+        workers=h.train_prefetch_workers, assembly=_ShuffledAssembly("_get_shard_memmap") if h.train_prefetch_numpy else None)
+
+and the prefetch worker builds each batch in two steps:
+
+- `_shuffled_plan`: the loader's own draws, in the original order: per row, the shard
+  drawn with `rng.choice(len(files), p=remaining / total)`, the start popped from that
+  shard's list, `_reset_shard` for every shard when all are used up. The loader's state
+  (its RNG, its start lists) after a plan is the state after the original `next_batch`.
+  Sequential (it changes the loader), cheap: no token is read.
+- `_shuffled_gather`: the token windows of the plan, read with one fancy index per
+  shard from the memory-mapped shard arrays straight into one int64 buffer `[2, rows,
+  seq_len]` (pinned when the batch goes to CUDA), one `torch.from_numpy` at the end;
+  `x, y` are its two halves. It does not touch the loader, and numpy releases the GIL
+  while it copies, so several worker threads gather at once.
+
+Exactness: the windows are `mm[start : start + seq_len + 1]` cast to int64, as in
+`np.array(mm[...], dtype=np.int64)`; `x` is a window without its last token and `y`
+without its first, row `bi` for the `bi`-th draw.
+"""
+
+import numpy
+
+import torch
+
+
+class _ShuffledAssembly:
+    """Plan and gather of a recognised `ShuffledSequenceLoader.next_batch`.
+
+    memmap_getter: the name of the script's function that `next_batch` calls for a
+    shard's token array (`_get_shard_memmap`), looked up in the loader class's module
+    globals on each plan, as the original `next_batch` looks it up.
+    """
+
+    def __init__(self, memmap_getter):
+        self.memmap_getter = memmap_getter
+
+    def plan(self, loader, args):
+        """Draw one batch's rows (the loader's state advances as the original's); returns the plan."""
+        getter = type(loader).next_batch.__globals__[self.memmap_getter]
+        return _shuffled_plan(loader, getter, *args)
+
+    def gather(self, plan, pin=False):
+        """The batch `(x, y)` of a plan, in fresh (pinned when `pin`) host memory."""
+        return _shuffled_gather(plan, pin)
+
+
+class _ShuffledPlan:
+    """One batch to read: seq_len; per row the shard index and the window start (int64
+    arrays); shards: {shard index: token array} for the shards the rows use."""
+
+    __slots__ = ("seq_len", "shard_of_row", "start_of_row", "shards")
+
+    def __init__(self, seq_len, shard_of_row, start_of_row, shards):
+        self.seq_len, self.shard_of_row, self.start_of_row, self.shards = seq_len, shard_of_row, start_of_row, shards
+
+
+def _shuffled_plan(loader, get_memmap, global_tokens, grad_accum_steps):
+    """`ShuffledSequenceLoader.next_batch(global_tokens, grad_accum_steps)` without reading tokens.
+
+    The same statements in the same order for everything that changes the loader: the
+    float64 `remaining` counts, `rng.choice(..., p=probs)` per row, the pop, the reset of
+    every shard when none is left. Returns a `_ShuffledPlan`.
+    """
+    device_tokens = global_tokens // (loader.world_size * grad_accum_steps)
+    device_batch_size = device_tokens // loader.seq_len
+    remaining = numpy.array([len(s) for s in loader.start_inds], dtype=numpy.float64)
+    shard_of_row = [0] * device_batch_size
+    start_of_row = [0] * device_batch_size
+    for bi in range(device_batch_size):
+        total = remaining.sum()
+        if total <= 0:
+            for si in range(len(loader.files)):
+                loader._reset_shard(si)
+            remaining = numpy.array([len(s) for s in loader.start_inds], dtype=numpy.float64)
+            total = remaining.sum()
+        probs = remaining / total
+        si = int(loader.rng.choice(len(loader.files), p=probs))
+        start_of_row[bi] = loader.start_inds[si].pop()
+        remaining[si] -= 1
+        shard_of_row[bi] = si
+    shards = {}
+    for si in shard_of_row:
+        if si not in shards:
+            shards[si] = numpy.asarray(get_memmap(loader.files[si]))
+    return _ShuffledPlan(loader.seq_len, numpy.array(shard_of_row, dtype=numpy.int64), numpy.array(start_of_row, dtype=numpy.int64), shards)
+
+
+def _shuffled_gather(plan, pin=False):
+    """`(x, y)`: int64 `[rows, seq_len]` each, the two halves of one fresh buffer.
+
+    One fancy index per shard (`tokens[starts[:, None] + arange(seq_len + 1)]`) and two
+    casting copies into the buffer; no Python loop over rows.
+    """
+    rows, seq_len = len(plan.start_of_row), plan.seq_len
+    if pin:
+        pinned = torch.empty((2, rows, seq_len), dtype=torch.int64, pin_memory=True)
+        out = pinned.numpy()
+    else:
+        out = numpy.empty((2, rows, seq_len), dtype=numpy.int64)
+    offsets = numpy.arange(seq_len + 1, dtype=numpy.int64)
+    for si, tokens in plan.shards.items():
+        if len(plan.shards) == 1:
+            windows = tokens[plan.start_of_row[:, None] + offsets]
+            out[0] = windows[:, :-1]
+            out[1] = windows[:, 1:]
+            break
+        picked = numpy.flatnonzero(plan.shard_of_row == si)
+        windows = tokens[plan.start_of_row[picked, None] + offsets]
+        out[0, picked] = windows[:, :-1]
+        out[1, picked] = windows[:, 1:]
+    batch = pinned if pin else torch.from_numpy(out)
+    return batch[0], batch[1]

@@ -147,6 +147,7 @@ class _ValWorker:
         self.queue = _Handoff(2)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="val-prefetch", daemon=True)
+        self.threads = [self.thread]  # the shared start/stop handles several
 
     def _run(self):
         try:

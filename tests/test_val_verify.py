@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from patcher.patch import patch_source
-from patcher.source import read_script, render
+from test_verify import patched
+
 from patcher.verify import verify
-
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-
-
-def patched(tmp_path: Path, name: str, breakage=None) -> tuple[Path, Path]:
-    original = FIXTURES / f"{name}.py"
-    script = read_script(original)
-    source = patch_source(script.source).source
-    if breakage is not None:
-        old, new = breakage
-        assert old in source, "the runtime changed; update this test's breakage"
-        source = source.replace(old, new, 1)
-    out = tmp_path / f"{name}_patched.py"
-    out.write_text(render(script, source, rewrap=False))
-    return original, out
 
 
 @pytest.mark.parametrize("name", ["tokenstream_readable", "shuffled_minified", "wrapped_lzma_oneline"])

@@ -1,0 +1,372 @@
+"""Step time on one CUDA GPU, original vs patched, and where the H2D copies run.
+
+    python bench/gpu_train.py ORIGINAL PATCHED [--steps 200] [--train-batch-tokens 131072]
+        [--variants original,patched,...] [--profile-steps 30] [--work-dir DIR] [--json FILE]
+
+For a parameter-golf-shaped script: hyperparameters read from the environment
+(`DATA_PATH`, `TOKENIZER_PATH`, `ITERATIONS`, `TRAIN_BATCH_TOKENS`, `WARMUP_STEPS`,
+`VAL_LOSS_EVERY`, `MAX_WALLCLOCK_SECONDS`, ...), a SentencePiece tokenizer, and a
+`step:N/N val_loss:... train_time:...ms step_avg:...ms` line after the last step.
+`PATCHED` is the output of `patch-prefetch ORIGINAL -o PATCHED`, made beforehand (this
+script needs torch, numpy and sentencepiece, not libcst).
+
+1. Writes synthetic shards in the real format into `--work-dir` (`patcher.shards`;
+   enough train tokens for the run, so no shard is read twice) and trains a
+   SentencePiece tokenizer of `VOCAB_SIZE` (1024) pieces on synthetic words.
+2. Runs each variant as its own process (`python SCRIPT`, world size 1) and reads
+   `step_avg` of the last step, the train losses, and the patched script's
+   `step_timing` lines where a variant turns them on:
+   - `original`: the original script;
+   - `patched`: the patched script with its defaults (prefetch, copy stream);
+   - `patched_wait`: patched, `TRAINING_TIMING_BREAKDOWN=2` (main-thread data wait,
+     no synchronisation);
+   - `patched_off_wait`: patched, `TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=0
+     TRAINING_TIMING_BREAKDOWN=2`: the original's data path, timed the same way;
+   - `patched_breakdown`: patched, `TRAINING_TIMING_BREAKDOWN=1` (every phase
+     synchronised: batch CPU ms, H2D ms, forward, backward, optimizer).
+3. With `--profile-steps N > 0`, runs the original and the patched script again for N
+   steps under `torch.profiler` (CUDA activity) and summarises every host-to-device
+   memcpy (`summarise_h2d`): stream, pinned or pageable source, bytes, and how much
+   of its time a kernel on another stream overlapped.
+
+Prints step_avg of every variant as a ratio against the original's. This is a
+benchmark: nothing here is asserted; the test suite checks `summarise_h2d` and the
+log parsing on hand-made inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import io
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+VARIANTS = {
+    "original": ("original", {}),
+    "patched": ("patched", {}),
+    "patched_wait": ("patched", {"TRAINING_TIMING_BREAKDOWN": "2", "TRAINING_TIMING_EVERY": "20"}),
+    "patched_off_wait": (
+        "patched",
+        {"TRAIN_PREFETCH": "0", "TRAIN_COPY_STREAM": "0", "TRAINING_TIMING_BREAKDOWN": "2", "TRAINING_TIMING_EVERY": "20"},
+    ),
+    "patched_breakdown": ("patched", {"TRAINING_TIMING_BREAKDOWN": "1", "TRAINING_TIMING_EVERY": "20"}),
+}
+DEFAULT_VARIANTS = "original,patched"
+
+# The script's own log lines, as parameter-golf's train_gpt.py writes them.
+_LAST_STEP = re.compile(r"^step:(\d+)/(\d+) val_loss:(\S+) val_bpb:(\S+) train_time:(\d+)ms step_avg:([\d.]+)ms")
+_TRAIN_LOSS = re.compile(r"^step:(\d+)/\d+ train_loss:(\S+) ")
+_TIMING = re.compile(r"^step_timing step:(\d+) (.*)$")
+
+
+def parse_log(text: str) -> dict:
+    """Read one run's stdout.
+
+    Takes: text: str, the script's stdout.
+    Returns: dict with "step_avg_ms" (float, of the last `step:N/N val_loss` line, or
+    None), "train_time_ms" (int or None), "steps" (int or None), "val_bpb" (float or
+    None), "train_loss" ({step: float}), and "timing": one dict per `step_timing step:`
+    line, its `name_ms:value` fields as floats (`h2d_ms:-` left out) plus "step".
+    """
+    out: dict = {"step_avg_ms": None, "train_time_ms": None, "steps": None, "val_bpb": None, "train_loss": {}, "timing": []}
+    for line in text.splitlines():
+        if m := _LAST_STEP.match(line):
+            if m.group(1) == m.group(2):
+                out.update(steps=int(m.group(1)), val_bpb=float(m.group(4)), train_time_ms=int(m.group(5)), step_avg_ms=float(m.group(6)))
+        elif m := _TRAIN_LOSS.match(line):
+            out["train_loss"][int(m.group(1))] = float(m.group(2))
+        elif m := _TIMING.match(line):
+            fields = {"step": int(m.group(1))}
+            for item in m.group(2).split():
+                name, _, value = item.partition(":")
+                try:
+                    fields[name] = float(value)
+                except ValueError:
+                    pass
+            out["timing"].append(fields)
+    return out
+
+
+def timing_means(timing: list[dict], skip_first: int = 10) -> dict:
+    """Mean of every `*_ms` field over the `step_timing` lines after step `skip_first`.
+
+    Takes: timing: `parse_log(...)["timing"]`; skip_first: steps left out (compile and
+    allocator warm-up). Returns: {field: mean ms} (empty when no line qualifies); for
+    data-wait lines also "data_wait_mean_ms" = last `data_wait_total_ms` / its step.
+    """
+    rows = [row for row in timing if row["step"] > skip_first]
+    if not rows:
+        return {}
+    names = sorted({k for row in rows for k in row if k.endswith("_ms") and k != "data_wait_total_ms"})
+    means = {name: sum(row.get(name, 0.0) for row in rows) / len(rows) for name in names}
+    last = timing[-1]
+    if "data_wait_total_ms" in last and last["step"] > 0:
+        means["data_wait_mean_ms"] = last["data_wait_total_ms"] / last["step"]
+    return means
+
+
+def summarise_h2d(trace: dict) -> dict:
+    """Summarise the host-to-device memcpys of a `torch.profiler` Chrome trace.
+
+    Takes: trace: the parsed JSON of `prof.export_chrome_trace(...)`: "traceEvents", of
+    which kernels have cat "kernel" and copies cat "gpu_memcpy", each with "ts" and
+    "dur" (µs) and args "stream" (and "bytes" for copies).
+    Returns: dict with "compute_stream" (the stream with the most kernel time, or None)
+    and "groups": one dict per (stream, copy name, bytes) with "stream", "name",
+    "bytes" (per copy), "count", "total_us", "overlapped_us" (time during which a
+    kernel ran on another stream) and "overlap_frac" (overlapped_us / total_us),
+    most frequent first; "window": `_window` of the most frequent group (the training
+    batches), or None.
+    """
+    kernels: dict[int, list[tuple[float, float]]] = {}
+    copies: dict[tuple, list[tuple[float, float]]] = {}
+    runtime: list[tuple[str, float, float]] = []
+    for event in trace.get("traceEvents", []):
+        cat, args = event.get("cat"), event.get("args") or {}
+        if event.get("ph") == "X" and cat == "cuda_runtime":
+            runtime.append((event.get("name", ""), float(event["ts"]), float(event.get("dur", 0.0))))
+            continue
+        if event.get("ph") != "X" or "stream" not in args:
+            continue
+        span = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
+        if cat == "kernel":
+            kernels.setdefault(int(args["stream"]), []).append(span)
+        elif cat == "gpu_memcpy" and "HtoD" in event.get("name", ""):
+            copies.setdefault((int(args["stream"]), event["name"], int(args.get("bytes", -1))), []).append(span)
+    busy = {stream: sum(end - start for start, end in spans) for stream, spans in kernels.items()}
+    compute_stream = max(busy, key=busy.get) if busy else None
+    groups = []
+    for (stream, name, nbytes), spans in copies.items():
+        others = _union([span for s, spans_s in kernels.items() if s != stream for span in spans_s])
+        total = sum(end - start for start, end in spans)
+        overlapped = sum(_covered(others, span) for span in spans)
+        groups.append(
+            {
+                "stream": stream,
+                "name": name,
+                "bytes": nbytes,
+                "count": len(spans),
+                "total_us": round(total, 3),
+                "overlapped_us": round(overlapped, 3),
+                "overlap_frac": round(overlapped / total, 4) if total > 0 else 0.0,
+            }
+        )
+    groups.sort(key=lambda g: (-g["count"], -g["bytes"]))
+    summary = {"compute_stream": compute_stream, "groups": groups, "window": None}
+    if groups and compute_stream is not None:
+        summary["window"] = _window(groups[0], copies, kernels[compute_stream], runtime)
+    return summary
+
+
+def _window(group: dict, copies: dict, compute_spans: list, runtime: list) -> dict:
+    """Compute-stream activity over the second half of the most frequent group's copies.
+
+    Returns: "start_us"/"end_us", "compute_busy_frac" (kernel time on the compute stream
+    / window), "idle_before_copy_us" (median gap between the compute stream's last kernel
+    end and each copy's start; 0 when a kernel ran at the copy's start) and "runtime":
+    the host's CUDA runtime calls in the window, most total time first (name, count,
+    total_us).
+    """
+    spans = sorted(copies[(group["stream"], group["name"], group["bytes"])])
+    # The second half: the first copies come before compilation and warm-up.
+    spans = spans[len(spans) // 2 :]
+    start, end = spans[0][0], spans[-1][1]
+    busy = _union(compute_spans)
+    busy_us = _covered(busy, (start, end))
+    gaps = []
+    for copy_start, _ in spans:
+        i = bisect.bisect_right(busy, (copy_start, float("inf"))) - 1
+        if i >= 0:  # no kernel before the copy: no gap to speak of
+            gaps.append(max(0.0, copy_start - busy[i][1]))
+    calls: dict[str, list[float]] = {}
+    for name, ts, dur in runtime:
+        if start <= ts <= end:
+            calls.setdefault(name, []).append(dur)
+    top = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return {
+        "start_us": start,
+        "end_us": end,
+        "compute_busy_frac": round(busy_us / (end - start), 4) if end > start else 0.0,
+        "idle_before_copy_us": round(sorted(gaps)[len(gaps) // 2], 3) if gaps else None,
+        "runtime": [{"name": name, "count": len(d), "total_us": round(sum(d), 1)} for name, d in top],
+    }
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint union of (start, end) intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
+
+
+def _covered(union: list[tuple[float, float]], span: tuple[float, float]) -> float:
+    """Length of `span` covered by the disjoint sorted intervals `union`."""
+    start, end = span
+    i = max(bisect.bisect_right(union, (start, float("inf"))) - 1, 0)
+    covered = 0.0
+    while i < len(union) and union[i][0] < end:
+        covered += max(0.0, min(end, union[i][1]) - max(start, union[i][0]))
+        i += 1
+    return covered
+
+
+def write_data(work_dir: Path, train_tokens: int, vocab_size: int = 1024, tokenizer_path: str | None = None) -> dict:
+    """Synthetic shards and tokenizer for a run (kept across calls when present).
+
+    Takes: work_dir: folder; train_tokens: tokens the run reads (warm-up included),
+    written as two train shards so a shard boundary is crossed; vocab_size: pieces of
+    the tokenizer and bound of the token ids; tokenizer_path: a SentencePiece model to
+    use instead of training one.
+    Returns: {"data_path": str, "tokenizer_path": str}.
+    """
+    from patcher.shards import write_shards
+
+    data = work_dir / f"data_{train_tokens}"
+    if not (data / "fineweb_val_000000.bin").exists():
+        per_shard = train_tokens // 2 + 1
+        write_shards(data, train_shards=2, val_shards=0, tokens_per_shard=per_shard, vocab_size=vocab_size, seed=0)
+        # A small val split keeps the final evaluation short.
+        write_shards(data, train_shards=0, val_shards=1, tokens_per_shard=1 << 20, vocab_size=vocab_size, seed=1)
+    tokenizer = Path(tokenizer_path) if tokenizer_path else work_dir / f"tokenizer_{vocab_size}.model"
+    if not tokenizer.exists():
+        tokenizer.write_bytes(_train_tokenizer(vocab_size))
+    return {"data_path": str(data), "tokenizer_path": str(tokenizer)}
+
+
+def _train_tokenizer(vocab_size: int) -> bytes:
+    """A SentencePiece BPE model of exactly `vocab_size` pieces, trained on random words."""
+    import sentencepiece as spm
+
+    rng = random.Random(0)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    words = ["".join(rng.choices(letters, k=rng.randint(1, 9))) for _ in range(3000)]
+    lines = [" ".join(rng.choices(words, k=12)) for _ in range(20000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size, model_type="bpe", byte_fallback=True, minloglevel=2
+    )
+    return model.getvalue()
+
+
+def run_variant(script: Path, env: dict, cwd: Path, profile_trace: Path | None = None, timeout_s: float = 900) -> dict:
+    """Run one training process; returns parse_log's dict plus "rc", "wall_s", "log_tail"."""
+    command = [sys.executable, str(script)]
+    if profile_trace is not None:
+        command = [sys.executable, __file__, "--profile-child", str(script), str(profile_trace)]
+    cwd.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    proc = subprocess.run(command, env={**os.environ, **env}, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
+    report = parse_log(proc.stdout)
+    report.update(rc=proc.returncode, wall_s=round(time.perf_counter() - start, 1), log_tail=(proc.stdout + proc.stderr)[-3000:])
+    return report
+
+
+def _profile_child(script: str, trace_path: str) -> int:
+    """Run `script` as __main__ under torch.profiler (CUDA activity), write the trace."""
+    import runpy
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.argv = [script]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runpy.run_path(script, run_name="__main__")
+    torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--profile-child"]:
+        return _profile_child(argv[1], argv[2])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("original")
+    parser.add_argument("patched")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--train-batch-tokens", type=int, default=131072, help="TRAIN_BATCH_TOKENS (default 131072: a small config)")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of {', '.join(VARIANTS)} (default {DEFAULT_VARIANTS})")
+    parser.add_argument("--profile-steps", type=int, default=0, help="profile original and patched for this many steps (0: no profile)")
+    parser.add_argument("--work-dir", default=None, help="shards, tokenizer and run folders (default: a temporary folder)")
+    parser.add_argument("--tokenizer-path", default=None, help="SentencePiece model to use (default: train one of 1024 pieces; needs sentencepiece)")
+    parser.add_argument("--keep-trace", default=None, help="folder to write the gzipped profiler traces into")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    scripts = {"original": Path(args.original).resolve(), "patched": Path(args.patched).resolve()}
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-train-")).resolve()
+    tokens = (args.steps + args.warmup_steps + 2) * args.train_batch_tokens
+    paths = write_data(work, tokens, tokenizer_path=args.tokenizer_path)
+    base_env = {
+        "DATA_PATH": paths["data_path"],
+        "TOKENIZER_PATH": paths["tokenizer_path"],
+        "ITERATIONS": str(args.steps),
+        "WARMUP_STEPS": str(args.warmup_steps),
+        "TRAIN_BATCH_TOKENS": str(args.train_batch_tokens),
+        "VAL_LOSS_EVERY": "0",
+        "TRAIN_LOG_EVERY": "20",
+        "MAX_WALLCLOCK_SECONDS": "0",
+        "PYTHONUNBUFFERED": "1",
+    }
+    report: dict = {"steps": args.steps, "train_batch_tokens": args.train_batch_tokens, "variants": {}, "profiles": {}}
+    for name in variants:
+        which, extra = VARIANTS[name]
+        run = run_variant(scripts[which], {**base_env, **extra, "RUN_ID": name}, work / f"run_{name}")
+        run["timing_means"] = timing_means(run.pop("timing"))
+        report["variants"][name] = run
+        print(f"{name:18} rc={run['rc']} step_avg={run['step_avg_ms']} ms wall={run['wall_s']} s timing={run['timing_means']}", flush=True)
+        if run["rc"] != 0 or run["step_avg_ms"] is None:
+            print(run["log_tail"], flush=True)
+    if args.profile_steps > 0:
+        for which in ("original", "patched"):
+            trace = work / f"trace_{which}.json"
+            env = {**base_env, "ITERATIONS": str(args.profile_steps), "WARMUP_STEPS": "2", "RUN_ID": f"profile_{which}"}
+            run = run_variant(scripts[which], env, work / f"run_profile_{which}", profile_trace=trace)
+            if run["rc"] != 0:
+                print(run["log_tail"], flush=True)
+                continue
+            summary = summarise_h2d(json.loads(trace.read_text()))
+            report["profiles"][which] = summary
+            report["profiles"][which]["step_avg_ms"] = run["step_avg_ms"]
+            print(f"profile {which}: step_avg {run['step_avg_ms']} ms under the profiler, compute stream {summary['compute_stream']}", flush=True)
+            for group in summary["groups"][:6]:
+                print(f"  {group}", flush=True)
+            print(f"  window: {summary['window']}", flush=True)
+            if args.keep_trace:
+                import gzip
+
+                Path(args.keep_trace, f"trace_{which}.json.gz").write_bytes(gzip.compress(trace.read_bytes()))
+    _print_ratios(report)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def _print_ratios(report: dict) -> None:
+    base = report["variants"].get("original", {}).get("step_avg_ms")
+    for name, run in report["variants"].items():
+        avg = run.get("step_avg_ms")
+        ratio = f"{avg / base:.3f}x" if avg and base else "-"
+        print(f"{name:18} step_avg {avg} ms  vs original {ratio}  val_bpb {run.get('val_bpb')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -135,15 +135,20 @@ class _PrefetchLoader:
         self._ahead = False  # the loader has built batches nobody took (after a shutdown)
 
     def next_batch(self, *args):
-        if self._settled:
-            # The caller has used the loader directly: no more building ahead.
-            return self._to_device(_stage(self._loader.next_batch(*args), self._pin, copy=False), args)
-        if self._worker is None or args != self._worker_args:
-            self._follow(args)
+        # The common case, a batch built with these arguments waiting in the queue, runs
+        # in as few Python frames as possible: this wait is on the training loop's path.
         worker = self._worker
-        item = self._take()
+        if worker is None or args != self._worker_args:
+            if self._settled:
+                # The caller has used the loader directly: no more building ahead.
+                return self._to_device(_stage(self._loader.next_batch(*args), self._pin, copy=False), args)
+            self._follow(args)
+            worker = self._worker
+        item = worker.queue.get(_POLL_S)
+        if item.__class__ is not _Built:
+            item = self._checked(item)
         self._handed_out.append(args)
-        batch = self._to_device(item, args)
+        batch = item.batch if self._on_host and args == self._worker_args else self._to_device(item.batch, args)
         # Last: the woken worker competes for the GIL, and a torch call above (which
         # releases it) would otherwise let the worker's Python run inside this call.
         worker.queue.room()
@@ -236,11 +241,13 @@ class _PrefetchLoader:
                 self._loader.next_batch(*old_args)
         self._ahead = False
 
-    def _take(self):
-        return self._take_built().batch
-
     def _take_built(self):
-        item = _next_built(self._worker)
+        return self._checked(_EMPTY)
+
+    def _checked(self, item):
+        """`item` from the queue (`_EMPTY`: none yet, wait for it) as a `_Built`; a worker's error is re-raised."""
+        if item is _EMPTY:
+            item = _next_built(self._worker)
         if isinstance(item, _WorkerError):
             self.shutdown()
             raise item.error.with_traceback(item.error.__traceback__)
@@ -428,7 +435,10 @@ class _Handoff:
 
     def room(self):
         """Tell the producer that an item was taken."""
-        _signal(self._room)
+        try:  # `_signal`, inline: this runs on the training loop's path
+            self._room.release()
+        except RuntimeError:
+            pass
 
     def clear(self):
         self._items.clear()

@@ -37,18 +37,21 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
+# Anchored where next_batch holds the `_Built` it took, before recording the hand-out.
+_TAKEN = "            item = self._checked(item)\n        self._handed_out.append(args)\n"
 SWAP_TWO = (
-    "        item = self._take()\n",
-    "        item = self._take()\n"
+    _TAKEN,
+    "            item = self._checked(item)\n"
     "        if len(self._handed_out) == 3:\n"
-    "            self._held, item = item, self._take()\n"
+    "            self._held, item = item, self._take_built()\n"
     "        elif len(self._handed_out) == 4:\n"
     "            self._handed_out.append(args)\n"
-    "            return self._to_device(self._held, args)\n",
+    "            return self._to_device(self._held.batch, args)\n"
+    "        self._handed_out.append(args)\n",
 )
 DROP_ONE = (
-    "        item = self._take()\n",
-    "        item = self._take()\n        if len(self._handed_out) == 5:\n            item = self._take()\n",
+    _TAKEN,
+    "            item = self._checked(item)\n        if len(self._handed_out) == 5:\n            item = self._take_built()\n        self._handed_out.append(args)\n",
 )
 IGNORE_CHANGED_ARG = (
     "                item = item.reshape(-1, n)\n",

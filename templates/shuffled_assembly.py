@@ -73,17 +73,34 @@ def _shuffled_plan(loader, get_memmap, global_tokens, grad_accum_steps):
     remaining = numpy.array([len(s) for s in loader.start_inds], dtype=numpy.float64)
     shard_of_row = [0] * device_batch_size
     start_of_row = [0] * device_batch_size
+    # The plan holds the GIL from start to end, so it is kept short. For numpy's
+    # Generator, `rng.choice(n, p=probs)` is `cdf = probs.cumsum(); cdf /= cdf[-1]`, one
+    # `rng.random()`, and `cdf.searchsorted(u, side="right")`, after checks of `probs`
+    # that counts over their sum always pass: done here directly. When no shard list
+    # runs out within the batch (no `_reset_shard`, which draws too), the uniforms
+    # are drawn at once: `rng.random(k)` is k successive `rng.random()`. `total` is a
+    # sum of whole numbers (exact in float64), so counting it down gives the value
+    # `remaining.sum()` would.
+    rng = loader.rng
+    direct = type(rng) is numpy.random.Generator
+    total = remaining.sum()
+    uniforms = rng.random(device_batch_size) if direct and total >= device_batch_size else None
     for bi in range(device_batch_size):
-        total = remaining.sum()
         if total <= 0:
             for si in range(len(loader.files)):
                 loader._reset_shard(si)
             remaining = numpy.array([len(s) for s in loader.start_inds], dtype=numpy.float64)
             total = remaining.sum()
         probs = remaining / total
-        si = int(loader.rng.choice(len(loader.files), p=probs))
+        if direct:
+            cdf = probs.cumsum()
+            cdf /= cdf[-1]
+            si = int(cdf.searchsorted(rng.random() if uniforms is None else uniforms[bi], side="right"))
+        else:
+            si = int(rng.choice(len(loader.files), p=probs))
         start_of_row[bi] = loader.start_inds[si].pop()
         remaining[si] -= 1
+        total -= 1
         shard_of_row[bi] = si
     shards = {}
     for si in shard_of_row:

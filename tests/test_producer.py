@@ -112,6 +112,35 @@ def test_plan_and_gather_match_next_batch(script, seed, seq_len, rows, world_siz
             assert_same_state(planned, original)
 
 
+class _RngProxy:
+    """Any RNG object but numpy.random.Generator itself; counts its choice() calls."""
+
+    def __init__(self, rng):
+        self._rng, self.choices = rng, 0
+
+    def choice(self, *args, **kwargs):
+        self.choices += 1
+        return self._rng.choice(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._rng, name)
+
+
+def test_plan_keeps_rng_choice_for_other_generators(script, tmp_path):
+    # The direct draw (cdf + one uniform) is only proven for numpy.random.Generator itself;
+    # any other RNG object goes through its own choice(), and the batches stay exact.
+    script._MMAP_CACHE.clear()
+    h = hparams(write_sized_shards(tmp_path, [200, 130, 90], 3), 16)
+    original, planned = script.ShuffledSequenceLoader(h, CPU), script.ShuffledSequenceLoader(h, CPU)
+    original.rng, planned.rng = np.random.default_rng(5), _RngProxy(np.random.default_rng(5))
+    assembly = _ShuffledAssembly("_get_shard_memmap")
+    for _ in range(6):  # 48 rows from about 25 sequences: the shards are reset within the run
+        assert_batch_equal(assembly.gather(assembly.plan(planned, (16 * 8, 1))), original.next_batch(16 * 8, 1))
+        assert planned.start_inds == original.start_inds
+        assert planned.rng.bit_generator.state == original.rng.bit_generator.state
+    assert planned.rng.choices == 6 * 8
+
+
 def test_reshuffle_and_several_shards_are_exercised(script, tmp_path):
     # The property above covers these paths; this pins one case where both surely happen.
     script._MMAP_CACHE.clear()

@@ -13,7 +13,10 @@ and the prefetch worker builds each batch in two steps:
   drawn with `rng.choice(len(files), p=remaining / total)`, the start popped from that
   shard's list, `_reset_shard` for every shard when all are used up. The loader's state
   (its RNG, its start lists) after a plan is the state after the original `next_batch`.
-  Sequential (it changes the loader), cheap: no token is read.
+  Sequential (it changes the loader), cheap: no token is read. It holds the GIL
+  throughout, so for numpy's Generator the choice is computed directly (the cdf and
+  one uniform, as `Generator.choice` does), with a batch's uniforms drawn at once when
+  no shard runs out in it: about 4 µs a row instead of 10.
 - `_shuffled_gather`: the token windows of the plan, read with one fancy index per
   shard from the memory-mapped shard arrays straight into one int64 buffer `[2, rows,
   seq_len]` (pinned when the batch goes to CUDA), one `torch.from_numpy` at the end;

@@ -191,20 +191,28 @@ def evaluate_script_code(surveyed: Survey, code: str, ns: dict, scope, depth: in
         name = getattr(error, "name", None)
         owner = scope.resolve(name) if name and scope is not None else None
         bindings = owner.bindings.get(name, []) if owner is not None else []
-        if len(bindings) > 1 and owner is surveyed.collector.module_scope:
-            # at module level, the one assignment that runs unconditionally (a top-level
-            # script's `bs = args.schedule[0]` before the loop that reassigns it)
-            bindings = [b for b in bindings if b[1] is not None and _is_top_level_assignment(surveyed, b[1])]
+        if len(bindings) > 1:
+            # the one assignment that runs unconditionally, directly in the module or
+            # function body: a fresh run's value (a top-level script's `bs =
+            # args.schedule[0]` before the loop that reassigns it; `resume_tokens_consumed
+            # = 0` before `if args.resume_from:` changes it)
+            bindings = [b for b in bindings if b[0] == "assign" and b[1] is not None and _is_unconditional_assignment(surveyed, owner, b[1])]
         if depth > 8 or len(bindings) != 1 or bindings[0][1] is None:
             raise HarnessError(f"cannot evaluate `{code}` outside the script: {error}") from None
         ns[name] = evaluate_script_code(surveyed, surveyed.module.code_for_node(bindings[0][1]), ns, owner, depth + 1)
         return evaluate_script_code(surveyed, code, ns, scope, depth + 1)
 
 
-def _is_top_level_assignment(surveyed: Survey, value: cst.CSTNode) -> bool:
-    """True when `value` is assigned by a statement directly in the module body."""
-    top = surveyed.top_level_of(value)
-    return isinstance(top, cst.SimpleStatementLine) and any(getattr(small, "value", None) is value for small in top.body)
+def _is_unconditional_assignment(surveyed: Survey, owner, value: cst.CSTNode) -> bool:
+    """True when `value` is assigned by a statement directly in the body of `owner`, the
+    scope holding the name (the module, or a function: not inside an if, loop or with)."""
+    if owner is surveyed.collector.module_scope:
+        statements = [surveyed.top_level_of(value)]
+    elif isinstance(owner.node, cst.FunctionDef) and isinstance(owner.node.body, cst.IndentedBlock):
+        statements = owner.node.body.body
+    else:
+        return False
+    return any(isinstance(top, cst.SimpleStatementLine) and any(getattr(small, "value", None) is value for small in top.body) for top in statements)
 
 
 def patched_constructions(source: str, recipe: LoaderRecipe) -> list[str]:

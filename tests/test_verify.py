@@ -277,3 +277,34 @@ def test_a_name_reassigned_in_the_loop_is_evaluated_from_its_top_level_assignmen
     assert evaluate_script_code(surveyed, "step_batch_size * 2", ns, scope) == 16
     with pytest.raises(HarnessError):  # two conditional assignments, none at top level: no guess
         evaluate_script_code(surveyed, "other", {}, scope)
+
+
+def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assignment():
+    # parameter-golf LegendreGPT: `resume_tokens_consumed = 0`, changed under
+    # `if args.resume_from:`, then `DistributedTokenLoader(..., skip_tokens=resume_tokens_consumed)`.
+    import libcst
+
+    from patcher.harness import HarnessError, evaluate_script_code
+    from patcher.survey import survey
+
+    source = (
+        "def main():\n"
+        "    skip = 0\n"
+        "    if args.resume_from:\n"
+        "        skip = args.skip_tokens or 7\n"
+        "    loader = make(skip)\n"
+        "    for step in range(3):\n"
+        "        skip += 1\n"
+        "    if args.resume_from:\n"
+        "        later = 1\n"
+        "    else:\n"
+        "        later = 2\n"
+        "    twice = 1\n"
+        "    twice = 2\n"
+    )
+    surveyed = survey(libcst.parse_module(source))
+    main = next(s for n, s in surveyed.collector.scope_of.items() if isinstance(n, libcst.FunctionDef))
+    assert evaluate_script_code(surveyed, "skip + 100", {}, main) == 100
+    for name in ("later", "twice"):  # no unconditional assignment, or two of them: no guess
+        with pytest.raises(HarnessError):
+            evaluate_script_code(surveyed, name, {}, main)

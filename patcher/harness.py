@@ -128,6 +128,9 @@ class LoaderRecipe:
     call_args: list[str]
     varying: list[int] = field(default_factory=list)
     call_scope: object = None
+    # "`name` = <code> (line N), ..." for every name evaluated from its one unconditional
+    # assignment among several (a fresh run's value), for verify to report.
+    assumed: list[str] = field(default_factory=list)
 
     @classmethod
     def from_source(cls, source: str) -> "LoaderRecipe":
@@ -178,13 +181,15 @@ class LoaderRecipe:
 
     def _eval_constant(self, code: str, ns: dict, scope=None):
         """Evaluate a run-constant expression; a local it names is evaluated from its one assignment."""
-        return evaluate_script_code(self.survey, code, ns, scope if scope is not None else self.call_scope)
+        return evaluate_script_code(self.survey, code, ns, scope if scope is not None else self.call_scope, assumed=self.assumed)
 
 
-def evaluate_script_code(surveyed: Survey, code: str, ns: dict, scope, depth: int = 0):
+def evaluate_script_code(surveyed: Survey, code: str, ns: dict, scope, depth: int = 0, assumed: list[str] | None = None):
     """Evaluate the script's `code` in `ns`. A name missing from `ns` that has exactly one
     assignment where `scope` resolves it is evaluated first, from that assignment (and
-    stored in `ns`). Raises HarnessError when a name cannot be found that way."""
+    stored in `ns`); of several assignments, the one unconditional assignment is taken,
+    and `assumed` (when given) gets "`name` = <code> (line N)". Raises HarnessError when
+    a name cannot be found that way."""
     try:
         return eval(code, ns)
     except NameError as error:
@@ -197,10 +202,13 @@ def evaluate_script_code(surveyed: Survey, code: str, ns: dict, scope, depth: in
             # args.schedule[0]` before the loop that reassigns it; `resume_tokens_consumed
             # = 0` before `if args.resume_from:` changes it)
             bindings = [b for b in bindings if b[0] == "assign" and b[1] is not None and _is_unconditional_assignment(surveyed, owner, b[1])]
+            if len(bindings) == 1 and assumed is not None:
+                value = bindings[0][1]
+                assumed.append(f"`{name}` = {surveyed.module.code_for_node(value)} (line {surveyed.line_of(value)}), its unconditional assignment")
         if depth > 8 or len(bindings) != 1 or bindings[0][1] is None:
             raise HarnessError(f"cannot evaluate `{code}` outside the script: {error}") from None
-        ns[name] = evaluate_script_code(surveyed, surveyed.module.code_for_node(bindings[0][1]), ns, owner, depth + 1)
-        return evaluate_script_code(surveyed, code, ns, scope, depth + 1)
+        ns[name] = evaluate_script_code(surveyed, surveyed.module.code_for_node(bindings[0][1]), ns, owner, depth + 1, assumed)
+        return evaluate_script_code(surveyed, code, ns, scope, depth + 1, assumed)
 
 
 def _is_unconditional_assignment(surveyed: Survey, owner, value: cst.CSTNode) -> bool:
@@ -323,6 +331,7 @@ class IteratorRecipe:
     original: list[str]
     patched: list[str]
     sent: list[str] = field(default_factory=list)
+    assumed: list[str] = field(default_factory=list)  # as LoaderRecipe.assumed
 
     @classmethod
     def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
@@ -362,7 +371,7 @@ class IteratorRecipe:
         """Evaluate `code` in the module's globals; a module-level name it uses that the
         definitions-only import left out (`args = Hyperparameters()`) is evaluated from
         its one assignment in the original script first."""
-        return evaluate_script_code(self.survey, code, module.__dict__, self.survey.collector.module_scope)
+        return evaluate_script_code(self.survey, code, module.__dict__, self.survey.collector.module_scope, assumed=self.assumed)
 
 
 def _sent_value_codes(surveyed: Survey, sends: list[cst.Call]) -> list[str]:

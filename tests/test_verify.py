@@ -304,7 +304,10 @@ def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assi
     )
     surveyed = survey(libcst.parse_module(source))
     main = next(s for n, s in surveyed.collector.scope_of.items() if isinstance(n, libcst.FunctionDef))
-    assert evaluate_script_code(surveyed, "skip + 100", {}, main) == 100
+    assumed = []
+    assert evaluate_script_code(surveyed, "skip + 100", {}, main, assumed=assumed) == 100
+    assert assumed == ["`skip` = 0 (line 2), its unconditional assignment"]  # verify prints it
     for name in ("later", "twice"):  # no unconditional assignment, or two of them: no guess
         with pytest.raises(HarnessError):
-            evaluate_script_code(surveyed, name, {}, main)
+            evaluate_script_code(surveyed, name, {}, main, assumed=assumed)
+    assert len(assumed) == 1

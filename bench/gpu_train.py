@@ -146,8 +146,10 @@ def summarise_h2d(trace: dict) -> dict:
     busy = {stream: sum(end - start for start, end in spans) for stream, spans in kernels.items()}
     compute_stream = max(busy, key=busy.get) if busy else None
     groups = []
+    # Kernel time on the streams other than a copy's, merged once per copy stream.
+    others_of = {stream: _union([span for s, spans_s in kernels.items() if s != stream for span in spans_s]) for stream, _, _ in copies}
     for (stream, name, nbytes), spans in copies.items():
-        others = _union([span for s, spans_s in kernels.items() if s != stream for span in spans_s])
+        others = others_of[stream]
         total = sum(end - start for start, end in spans)
         overlapped = sum(_covered(others, span) for span in spans)
         groups.append(

@@ -146,7 +146,7 @@ def verify(original: str | Path, patched: str | Path, batches: int = 64, world_s
         val_compared = 0
         if difference is None:
             val_compared, difference = _compare_val(recipe, patched_source, lambda rank: modules if rank == 0 else load(rank), plan, seed, notes)
-    notes.extend(f"evaluated as in a fresh run: {text}" for text in dict.fromkeys(recipe.assumed))
+    notes.extend(_assumption_notes(recipe))
     per_rank = plan.warmup + plan.batches
     return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - started, val_compared)
 
@@ -196,6 +196,11 @@ def _first_rank_difference(compare, world_size: int) -> Difference | None:
         if difference is not None:
             return difference
     return None
+
+
+def _assumption_notes(recipe) -> list[str]:
+    """One note per name the recipe evaluated from its one unconditional assignment (in order, once)."""
+    return [f"evaluated as in a fresh run: {text}" for text in dict.fromkeys(recipe.assumed)]
 
 
 def _importable(source: str, notes: list[str], which: str) -> str:
@@ -315,7 +320,7 @@ def _verify_iterator(recipe: IteratorRecipe, paths, sources, batches, world_size
         except HarnessError as error:
             raise CannotVerify(f"{paths[0]}: {error}") from None
     notes.append(f"generator `{recipe.target}`: {sum(counts)} items per rank" + (f" ({warmup} per warm-up build)" if len(counts) > 1 else ""))
-    notes.extend(f"evaluated as in a fresh run: {text}" for text in dict.fromkeys(recipe.assumed))
+    notes.extend(_assumption_notes(recipe))
     return VerifyResult(difference is None, world_size, sum(counts) * world_size, difference, notes, time.perf_counter() - started)
 
 

@@ -81,7 +81,7 @@ def run_bench(
     if main_thread not in ("idle", "gil-busy"):
         raise BenchError(f"--main-thread must be idle or gil-busy, not {main_thread!r}")
     original_source = read_script(script).source
-    result = patch_source(original_source)
+    result = patch_source(original_source, keep=frozenset({"wait_full"}))  # the producer-rate rounds wait for a full queue
     if "train_prefetch" not in result.applied:
         reasons = "; ".join(n.reason for n in result.skipped if n.feature == "train_prefetch") or "no training loader"
         raise BenchError(f"{script}: nothing to benchmark: {reasons}")

@@ -19,9 +19,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
 from patcher.patch import features_from, patch_source
 from patcher.source import Script, SourceError, code_bytes, read_script, render, write_atomic
-from patcher.transforms.base import FEATURES
+from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
 SUBCOMMANDS = ("check", "verify", "bench")
@@ -38,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
             "Rewrite a parameter-golf / modded-nanogpt train_gpt.py so that training batches are "
             "built ahead on a background thread (pinned memory), copied H2D on a dedicated CUDA "
             "stream, switchable at run time (TRAIN_PREFETCH, TRAIN_PREFETCH_QUEUE, TRAIN_COPY_STREAM), "
-            "with a fusion-friendly MLP square. The data fed to the model stays bit-identical."
+            "with a fusion-friendly MLP square. The data fed to the model stays bit-identical. "
+            f"Default features: {', '.join(DEFAULT_FEATURES)}; the diagnostics ({', '.join(DIAGNOSTICS)}) "
+            "only with --with FEATURE or --diagnostics. The report gives the code bytes the patch adds, "
+            "counted as the record counts them (the wrapper file, pyminify+lzma+base85, or raw bytes), "
+            "and, with a submission.json beside the script, the artifact size against the 16,000,000-byte cap."
         ),
     )
     parser.add_argument("input", help="training script (plain, or an lzma/zlib/bz2/gzip + base64 exec wrapper), or a directory (tree mode, with --out-dir)")
@@ -49,8 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object with the report")
     parser.add_argument("--only", action="append", metavar="FEATURE", choices=FEATURES, help=f"apply only these ({', '.join(FEATURES)})")
     parser.add_argument("--skip", action="append", metavar="FEATURE", choices=FEATURES, help="do not apply this feature")
+    parser.add_argument("--with", dest="extra", action="append", metavar="FEATURE", choices=FEATURES, help=f"also apply this feature; the diagnostics ({', '.join(DIAGNOSTICS)}) only add code until a toggle is set, so a default patch leaves them out")
+    parser.add_argument("--diagnostics", action="store_true", help=f"also apply every diagnostic feature ({', '.join(DIAGNOSTICS)})")
     parser.add_argument("--no-rewrap", action="store_true", help="write a wrapped input's patched payload as plain source")
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
+    parser.add_argument("--no-byte-breakdown", action="store_true", help="report counted code bytes before and after only, not what each feature adds (that costs one more patch per feature; tree mode's default)")
     parser.add_argument("--python", default="3.10", help="target Python for the check: a version (default 3.10) or an interpreter path")
     tree = parser.add_argument_group("tree mode (INPUT is a directory)")
     tree.add_argument("--out-dir", help="write each patched script to the same relative path here")
@@ -111,7 +119,7 @@ def _run(args) -> int:
     out_path = _output_path(args, in_path)
     script = read_script(in_path)
     try:
-        enabled = features_from(args.only, args.skip)
+        enabled = features_from(args.only, args.skip, args.extra, args.diagnostics)
     except ValueError as error:
         raise UsageError(str(error)) from None
     result = patch_source(script.source, enabled, module=script.module)
@@ -138,10 +146,13 @@ def _run(args) -> int:
         "applied": result.applied,
         "skipped": [n.as_dict() for n in result.skipped],
         "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
-        "code_bytes": {"before": code_bytes(script.raw), "after": code_bytes(text) if wrote else code_bytes(script.raw)},
+        "code_bytes": _counted_bytes(script, result, enabled, breakdown=not args.no_byte_breakdown),
         "wrapped": script.wrapped,
-        "seconds": round(time.perf_counter() - started, 3),
     }
+    budget = _budget(in_path, report["code_bytes"])
+    if budget is not None:
+        report["artifact"] = budget.as_dict()
+    report["seconds"] = round(time.perf_counter() - started, 3)
     check = None
     if wrote and not args.no_check:
         check = _check_written(text, _written_script(script, result, text), out_path, in_path, args)
@@ -156,6 +167,9 @@ def _run(args) -> int:
         if check is not None:
             print(f"  check: {'ok' if check.ok else 'FAILED (exit 4)'}", file=stream)
             _print_check(check, stream, indent="    ")
+    if budget is not None and budget.over:
+        print(f"patch-prefetch: error: {in_path}: {_over_cap_line(budget, report['code_bytes'])}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     if check is not None and not check.ok:
         return EXIT_CHECK_FAILED
     if result.already_patched:
@@ -175,11 +189,12 @@ def _run_tree(args) -> int:
     if Path(args.out_dir).resolve() == Path(args.input).resolve():
         raise UsageError(f"{args.out_dir}: --out-dir is the input directory; nothing overwritten")
     try:
-        features_from(args.only, args.skip)
+        features_from(args.only, args.skip, args.extra, args.diagnostics)
     except ValueError as error:
         raise UsageError(str(error)) from None
     options = [f"--only={f}" for f in args.only or []] + [f"--skip={f}" for f in args.skip or []]
-    options += ["--no-check"] * args.no_check + ["--no-rewrap"] * args.no_rewrap + [f"--python={args.python}"]
+    options += [f"--with={f}" for f in args.extra or []] + ["--diagnostics"] * args.diagnostics
+    options += ["--no-check"] * args.no_check + ["--no-rewrap"] * args.no_rewrap + [f"--python={args.python}", "--no-byte-breakdown"]
     return tree.run(args, options)
 
 
@@ -305,6 +320,30 @@ def _write(text: str, out_path, args) -> bool:
     return True
 
 
+def _counted_bytes(script: Script, result, enabled: set[str], breakdown: bool) -> dict:
+    """The report's `code_bytes`: counted as the record counts them (see patcher.code_size)."""
+    module = result.survey.module if result.survey is not None else script.module
+    counting = counting_of(module, script.wrapped) if module is not None else Counting("raw")
+    try:
+        return count_patch(script, result, enabled, counting, breakdown)
+    except CountError as error:
+        raise SourceError(script.path, f"cannot count code bytes: {error}") from None
+
+
+def _budget(in_path: Path, counted: dict) -> Budget | None:
+    """The artifact budget from a submission.json beside the input, or None."""
+    reported = read_artifact_bytes(in_path)
+    if reported is None:
+        return None
+    return Budget(ARTIFACT_CAP, reported, reported + counted["after"] - counted["before"])
+
+
+def _over_cap_line(budget: Budget, counted: dict) -> str:
+    costs = ", ".join(f"{name} {added:+d}" for name, added in counted["by_feature"].items())
+    costs = f": {costs}" if costs else " (per feature: run it without --no-byte-breakdown)"
+    return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}; the patch adds {counted['after'] - counted['before']:+d}{costs})"
+
+
 def _print_report(report: dict, result, stream) -> None:
     out = report["output"]
     if result.already_patched:
@@ -318,7 +357,13 @@ def _print_report(report: dict, result, stream) -> None:
         where = f" (line {note.line})" if note.line else ""
         print(f"  {mark:8} {note.feature:15} {note.reason}{where}", file=stream)
     cb = report["code_bytes"]
-    print(f"  code bytes: {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)
+    print(f"  code bytes (counted as {cb['counted_as']}): {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)
+    for name, added in cb["by_feature"].items():
+        print(f"    {name:15} {added:+d}", file=stream)
+    art = report.get("artifact")
+    if art is not None:
+        state = f"{art['over']} over the cap" if art["over"] else f"{art['cap'] - art['after']} under the cap"
+        print(f"  artifact (submission.json, largest): {art['before']} -> {art['after']} of {art['cap']} ({state})", file=stream)
 
 
 if __name__ == "__main__":

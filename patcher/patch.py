@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import libcst as cst
+import libcst.matchers as m
 
 from patcher import render
+from patcher.cst_walk import walk
 from patcher.survey import Survey, survey
 from patcher.transforms import copy_stream, env_toggles, mlp_fusion, py310_fstrings, step_timing, train_prefetch, val_bytecount, val_prefetch, val_progress
-from patcher.transforms.base import FEATURES, Context, Note
+from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, Context, Note
 
 # Order matters: env_toggles defines what the others referenced; val_bytecount edits
 # statements inside the loops val_prefetch rebuilds, val_progress wraps what it built.
@@ -53,29 +55,39 @@ class PatchResult:
         return bool(self.applied)
 
 
-def features_from(only: list[str] | None, skip: list[str] | None) -> set[str]:
-    """The enabled feature set for `--only` / `--skip`. Raises ValueError on an unknown name."""
-    for name in (only or []) + (skip or []):
+def features_from(only: list[str] | None, skip: list[str] | None, extra: list[str] | None = None, diagnostics: bool = False) -> set[str]:
+    """The enabled feature set for `--only` / `--skip` / `--with` / `--diagnostics`.
+
+    Without `only`, the default features (`DEFAULT_FEATURES`: what makes a run faster)
+    plus `extra` (`--with`), plus every diagnostic feature when `diagnostics`.
+    Raises ValueError on an unknown name.
+    """
+    for name in (only or []) + (skip or []) + (extra or []):
         if name not in FEATURES:
             raise ValueError(f"unknown feature {name!r}; choose from {', '.join(FEATURES)}")
-    enabled = set(only) if only else set(FEATURES)
+    enabled = set(only) if only else set(DEFAULT_FEATURES)
+    enabled |= set(extra or []) | (set(DIAGNOSTICS) if diagnostics else set())
     if only and ({"train_prefetch", "copy_stream", "step_timing", "val_prefetch", "val_bytecount", "val_progress"} & enabled):
         enabled.add("env_toggles")  # the switches come with the behaviour they switch
     return enabled - set(skip or [])
 
 
-def patch_source(source: str, enabled: set[str] | None = None, module: cst.Module | None = None) -> PatchResult:
+def patch_source(source: str, enabled: set[str] | None = None, module: cst.Module | None = None, surveyed: Survey | None = None, keep: frozenset[str] = frozenset()) -> PatchResult:
     """Patch one script's source. Returns a `PatchResult`.
 
+    enabled: feature names (default: `DEFAULT_FEATURES`, the command's default).
+    module: `source` already parsed; surveyed: `module`'s survey (read-only, so one
+    survey serves several patches of the same module); keep: runtime names to inject
+    although the script never uses them (methods a benchmark drives).
     Raises libcst.ParserSyntaxError when `source` is not valid Python.
     """
-    enabled = set(FEATURES) if enabled is None else enabled
+    enabled = set(DEFAULT_FEATURES) if enabled is None else enabled
     module = module if module is not None else cst.parse_module(source)
-    surveyed = survey(module)
+    surveyed = surveyed if surveyed is not None and surveyed.module is module else survey(module)
     if surveyed.already_patched:
         names = ", ".join(sorted(surveyed.already_patched))
         return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)
-    ctx = Context(surveyed, enabled)
+    ctx = Context(surveyed, enabled, keep=set(keep))
     notes: list[Note] = []
     for transform in TRANSFORMS:
         if transform.FEATURE not in enabled:
@@ -100,10 +112,32 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
         block.extend(cst.SimpleStatementLine(body=[s]) for s in ctx.constants)
     if ctx.templates:
         toggles = [n for n in ctx.toggles_used]
-        block.extend(render.runtime_block(ctx.templates, imports, ctx.minified, toggles))
+        passed, read = _keywords_and_reads(module)
+        facts = render.cut_facts(ctx.templates, passed)
+        block.extend(render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep))
     if block and not ctx.minified and at < len(body) and not body[at].leading_lines:
         body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
     return module.with_changes(body=body[:at] + block + body[at:])
+
+
+def _keywords_and_reads(module: cst.Module) -> tuple[set[str], set[str]]:
+    """Keyword names passed in calls, and what the script may use of the runtime: every
+    name it reads other than attribute names, and the attributes it reads on variables
+    that hold a runtime object (`train_loader.next_batch`)."""
+    keywords, names, attributes, holders = set(), set(), [], set()
+    attribute_names = set()
+    for node in walk(module):
+        if isinstance(node, cst.Arg) and node.keyword is not None:
+            keywords.add(node.keyword.value)
+        elif isinstance(node, cst.Attribute):
+            attribute_names.add(id(node.attr))
+            if isinstance(node.value, cst.Name):
+                attributes.append((node.value.value, node.attr.value))
+        elif isinstance(node, cst.Name) and id(node) not in attribute_names:
+            names.add(node.value)
+        elif m.matches(node, m.Assign(value=m.Call(func=m.Name()))) and node.value.func.value.startswith("_"):
+            holders |= {t.target.value for t in node.targets if isinstance(t.target, cst.Name)}
+    return keywords, names | {attr for base, attr in attributes if base in holders}
 
 
 def _top_level_imports(module: cst.Module) -> set[str]:

@@ -2,22 +2,28 @@
 
 A template is a real module: its imports, its module docstring and anything under
 `if __name__ == "__main__":` are dropped, and what the template needs from other
-templates comes from injecting those too (dependencies first). Imports the script
-lacks are emitted once, in front of the injected code. In a minified script the
-docstrings and comments are dropped as well (code bytes count toward the artifact
-cap); the indentation follows the script's (libcst renders new blocks with the
-module's own indent, tabs included).
+templates comes from injecting those too (dependencies first). The bodies are then
+cut to what this script's patch uses (patcher/cut.py: options no call site passes,
+definitions nothing reaches), docstrings and comments are dropped (code bytes count
+toward the artifact cap; the explanations stay in `templates/` and the README), and
+the imports the kept code needs and the script lacks are emitted once, in front of
+it, after one header line naming the tool, its version and the toggles. A minified
+script gets the code `;`-joined with one-line bodies; the indentation follows the
+script's (libcst renders new blocks with the module's own indent, tabs included).
 """
 
 from __future__ import annotations
 
+import ast
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
 
 import templates
+from patcher.cut import StripDocsAndComments, fold, prune
 
 TEMPLATE_DIR = Path(templates.__file__).parent
 
@@ -26,7 +32,7 @@ DEPENDENCIES = {
     "copy_stream": [],
     "prefetch_loader": ["copy_stream"],
     "prefetch_iterator": ["prefetch_loader"],
-    "prefetch_val": ["prefetch_loader"],
+    "prefetch_val": ["copy_stream"],
     "val_bytecount": [],
     "val_progress": [],
     "step_timing": ["copy_stream"],
@@ -34,7 +40,15 @@ DEPENDENCIES = {
     "shuffled_assembly": [],
 }
 
-MARKER = "# patch-prefetch runtime: {names}. Toggles: {toggles}."
+MARKER = "# patch-prefetch {version}; toggles: {toggles}"
+
+
+def tool_version() -> str:
+    """The installed version of patch-prefetch ("dev" when run from a source tree only)."""
+    try:
+        return version("patch-prefetch")
+    except PackageNotFoundError:
+        return "dev"
 
 
 @lru_cache(maxsize=None)
@@ -52,8 +66,8 @@ def template_imports(name: str) -> list[str]:
     return found
 
 
-def template_body(name: str, minified: bool) -> list[cst.BaseStatement]:
-    """The template's statements to inject (no imports, no module docstring)."""
+def template_statements(name: str) -> list[cst.BaseStatement]:
+    """The template's own statements (no imports, no module docstring, no `__main__` block), as written."""
     body = []
     for index, stmt in enumerate(_template_module(name).body):
         if isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], (cst.Import, cst.ImportFrom)):
@@ -63,12 +77,43 @@ def template_body(name: str, minified: bool) -> list[cst.BaseStatement]:
         if m.matches(stmt, m.If(test=m.Comparison(left=m.Name("__name__")))):
             continue
         body.append(stmt)
+    return body
+
+
+def styled(body: list[cst.BaseStatement], minified: bool) -> list[cst.BaseStatement]:
+    """Statements without docstrings or comments, in the script's style."""
+    body = [s.visit(StripDocsAndComments()) for s in body]
     if minified:
-        body = [s.visit(_StripDocsAndComments()).visit(_JoinSimpleLines()) for s in body]
-        body = _join_runs(body)
-    body = [s.with_changes(leading_lines=[]) for s in body]
-    # one blank line between definitions, as the script's own code usually has
-    return [s.with_changes(leading_lines=[cst.EmptyLine()]) if i and not minified else s for i, s in enumerate(body)]
+        body = _join_runs([s.visit(_JoinSimpleLines()) for s in body])
+    # No blank lines inside the block: every line of it counts in the script's diff.
+    return [s.with_changes(leading_lines=[]) for s in body]
+
+
+def _declared(name: str, variable: str) -> dict:
+    """A template's `_CUT_OPTIONS` / `_CUT_HOOKS` dict literal, evaluated ({} when absent)."""
+    for stmt in _template_module(name).body:
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(variable))])])):
+            return ast.literal_eval(cst.Module([]).code_for_node(stmt.body[0].value))
+    return {}
+
+
+def cut_facts(names: list[str], passed_keywords: set[str]) -> dict:
+    """The constants the cut may assume for templates `names` (dependencies included).
+
+    An option (a template's `_CUT_OPTIONS`) that no call site passes as a keyword
+    (`passed_keywords`) has its declared value; a hook (`_CUT_HOOKS`: name -> the
+    template that fills it) is empty unless that template is injected.
+    """
+    ordered = with_dependencies(names)
+    facts = {}
+    for name in ordered:
+        for option, value in _declared(name, "_CUT_OPTIONS").items():
+            if option not in passed_keywords:
+                facts[option] = value
+        for hook, filler in _declared(name, "_CUT_HOOKS").items():
+            if filler not in ordered:
+                facts[hook] = []
+    return facts
 
 
 def with_dependencies(names: list[str]) -> list[str]:
@@ -86,41 +131,37 @@ def with_dependencies(names: list[str]) -> list[str]:
     return ordered
 
 
-def runtime_block(names: list[str], script_imports: set[str], minified: bool, toggles: list[str]) -> list[cst.BaseStatement]:
-    """Statements to insert at module level: missing imports, a marker comment, the templates."""
+def runtime_block(names: list[str], script_imports: set[str], minified: bool, toggles: list[str], facts: dict | None = None, roots: set[str] | None = None) -> list[cst.BaseStatement]:
+    """Statements to insert at module level: one header line, missing imports, the templates.
+
+    facts: option constants for the cut (`cut_facts`); roots: names and attribute
+    names the rest of the patched script reads (None: keep every definition).
+    """
     ordered = with_dependencies(names)
+    body: list[cst.BaseStatement] = []
+    for name in ordered:
+        body.extend(template_statements(name))
+    body = fold(body, facts or {})
+    if roots is not None:
+        body = prune(body, roots)
+    read = set()
+    for stmt in body:
+        read |= {n.value for n in m.findall(stmt, m.Name())}
     needed = []
     for name in ordered:
         for module in template_imports(name):
-            if module not in script_imports and module not in needed:
+            if module not in script_imports and module not in needed and module.split(".")[0] in read:
                 needed.append(module)
     sep = "," if minified else ", "
     statements: list[cst.BaseStatement] = []
-    marker = cst.EmptyLine(comment=cst.Comment(MARKER.format(names=", ".join(ordered), toggles=", ".join(toggles) or "none")))
+    marker = cst.EmptyLine(comment=cst.Comment(MARKER.format(version=tool_version(), toggles=" ".join(toggles) or "none")))
     if needed:
         statements.append(cst.parse_statement(f"import {sep.join(needed)}\n"))
-    for name in ordered:
-        statements.extend(template_body(name, minified))
+    statements.extend(styled(body, minified))
     first = statements[0]
     leading = [marker] if minified else [cst.EmptyLine(), marker]
     statements[0] = first.with_changes(leading_lines=leading)
     return statements
-
-
-class _StripDocsAndComments(cst.CSTTransformer):
-    """Drop docstrings, comment lines and blank lines (minified scripts keep code bytes low)."""
-
-    def leave_IndentedBlock(self, original_node, updated_node):
-        body = list(updated_node.body)
-        if len(body) > 1 and m.matches(body[0], m.SimpleStatementLine(body=[m.Expr(value=m.SimpleString() | m.ConcatenatedString())])):
-            body = body[1:]
-        return updated_node.with_changes(body=body)
-
-    def leave_EmptyLine(self, original_node, updated_node):
-        return cst.RemovalSentinel.REMOVE
-
-    def leave_TrailingWhitespace(self, original_node, updated_node):
-        return updated_node.with_changes(comment=None, whitespace=cst.SimpleWhitespace(""))
 
 
 _SEMICOLON = cst.Semicolon(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))

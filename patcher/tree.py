@@ -32,8 +32,11 @@ class Row:
     file: path relative to the input directory. status: written | already patched |
     nothing to patch | bad input | check failed | crash. applied: features applied.
     skipped: "feature: reason" lines. bytes_before / bytes_after: code bytes of the
-    input and of what was written (None when nothing was). check: ok | FAILED | None
-    (not run). error: the one-line error for bad input or a crash.
+    input and of what was written (None when nothing was), counted as `counted_as`
+    (wrapper | minified | raw, see patcher.code_size). artifact: {"cap", "before",
+    "after", "over"} in bytes where a submission.json gives the record's artifact size,
+    else None. check: ok | FAILED | None (not run). error: the one-line error for bad
+    input, a crash, or an artifact over the cap.
     """
 
     file: str
@@ -46,6 +49,8 @@ class Row:
     check: str | None = None
     error: str | None = None
     seconds: float | None = None
+    counted_as: str | None = None
+    artifact: dict | None = None
 
     @property
     def failed(self) -> bool:
@@ -81,6 +86,9 @@ def patch_one(source: str, target: str, relative: str, options: list[str]) -> Ro
         return Row(relative, STATUS_BY_CODE.get(code, "crash"), code, error=message)
     status = "already patched" if report.get("already_patched") else STATUS_BY_CODE.get(code, "crash")
     check = report.get("check")
+    artifact = report.get("artifact")
+    error_lines = err.getvalue().strip().splitlines()
+    over = error_lines[-1].removeprefix("patch-prefetch: error: ") if artifact and artifact["over"] and error_lines else None
     return Row(
         relative,
         status,
@@ -90,7 +98,10 @@ def patch_one(source: str, target: str, relative: str, options: list[str]) -> Ro
         bytes_before=report["code_bytes"]["before"],
         bytes_after=report["code_bytes"]["after"] if report.get("written") else None,
         check=None if check is None else ("ok" if check.get("ok") else "FAILED"),
+        error=over,
         seconds=report.get("seconds"),
+        counted_as=report["code_bytes"].get("counted_as"),
+        artifact=artifact,
     )
 
 
@@ -130,10 +141,12 @@ def patch_tree(root: Path, out_dir: Path, pattern: str = "train*.py", jobs: int 
 def print_table(rows: list[Row], stream) -> None:
     """The summary: one line per file, then skip reasons and errors indented below it."""
     width = max([len(r.file) for r in rows] + [4])
-    print(f"{'file':{width}}  {'status':16} {'applied':44} {'bytes':>17}  check", file=stream)
+    print(f"{'file':{width}}  {'status':16} {'applied':44} {'counted bytes':>26}  {'artifact (cap 16000000)':>24}  check", file=stream)
     for r in rows:
         size = "" if r.bytes_before is None else (f"{r.bytes_before}->{r.bytes_after}" if r.bytes_after is not None else str(r.bytes_before))
-        print(f"{r.file:{width}}  {r.status:16} {','.join(r.applied) or '-':44} {size:>17}  {r.check or '-'}", file=stream)
+        size += f" {r.counted_as}" if r.counted_as else ""
+        art = "-" if r.artifact is None else f"{r.artifact['after']}" + (f" OVER +{r.artifact['over']}" if r.artifact["over"] else "")
+        print(f"{r.file:{width}}  {r.status:16} {','.join(r.applied) or '-':44} {size:>26}  {art:>24}  {r.check or '-'}", file=stream)
         for reason in r.skipped:
             if reason.startswith("py310_fstrings: no "):
                 continue  # nothing to requote is not news

@@ -17,6 +17,8 @@ import torch
 _copy_streams = {}
 # Step timers timing H2D copies (TRAINING_TIMING_BREAKDOWN=1, templates/step_timing.py).
 _h2d_timers = []
+# Filled only where templates/step_timing.py is injected (patcher/cut.py cuts the hook).
+_CUT_HOOKS = {"_h2d_timers": "step_timing"}
 
 
 def _h2d(tensor, device, copy_stream=True):
@@ -37,9 +39,7 @@ def _h2d(tensor, device, copy_stream=True):
         return tensor.to(device, non_blocking=True)
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    stream = _copy_streams.get(device)
-    if stream is None:
-        stream = _copy_streams[device] = torch.cuda.Stream(device=device)
+    stream = _copy_stream_of(device)
     compute = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         out = tensor.to(device, non_blocking=True)
@@ -47,3 +47,10 @@ def _h2d(tensor, device, copy_stream=True):
     # The block was allocated on the copy stream; keep it alive for the compute stream.
     out.record_stream(compute)
     return out
+
+
+def _copy_stream_of(device):
+    """The copy stream of CUDA `device` (a `torch.device` with an index), made on first use."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device=device)
+    return _copy_streams[device]

@@ -2,14 +2,14 @@
 
 Rendered after `templates/prefetch_loader.py` into scripts whose loader may run
 `TRAIN_PREFETCH_WORKERS` > 1 threads (the ShuffledSequenceLoader family), and
-registered in `_ORDERED_HANDOFF`, where `_Worker` finds it; other scripts carry no
-copy of it.
+registered in `_ORDERED_WORKER`, where `_PrefetchLoader` finds it; other scripts
+carry no copy of it.
 """
 
 import threading
 import time
 
-from templates.prefetch_loader import _EMPTY, _ORDERED_HANDOFF, _POLL_S, _signal
+from templates.prefetch_loader import _EMPTY, _ORDERED_WORKER, _POLL_S, _Built, _signal, _snapshot, _stage, _Worker
 
 
 class _OrderedHandoff:
@@ -99,4 +99,44 @@ class _OrderedHandoff:
         return self._ready() >= self.depth
 
 
-_ORDERED_HANDOFF.append(_OrderedHandoff)
+class _OrderedWorker(_Worker):
+    """`workers` daemon threads: under `plan_lock`, number and plan a batch
+    (`assembly.plan` or `next_batch`, the loader advancing in call order); outside it,
+    finish it (`assembly.gather` or `_stage`) and deliver it under its number to an
+    `_OrderedHandoff`, which hands batches out in number order."""
+
+    def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True, workers=2, assembly=None):
+        _Worker.__init__(self, loader, args, depth, pin, rollback=rollback, host_copy=host_copy, assembly=assembly)
+        self.queue = _OrderedHandoff(depth, depth + workers)
+        self.plan_lock = threading.Lock()
+        self.planned = 0  # sequence number of the next plan
+        self.failed = False
+        self.threads = [self.thread] + [threading.Thread(target=self._run, name="train-prefetch", daemon=True) for _ in range(workers - 1)]
+
+    def _run(self):
+        while self.queue.claim(self.stop):
+            item = None
+            with self.plan_lock:
+                if self.failed or self.stop.is_set():
+                    return
+                seq = self.planned
+                self.planned += 1
+                try:
+                    before = _snapshot(self.loader) if self.rollback else None
+                    plan = self.assembly.plan(self.loader, self.args) if self.assembly is not None else self.loader.next_batch(*self.args)
+                except BaseException as error:  # handed to the caller, which re-raises it
+                    self.failed = True
+                    item = error
+            if item is None:
+                try:
+                    item = _Built(before, self.assembly.gather(plan, self.pin) if self.assembly is not None else _stage(plan, self.pin, self.host_copy))
+                except BaseException as error:
+                    self.failed = True
+                    item = error
+                plan = None
+            self.queue.deliver(seq, item, self.stop)
+            if isinstance(item, BaseException):
+                return
+
+
+_ORDERED_WORKER.append(_OrderedWorker)

@@ -40,7 +40,7 @@ import threading
 
 import torch
 
-from templates.prefetch_loader import _free_slot, _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_worker, _WorkerError
+from templates.prefetch_loader import _free_slot, _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_workers
 
 
 def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
@@ -94,12 +94,12 @@ class _PrefetchIterator:
             self._start()
         worker = self._worker
         item = _next_built(worker)
-        if isinstance(item, _WorkerError):
+        if isinstance(item, BaseException):
             self.shutdown()
-            if isinstance(item.error, StopIteration):
-                self._ended = item.error
+            if isinstance(item, StopIteration):
+                self._ended = item
                 raise StopIteration
-            raise item.error.with_traceback(item.error.__traceback__)
+            raise item  # with the worker's traceback
         value, ready = item
         if ready is not None:
             current = torch.cuda.current_stream(self._cuda)
@@ -149,7 +149,7 @@ class _PrefetchIterator:
         worker, self._worker = self._worker, None
         if worker is None:
             return
-        _stop_worker(worker)
+        _stop_workers([worker], 1)
         if self._ended is None and worker.thread.ident is not None:
             self._ended = RuntimeError("prefetch iterator shut down")
 
@@ -186,7 +186,7 @@ class _IteratorWorker:
                     ready.record(self.stream)
                 self.queue.put_until((value, ready), self.stop)
         except BaseException as error:  # StopIteration included: handed to the caller
-            self.queue.put_until(_WorkerError(error), self.stop)
+            self.queue.put_until(error, self.stop)
 
 
 def _record_stream(value, stream):

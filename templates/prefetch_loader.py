@@ -30,15 +30,19 @@ and applied when the batch is handed out.
 
 Several workers (`TRAIN_PREFETCH_WORKERS`): each batch is planned under one lock in
 call order (the loader advances), finished on any of the threads, and taken by its
-sequence number (`_OrderedHandoff`, templates/ordered_handoff.py).
+sequence number (`_OrderedWorker`, templates/ordered_handoff.py).
+
+A script gets only the code paths its patch uses (patcher/cut.py): each option in
+`_CUT_OPTIONS` that no call site passes is the constant given there, and the code
+behind it is cut; a `_CUT_HOOKS` name is filled only by the named template.
 """
 
 import atexit
 import collections
+import contextlib
 import copy
 import threading
 import time
-import traceback
 import warnings
 
 import torch
@@ -47,31 +51,43 @@ from templates.copy_stream import _h2d
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
-# Every running worker, stopped at interpreter exit: a daemon thread still inside a
-# torch op while Python finalizes aborts the process.
+# Every running worker, stopped at interpreter exit.
 _running_workers = set()
 # How often a blocked caller or worker looks at the stop event (s).
 _POLL_S = 0.1
-# [_OrderedHandoff] where templates/ordered_handoff.py is injected (several workers).
-_ORDERED_HANDOFF = []
+# [_OrderedWorker] where templates/ordered_handoff.py is injected (several workers).
+_ORDERED_WORKER = []
+# Options of `_make_train_loader`, and the value of one that no call site passes.
+_CUT_OPTIONS = {"reshape_arg": None, "rollback": False, "host_copy": True, "workers": 1, "assembly": None, "attrs": False}
+_CUT_HOOKS = {"_ORDERED_WORKER": "ordered_handoff"}
 
 
-def _stop_workers_at_exit():
-    for worker in list(_running_workers):
+def _stop_workers(stopping, wait):
+    """Stop the workers `stopping` and drop what they queued, waiting at most `wait` s for their threads in all."""
+    for worker in stopping:
         worker.stop.set()
         worker.queue.clear()
-    # Long enough for a batch or a shard load in progress, short enough that Ctrl-C with
-    # a worker stuck in a read still ends the process promptly.
-    deadline = time.monotonic() + 3.0
-    for worker in list(_running_workers):
+    deadline = time.monotonic() + wait
+    for worker in stopping:
         for thread in worker.threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            thread.join(max(0, deadline - time.monotonic()))
+        _running_workers.discard(worker)
 
 
-atexit.register(_stop_workers_at_exit)
+# A daemon thread still inside a torch op while Python finalizes aborts the process. Long
+# enough for a batch or a shard load in progress, short enough that Ctrl-C with a worker
+# stuck in a read still ends the process promptly.
+atexit.register(lambda: _stop_workers(list(_running_workers), 3))
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True, workers=1, assembly=None):
+def _start_worker(worker):
+    """Start a worker (`threads`, `stop`, `queue`), registered for the stop at exit."""
+    _running_workers.add(worker)
+    for thread in worker.threads:
+        thread.start()
+
+
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True, workers=1, assembly=None, attrs=False):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -88,15 +104,17 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     finds no such write: the batch is handed out as built); workers: threads
     building batches (`TRAIN_PREFETCH_WORKERS`); assembly: None (`next_batch` in the
     worker) or `_ShuffledAssembly` (`TRAIN_PREFETCH_NUMPY`): `plan(loader, args)`
-    advances the loader as `next_batch(*args)`; `gather(plan, pin)` builds its batch.
+    advances the loader as `next_batch(*args)`; `gather(plan, pin)` builds its batch;
+    attrs: the script reads the loader's attributes (`train_loader.stream`), which
+    first settle it where the caller is (`_SettlingLoader`); without it such reads
+    raise AttributeError.
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
     _free_slot(slot)
     if not prefetch:
         return make_loader(device)
-    loader = _PrefetchLoader(make_loader, device, queue_depth, copy_stream, reshape_arg, rollback, host_copy, workers, assembly)
-    _live_prefetchers[slot] = loader
+    loader = _live_prefetchers[slot] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, workers=workers, assembly=assembly)
     return loader
 
 
@@ -116,32 +134,22 @@ class _PrefetchLoader:
     """
 
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, workers=1, assembly=None):
-        self._make_loader = make_loader
+        self._make_loader, self._copy_stream, self._reshape_arg, self._rollback, self._host_copy, self._assembly = make_loader, copy_stream, reshape_arg, rollback, host_copy, assembly
         self._workers = max(1, int(workers))
-        self._assembly = assembly
         self._device = torch.device(device)
         self._pin = self._device.type == "cuda" and torch.cuda.is_available()
-        self._copy_stream = copy_stream
-        self._reshape_arg = reshape_arg
-        self._rollback = rollback
-        self._host_copy = host_copy
+        self._on_host = self._device.type == "cpu"
         self._depth = max(1, int(queue_depth))
         self._loader = make_loader(torch.device("cpu"))
-        self._handed_out = []  # arguments of every batch handed out, for replay
-        self._worker = None
-        self._worker_args = None  # the arguments the worker builds with
-        self._on_host = self._device.type == "cpu"
-        self._settled = False
-        self._ahead = False  # the loader has built batches nobody took (after a shutdown)
+        # The arguments of every batch handed out (for a replay), the worker and the
+        # arguments it builds with, and whether the loader built batches nobody took.
+        self._handed_out, self._worker, self._worker_args, self._ahead = [], None, None, False
 
     def next_batch(self, *args):
         # The common case, a batch built with these arguments waiting in the queue, runs
         # in as few Python frames as possible: this wait is on the training loop's path.
         worker = self._worker
         if worker is None or args != self._worker_args:
-            if self._settled:
-                # The caller has used the loader directly: no more building ahead.
-                return self._to_device(_stage(self._loader.next_batch(*args), self._pin, copy=False), args)
             self._follow(args)
             worker = self._worker
         item = worker.queue.get(_POLL_S)
@@ -155,14 +163,25 @@ class _PrefetchLoader:
         return batch
 
     def _follow(self, args):
-        """Start the worker, or make it build with the caller's new arguments."""
-        if self._worker is None:
-            if self._ahead:
-                self._replay()
-            self._start(args)
-        elif self._key(args) != self._key(self._worker_args):
-            self._resync(args)
-        # Else only the reshape argument changed: the hand-out reshapes.
+        """Start the worker, or make it build with the caller's new arguments: batches
+        queued with other arguments are wrong for this call, so the loader goes back to
+        where the caller is (a snapshot with rollback, else a rebuild and a replay)."""
+        if self._worker is not None:
+            if self._reshape_arg is not None and self._key(args) == self._key(self._worker_args):
+                return  # only the reshape argument changed: the hand-out reshapes
+            if self._rollback:
+                head = self._checked(_EMPTY)  # carries the loader from just before it was built
+                self.shutdown()
+                self._loader, self._ahead = head.before, False
+            else:
+                warnings.warn(f"prefetch: next_batch arguments changed to {args}: replaying {len(self._handed_out)} batches", RuntimeWarning, stacklevel=3)
+                self.shutdown()
+        if self._ahead:
+            self._replay()
+        if self._workers > 1 and not _ORDERED_WORKER:
+            raise RuntimeError("prefetch: several workers need _OrderedWorker (templates/ordered_handoff.py)")
+        self._worker, self._worker_args = (_ORDERED_WORKER[0] if self._workers > 1 else _Worker)(self._loader, args, self._depth, self._pin, rollback=self._rollback, host_copy=self._host_copy, workers=self._workers, assembly=self._assembly), args
+        _start_worker(self._worker)
 
     def shutdown(self):
         """Stop the worker and drop queued batches; returns within about `_POLL_S` s.
@@ -171,66 +190,21 @@ class _PrefetchLoader:
         to the caller's position first.
         """
         worker, self._worker = self._worker, None
-        if worker is None:
-            return
-        self._ahead = True
-        _stop_worker(worker)
+        if worker is not None:
+            self._ahead = True
+            _stop_workers([worker], 1)
 
     close = shutdown
 
-    def __getattr__(self, name):
-        # Anything but next_batch (e.g. `train_loader.stream.take(n)` for calibration)
-        # must see the loader exactly where the caller's batches left it.
-        if name.startswith("_"):
-            raise AttributeError(name)
-        self._settle()
-        return getattr(self._loader, name)
-
-    def _settle(self):
-        """Bring the wrapped loader to the state the original would be in now.
-
-        The worker has built batches ahead; rebuild the loader and replay the batches
-        handed out. Costs one pass over them, once. After this the caller may change
-        the loader directly, so `next_batch` stops building ahead.
-        """
-        if self._settled:
-            return
-        self.shutdown()
-        self._replay()
-        self._settled = True
-
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
     def _key(self, args):
+        """The arguments that decide the next batch: all but the reshape argument."""
         if self._reshape_arg is None or self._reshape_arg >= len(args):
             return args
         return args[: self._reshape_arg] + args[self._reshape_arg + 1 :]
-
-    def _start(self, args):
-        worker = _Worker(self._loader, args, self._depth, self._pin, self._rollback, self._host_copy, self._workers, self._assembly)
-        self._worker, self._worker_args = worker, args
-        _start_worker(worker)
-
-    def _resync(self, args):
-        # Batches queued with other arguments are wrong for this call. With snapshots,
-        # the next queued batch carries the loader state from just before it was built,
-        # which is where the caller is: restore it. Else rebuild the loader and replay
-        # every batch handed out so far. Then speculate anew.
-        if self._rollback:
-            head = self._take_built()
-            self.shutdown()
-            self._loader, self._ahead = head.before, False
-            self._start(args)
-            return
-        message = f"prefetch: next_batch arguments changed to {args}; replaying {len(self._handed_out)} batches to stay exact"
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-        self.shutdown()
-        self._replay()
-        self._start(args)
 
     def _replay(self):
         self._loader = self._make_loader(torch.device("cpu"))
@@ -241,115 +215,81 @@ class _PrefetchLoader:
                 self._loader.next_batch(*old_args)
         self._ahead = False
 
-    def _take_built(self):
-        return self._checked(_EMPTY)
-
     def _checked(self, item):
         """`item` from the queue (`_EMPTY`: none yet, wait for it) as a `_Built`; a worker's error is re-raised."""
         if item is _EMPTY:
             item = _next_built(self._worker)
-        if isinstance(item, _WorkerError):
+        if isinstance(item, BaseException):
             self.shutdown()
-            raise item.error.with_traceback(item.error.__traceback__)
+            raise item  # with the worker's traceback
         return item
 
     def _to_device(self, item, args):
         # The worker built `item` with `self._worker_args`; only a changed reshape
         # argument (the sequence length) needs work here.
-        n = None
-        ra = self._reshape_arg
-        if ra is not None and ra < len(args) and (self._worker_args is None or args[ra] != self._worker_args[ra]):
-            n = args[ra]
-        if self._on_host and n is None:
+        if self._reshape_arg is not None and self._reshape_arg < len(args) and args[self._reshape_arg] != self._worker_args[self._reshape_arg]:
+            item = _each_tensor(item, lambda t, n=args[self._reshape_arg]: t.reshape(-1, n))
+        if self._on_host:
             return item  # already fresh host tensors: `.to("cpu")` would return them as they are
-        return self._place(item, n)
-
-    def _place(self, item, n):
-        if isinstance(item, torch.Tensor):
-            if n is not None:
-                item = item.reshape(-1, n)
-            return _h2d(item, self._device, self._copy_stream)
-        if isinstance(item, (tuple, list)):
-            return type(item)(self._place(t, n) for t in item)
-        return item
+        return _each_tensor(item, lambda t: _h2d(t, self._device, self._copy_stream))
 
 
-class _WorkerError:
-    """An exception raised in the worker, carried to the caller with its traceback."""
+class _SettlingLoader(_PrefetchLoader):
+    """A `_PrefetchLoader` for a script that also reads the loader's attributes.
 
-    def __init__(self, error):
-        self.error = error
-        self.text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    Anything but next_batch (e.g. `train_loader.stream.take(n)` for calibration) must
+    see the loader exactly where the caller's batches left it: the first such read
+    rebuilds the loader and replays the batches handed out (one pass, once); from then
+    on the caller may change the loader directly, so nothing is built ahead.
+    """
+
+    _settled = False
+
+    def next_batch(self, *args):
+        if self._settled:
+            return self._to_device(self._loader.next_batch(*args), args)
+        return _PrefetchLoader.next_batch(self, *args)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if not self._settled:
+            self.shutdown()
+            self._replay()
+            self._settled = True
+        return getattr(self._loader, name)
 
 
 class _Built:
     """One batch built ahead, and (with rollback) the loader state from before it."""
 
-    __slots__ = ("batch", "before")
+    __slots__ = ("before", "batch")
 
-    def __init__(self, batch, before):
-        self.batch, self.before = batch, before
+    def __init__(self, before, batch):
+        self.before, self.batch = before, batch
 
 
 class _Worker:
-    """Daemon threads: under `plan_lock`, number and plan a batch (`assembly.plan` or
-    `next_batch`); outside it, finish it (`assembly.gather` or `_stage`) and deliver
-    it under its number. One thread: a bounded `_Handoff`; several: `_OrderedHandoff`."""
+    """A daemon thread that builds batches in call order into a bounded `_Handoff`:
+    `next_batch` then `_stage`, or `assembly.plan` then `assembly.gather`; with
+    rollback, each batch carries a snapshot of the loader from before it. Several
+    threads: `_OrderedWorker` (templates/ordered_handoff.py)."""
 
-    def __init__(self, loader, args, depth, pin, rollback=False, copy=True, workers=1, assembly=None):
-        self.loader, self.args, self.pin, self.rollback, self.copy, self.assembly = loader, args, pin, rollback, copy, assembly
-        workers = max(1, int(workers))
-        if workers > 1 and not _ORDERED_HANDOFF:
-            raise RuntimeError("prefetch: several workers need _OrderedHandoff (templates/ordered_handoff.py)")
-        self.queue = _Handoff(depth) if workers == 1 else _ORDERED_HANDOFF[0](depth, depth + workers)
-        self.stop = threading.Event()
-        self.plan_lock = threading.Lock()
-        self.planned = 0  # sequence number of the next plan
-        self.failed = False
-        self.threads = [threading.Thread(target=self._run, name="train-prefetch", daemon=True) for _ in range(workers)]
-        self.thread = self.threads[0]
+    def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True, workers=1, assembly=None):
+        self.loader, self.args, self.pin, self.rollback, self.host_copy, self.assembly = loader, args, pin, rollback, host_copy, assembly
+        self.queue, self.stop = _Handoff(depth), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
+        self.threads = [self.thread]
 
     def _run(self):
-        while self.queue.claim(self.stop):
-            item = None
-            with self.plan_lock:
-                if self.failed or self.stop.is_set():
-                    return
-                seq = self.planned
-                self.planned += 1
-                try:
-                    before = _snapshot(self.loader) if self.rollback else None
-                    plan = self.assembly.plan(self.loader, self.args) if self.assembly is not None else self.loader.next_batch(*self.args)
-                except BaseException as error:  # handed to the caller, which re-raises it
-                    self.failed = True
-                    item = _WorkerError(error)
-            if item is None:
-                try:
-                    item = _Built(self.assembly.gather(plan, self.pin) if self.assembly is not None else _stage(plan, self.pin, self.copy), before)
-                except BaseException as error:
-                    self.failed = True
-                    item = _WorkerError(error)
-                plan = None
-            self.queue.deliver(seq, item, self.stop)
-            if isinstance(item, _WorkerError):
-                return
-
-
-def _start_worker(worker):
-    """Start a worker (`threads`, `stop`, `queue`), registered for the stop at exit."""
-    _running_workers.add(worker)
-    for thread in worker.threads:
-        thread.start()
-
-
-def _stop_worker(worker):
-    """Stop a worker and drop what it queued; returns within about `_POLL_S` s (1 s at most)."""
-    worker.stop.set()
-    worker.queue.clear()
-    deadline = time.monotonic() + 1.0
-    for thread in worker.threads:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    _running_workers.discard(worker)
+        try:
+            while not self.stop.is_set():
+                # Arguments run left to right: the snapshot is the loader from before the batch.
+                built = _Built(_snapshot(self.loader) if self.rollback else None, self.assembly.gather(self.assembly.plan(self.loader, self.args), self.pin) if self.assembly is not None else _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy))
+                self.queue.put_until(built, self.stop)
+                built = None  # not held while the next batch is built
+        except BaseException as error:  # handed to the caller, which re-raises it
+            self.queue.put_until(error, self.stop)
 
 
 def _next_built(worker):
@@ -377,12 +317,8 @@ class _Handoff:
     missed since each side states what it waits for before it looks, then blocks.
     """
 
-    _NOBODY = float("inf")
-
     def __init__(self, depth):
-        self.depth = depth
-        self._items = collections.deque()
-        self._want = self._NOBODY
+        self.depth, self._items, self._want = depth, collections.deque(), float("inf")
         self._room, self._filled = threading.Lock(), threading.Lock()
         self._room.acquire()
         self._filled.acquire()
@@ -399,17 +335,8 @@ class _Handoff:
 
     def put_until(self, item, stop):
         """Append `item` once there is room, unless `stop` (an Event) is set first."""
-        while not stop.is_set():
-            if self.put(item, _POLL_S):
-                return
-
-    def claim(self, stop):
-        """Before building an item: True unless `stop` is set (the one producer waits for room in `deliver`)."""
-        return not stop.is_set()
-
-    def deliver(self, seq, item, stop):
-        """The producer's item number `seq` (they come in order): `put_until`."""
-        self.put_until(item, stop)
+        while not (stop.is_set() or self.put(item, _POLL_S)):
+            pass
 
     def get(self, timeout):
         """The oldest item, or `_EMPTY` if none came within `timeout` s. Does not wake the producer."""
@@ -431,14 +358,11 @@ class _Handoff:
                     return len(self._items) >= count
             return True
         finally:
-            self._want = self._NOBODY
+            self._want = float("inf")
 
     def room(self):
         """Tell the producer that an item was taken."""
-        try:  # `_signal`, inline: this runs on the training loop's path
-            self._room.release()
-        except RuntimeError:
-            pass
+        _signal(self._room)
 
     def clear(self):
         self._items.clear()
@@ -461,24 +385,25 @@ def _signal(lock):
         pass  # already signalled
 
 
-def _stage(item, pin, copy=True):
+def _each_tensor(item, fn):
+    """`item` (a tensor, or tuples and lists of them and of other values) with `fn` applied to each tensor."""
+    if isinstance(item, torch.Tensor):
+        return fn(item)
+    if isinstance(item, (tuple, list)):
+        return type(item)(_each_tensor(t, fn) for t in item)
+    return item
+
+
+def _stage(item, pin, host_copy=True):
     """The host tensors of one batch in fresh (pinned when `pin`) memory.
 
     A copy, so that a loader that reuses its buffers cannot change a queued batch;
-    with `copy=False` and no pinning the batch is returned as it is (a loader that
-    never writes into an array it keeps).
+    with `host_copy=False` and no pinning the batch is returned as it is (a loader
+    that never writes into an array it keeps).
     """
-    if not (pin or copy):
+    if not (pin or host_copy):
         return item
-    if isinstance(item, torch.Tensor):
-        if item.device.type != "cpu":
-            return item
-        out = torch.empty(item.shape, dtype=item.dtype, pin_memory=pin)
-        out.copy_(item)
-        return out
-    if isinstance(item, (tuple, list)):
-        return type(item)(_stage(t, pin, copy) for t in item)
-    return item
+    return _each_tensor(item, lambda t: t if t.device.type != "cpu" else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t))
 
 
 def _snapshot(loader):

@@ -29,12 +29,30 @@ def test_patch_writes_output_and_json_report(tmp_path, capsys):
     code, stdout, _ = run([FIXTURES / "tokenstream_readable.py", "-o", out, "--json"], capsys)
     assert code == EXIT_OK
     report = json.loads(stdout)
-    assert report["applied"] == ["train_prefetch", "copy_stream", "mlp_fusion", "step_timing", "val_bytecount", "val_prefetch", "env_toggles"]
+    # The default patch: what makes a run faster; the diagnostics only when asked for.
+    assert report["applied"] == ["train_prefetch", "copy_stream", "mlp_fusion", "val_prefetch", "env_toggles"]
     assert report["wrapped"] is False
     assert report["code_bytes"]["after"] == len(out.read_bytes()) > report["code_bytes"]["before"]
     assert {"input", "output", "applied", "skipped", "code_bytes", "wrapped"} <= set(report)
     assert "_make_train_loader(" in out.read_text()
     assert "import patcher" not in out.read_text() and "from templates" not in out.read_text()
+
+
+@pytest.mark.parametrize(
+    "options, diagnostics",
+    [
+        pytest.param([], [], id="default-leaves-the-loop-calls-alone"),
+        pytest.param(["--with", "step_timing"], ["step_timing"], id="with-one"),
+        pytest.param(["--diagnostics"], ["step_timing", "val_bytecount"], id="all-that-apply"),
+    ],
+)
+def test_diagnostics_are_opt_in(tmp_path, capsys, options, diagnostics):
+    out = tmp_path / "out.py"
+    code, stdout, _ = run([FIXTURES / "tokenstream_readable.py", "-o", out, "--json", *options], capsys)
+    assert code == EXIT_OK
+    applied = json.loads(stdout)["applied"]
+    assert [f for f in applied if f in ("step_timing", "val_bytecount", "val_progress")] == diagnostics
+    assert ("_step_timer" in out.read_text()) == ("step_timing" in diagnostics)
 
 
 def test_wrapped_input_is_rewrapped_in_the_same_style(tmp_path, capsys):

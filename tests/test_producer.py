@@ -191,7 +191,7 @@ def test_prefetched_shuffled_batches_and_rng_state(script, tmp_path, workers, nu
     make = lambda d: script.ShuffledSequenceLoader(h, d)
     want, direct = direct_batches(make, [(16 * 6, 1)] * 25)
     assembly = _ShuffledAssembly("_get_shard_memmap") if numpy_assembly else None
-    wrapper = _make_train_loader(make, CPU, queue_depth=2, workers=workers, assembly=assembly, host_copy=False)
+    wrapper = _make_train_loader(make, CPU, queue_depth=2, workers=workers, assembly=assembly, host_copy=False, attrs=True)
     for w in want:
         assert_batch_equal(wrapper.next_batch(16 * 6, 1), w)
     assert len(prefetch_threads()) == workers
@@ -522,7 +522,7 @@ def test_patch_uses_the_numpy_assembly_only_when_recognised():
     fallback = patch_source(altered)
     assert "workers=Hyperparameters.train_prefetch_workers" in fallback.source
     assert "_ShuffledAssembly" not in fallback.source and "train_prefetch_numpy" not in fallback.source
-    assert "_ORDERED_HANDOFF.append(_OrderedHandoff)" in fallback.source  # workers still run in order
+    assert "_ORDERED_WORKER.append(_OrderedWorker)" in fallback.source  # workers still run in order
     note = next(n for n in fallback.notes if n.feature == "train_prefetch")
     line = next(i for i, text in enumerate(altered.splitlines(), 1) if ".clone()" in text)
     assert "numpy assembly not used" in note.reason and "own next_batch" in note.reason and f"at line {line}" in note.reason
@@ -534,14 +534,15 @@ def test_other_loader_families_get_no_worker_toggle():
     assert len(sites) == 2 and not any("workers=" in line for line in sites)
     assert "train_prefetch_workers" not in result.source and "_ShuffledAssembly(" not in result.source
     assert "class _OrderedHandoff" not in result.source  # no dead code in scripts that cannot use it
+    assert "class _OrderedWorker" not in result.source and "_ORDERED_WORKER" not in result.source
 
 
 def test_several_workers_without_the_ordered_handoff_say_so(monkeypatch, clean_prefetchers):
     import templates.prefetch_loader as runtime
 
-    monkeypatch.setattr(runtime, "_ORDERED_HANDOFF", [])
+    monkeypatch.setattr(runtime, "_ORDERED_WORKER", [])
     wrapper = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU, workers=2)
-    with pytest.raises(RuntimeError, match="_OrderedHandoff"):
+    with pytest.raises(RuntimeError, match="_OrderedWorker"):
         wrapper.next_batch(*ARGS)
 
 

@@ -480,7 +480,7 @@ def test_getattr_settles_to_direct_state(clean_prefetchers):
     for a in arg_list[:7]:
         direct7.next_batch(*a)
 
-    wrapper = _make_train_loader(make, CPU, queue_depth=depth)
+    wrapper = _make_train_loader(make, CPU, queue_depth=depth, attrs=True)
     created.append(wrapper)
     for i in range(7):
         assert_batch_equal(wrapper.next_batch(*ARGS), want[i])
@@ -499,7 +499,7 @@ def test_getattr_settles_to_direct_state(clean_prefetchers):
 
 def test_getattr_private_names_do_not_settle(clean_prefetchers):
     _, created = clean_prefetchers
-    wrapper = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU)
+    wrapper = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU, attrs=True)
     created.append(wrapper)
     wrapper.next_batch(*ARGS)
     with pytest.raises(AttributeError):
@@ -508,12 +508,23 @@ def test_getattr_private_names_do_not_settle(clean_prefetchers):
     assert wrapper._worker is not None
 
 
+def test_without_attrs_attribute_reads_fail_loudly(clean_prefetchers):
+    # A script the survey finds never reading the loader's attributes gets no settling
+    # code; a read then fails instead of seeing a loader that ran ahead.
+    _, created = clean_prefetchers
+    wrapper = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU)
+    created.append(wrapper)
+    wrapper.next_batch(*ARGS)
+    with pytest.raises(AttributeError):
+        wrapper.pos
+
+
 def test_getattr_method_call_sees_caller_state(clean_prefetchers):
     """`train_loader.stream.take(n)`-style use: a method reached through the wrapper."""
     _, created = clean_prefetchers
     make = lambda d: FakeTokenLoader(700, d)
     direct = make(CPU)
-    wrapper = _make_train_loader(make, CPU, queue_depth=4)
+    wrapper = _make_train_loader(make, CPU, queue_depth=4, attrs=True)
     created.append(wrapper)
     for _ in range(5):
         assert_batch_equal(wrapper.next_batch(*ARGS), direct.next_batch(*ARGS))

@@ -43,7 +43,7 @@ SWAP_TWO = (
     _TAKEN,
     "            item = self._checked(item)\n"
     "        if len(self._handed_out) == 3:\n"
-    "            self._held, item = item, self._take_built()\n"
+    "            self._held, item = item, self._checked(_EMPTY)\n"
     "        elif len(self._handed_out) == 4:\n"
     "            self._handed_out.append(args)\n"
     "            return self._to_device(self._held.batch, args)\n"
@@ -51,11 +51,11 @@ SWAP_TWO = (
 )
 DROP_ONE = (
     _TAKEN,
-    "            item = self._checked(item)\n        if len(self._handed_out) == 5:\n            item = self._take_built()\n        self._handed_out.append(args)\n",
+    "            item = self._checked(item)\n        if len(self._handed_out) == 5:\n            item = self._checked(_EMPTY)\n        self._handed_out.append(args)\n",
 )
 IGNORE_CHANGED_ARG = (
-    "                item = item.reshape(-1, n)\n",
-    "                pass\n",
+    "item = _each_tensor(item, lambda t, n=args[self._reshape_arg]: t.reshape(-1, n))",
+    "pass",
 )
 
 

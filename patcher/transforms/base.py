@@ -9,6 +9,10 @@ import libcst as cst
 from patcher.survey import Survey
 
 FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings", "step_timing", "val_prefetch", "val_bytecount", "val_progress"]
+# Diagnostics only add code until a toggle is set, so a default patch leaves them out
+# (every added byte counts against the artifact cap): `--with FEATURE` or `--diagnostics`.
+DIAGNOSTICS = ["step_timing", "val_bytecount", "val_progress"]
+DEFAULT_FEATURES = [f for f in FEATURES if f not in DIAGNOSTICS]
 
 # Toggle name -> (attribute in the Hyperparameters idiom, default)
 TOGGLES = {
@@ -44,7 +48,8 @@ class Context:
     """Shared state of one patch run.
 
     enabled: features the user asked for. templates: runtime templates the applied
-    transforms need. toggles_used: toggle names referenced by the new code.
+    transforms need. toggles_used: toggle names referenced by the new code. keep:
+    runtime names kept although the script does not use them (benchmarks).
     """
 
     survey: Survey
@@ -53,6 +58,7 @@ class Context:
     toggles_used: list[str] = field(default_factory=list)
     current: dict = field(default_factory=dict)
     constants: list = field(default_factory=list)
+    keep: set = field(default_factory=set)
 
     @property
     def minified(self) -> bool:

@@ -19,6 +19,10 @@ family) is applied at hand-out; any other changing argument gets `rollback=True`
 the worker snapshots the loader before each batch and a change restores it.
 A loader that never writes into an array it keeps gets `host_copy=False`: on a host
 device its batches are handed out as built, without a defensive copy.
+A script that uses the loader variable for more than `.next_batch(...)` (reads an
+attribute, passes it to a function whose parameter has another name) gets
+`attrs=True`: such reads settle the loader where the caller is. Others get no settling
+code at all (patcher/cut.py cuts what no call site asks for).
 
 The ShuffledSequenceLoader family gets `workers=` (`TRAIN_PREFETCH_WORKERS` threads,
 batches handed out in order) and, when its `next_batch` is exactly the known shape
@@ -31,8 +35,10 @@ the batch is planned (the RNG draws, in order) and gathered in numpy
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 
 from patcher.assembly import Recognition, recognise_shuffled
+from patcher.cst_walk import walk
 from patcher.transforms.base import Context, Note, replace_nodes
 
 FEATURE = "train_prefetch"
@@ -75,8 +81,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             notes.append(Note(FEATURE, False, reason, line))
             continue
         recognition = _assembly(cls, ctx)
+        attrs = _read_beyond_next_batch(survey.module, target)
         for site in group:
-            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition)
+            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition, attrs)
         lines = ", ".join(str(c.line) for c in group)
         extra = _assembly_note(cls, recognition, ctx)
         direct = _direct_uses(survey, group)
@@ -143,6 +150,29 @@ def _blocker(group, ctx: Context) -> tuple[str | None, int | None, int | None, s
     return None, None, reshape_arg, ", ".join(sorted(set(rollback))) or None
 
 
+def _read_beyond_next_batch(module: cst.Module, target: str) -> bool:
+    """Whether the script uses the name `target` other than to assign it or call
+    `.next_batch` on it (an attribute read, an argument, ...): then its loader is built
+    with `attrs=True`, which settles it on such reads. By name, whatever the scope, so
+    that a doubt keeps the settling code."""
+    nodes = list(walk(module))
+    # Script functions whose parameter of the same name receives the loader: their
+    # uses of that name are counted here like the caller's.
+    params = {n.name.value: [p.name.value for p in (*n.params.posonly_params, *n.params.params)] for n in nodes if isinstance(n, cst.FunctionDef)}
+    names = accounted = 0
+    for node in nodes:
+        if isinstance(node, cst.Name) and node.value == target:
+            names += 1
+        elif m.matches(node, m.Attribute(value=m.Name(target), attr=m.Name("next_batch")) | m.AssignTarget(target=m.Name(target)) | m.Param(name=m.Name(target))):
+            accounted += 1
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value in params:
+            for index, arg in enumerate(node.args):
+                if m.matches(arg.value, m.Name(target)) and not arg.star:
+                    name = arg.keyword.value if arg.keyword is not None else (params[node.func.value] + [None] * (index + 1))[index]
+                    accounted += name == target and (arg.keyword is not None or index < len(params[node.func.value]))
+    return names > accounted
+
+
 def _direct_uses(survey, group) -> list[str]:
     """`train_loader.<attr>` reads other than next_batch (served after a replay)."""
     return sorted({f"{a.base}.{a.attr}" for a in _attribute_uses(survey, group) if a.attr != "next_batch"})
@@ -181,7 +211,7 @@ def _assembly_note(cls, recognition: Recognition | None, ctx: Context) -> str:
     return f" ({workers}); numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
 
 
-def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None) -> cst.Call:
+def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None, attrs: bool = False) -> cst.Call:
     cls = ctx.survey.loader_classes[site.class_name]
     index = _device_arg(site.call, cls)
     device_expr = module.code_for_node(site.call.args[index].value)
@@ -204,6 +234,8 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         parts.append("host_copy=False")
     if site.target != "train_loader":
         parts.append(f"slot={site.target!r}")
+    if attrs:
+        parts.append("attrs=True")
     if recognition is not None:
         ctx.need("ordered_handoff")
         parts.append(f"workers={ctx.toggle('TRAIN_PREFETCH_WORKERS')}")

@@ -1,0 +1,189 @@
+"""Counted code bytes and the artifact budget, the way each record counts them.
+
+parameter-golf charges code bytes plus the compressed model against a cap of
+16,000,000 bytes (`ARTIFACT_CAP`). Records count their code in one of three ways
+(DESIGN.md, "What a submission can afford"):
+
+- ``wrapper``: a compressed exec wrapper counts the file itself, as written.
+- ``minified``: a script that computes its own code size (records from 2026-04-10
+  on define a function that runs ``pyminify --no-rename-locals --no-hoist-literals
+  --remove-literal-statements``, then ``lzma.compress``, then a base85 ``exec``
+  wrapper) is counted that way, with the flags the script itself passes, through
+  python-minifier (the library behind ``pyminify``).
+- ``raw``: anything else counts its UTF-8 bytes.
+
+`submission.json` beside a script gives the artifact sizes the record reported
+(per-seed ``artifact_bytes``, ``bytes_total``, ...); `read_artifact_bytes` takes the
+largest, so that the budget check holds for every seed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import lzma
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import libcst as cst
+import libcst.matchers as m
+
+from patcher.cst_walk import walk
+
+ARTIFACT_CAP = 16_000_000
+
+# The wrapper a minifying record builds around its compressed code (its own bytes count).
+_MINIFIED_WRAPPER = (b'import lzma as L,base64 as B\nexec(L.decompress(B.b85decode("', b'")))\n')
+# The flags of the records' own code-size function, when a script names none we can read.
+DEFAULT_MINIFY_FLAGS = ("--no-rename-locals", "--no-hoist-literals", "--remove-literal-statements")
+# Keys of submission.json whose values are whole-artifact sizes in bytes.
+_ARTIFACT_KEYS = ("artifact_bytes", "artifact_bytes_max", "artifact_size_bytes", "bytes_total", "total_bytes")
+
+
+class CountError(Exception):
+    """The minifier could not process the source (one line)."""
+
+
+@dataclass(frozen=True)
+class Counting:
+    """How a script's code is counted.
+
+    how: "wrapper" | "minified" | "raw". minify_flags: the pyminify flags (a tuple of
+    str) for "minified", else ().
+    """
+
+    how: str
+    minify_flags: tuple = ()
+
+    def count(self, file_text: str, source: str) -> int:
+        """Counted bytes of a script whose file is `file_text` and whose code is `source`
+        (the payload of a wrapper, else the file). Raises CountError when the minifier fails."""
+        if self.how == "wrapper":
+            return len(file_text.encode("utf-8"))
+        if self.how == "minified":
+            return minified_wrapper_bytes(source, self.minify_flags)
+        return len(source.encode("utf-8"))
+
+
+def counting_of(module: cst.Module, wrapped: bool) -> Counting:
+    """How the record whose code is `module` counts its code size.
+
+    A wrapped file counts as "wrapper". A module holding a list literal that starts
+    with the string "pyminify" (the record's own code-size command) counts as
+    "minified" with that list's string flags. Anything else is "raw".
+    """
+    if wrapped:
+        return Counting("wrapper")
+    for node in walk(module):
+        if isinstance(node, cst.List) and node.elements and m.matches(node.elements[0].value, m.SimpleString()):
+            first = node.elements[0].value.evaluated_value
+            if first == "pyminify":
+                flags = tuple(
+                    e.value.evaluated_value
+                    for e in node.elements[1:]
+                    if isinstance(e.value, cst.SimpleString) and e.value.evaluated_value.startswith("--")
+                )
+                return Counting("minified", flags or DEFAULT_MINIFY_FLAGS)
+    return Counting("raw")
+
+
+def minified_wrapper_bytes(source: str, flags: tuple = DEFAULT_MINIFY_FLAGS) -> int:
+    """Size in bytes of ``pyminify FLAGS`` -> ``lzma.compress`` -> base85 exec wrapper of `source`,
+    as the records' own code-size function computes it. Raises CountError (one line)."""
+    command = [sys.executable, "-m", "python_minifier", *flags, "-"]
+    done = subprocess.run(command, input=source.encode("utf-8"), capture_output=True)
+    if done.returncode != 0:
+        last = (done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
+        raise CountError(f"pyminify failed: {last}")
+    encoded = base64.b85encode(lzma.compress(done.stdout))
+    return len(_MINIFIED_WRAPPER[0]) + len(encoded) + len(_MINIFIED_WRAPPER[1])
+
+
+def read_artifact_bytes(script_path: str | Path) -> int | None:
+    """The largest artifact size (bytes) in the `submission.json` beside `script_path`.
+
+    Takes every value under a key of `_ARTIFACT_KEYS` at any depth (per-seed sizes or a
+    total). Returns None when there is no such file, it is not JSON, or it gives no size.
+    """
+    path = Path(script_path).parent / "submission.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    found: list[int] = []
+
+    def visit(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _ARTIFACT_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    found.append(int(value))
+                else:
+                    visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(data)
+    return max(found) if found else None
+
+
+@dataclass
+class Budget:
+    """The artifact budget of one patched record.
+
+    cap: bytes allowed (16,000,000). before: the largest reported artifact size (bytes);
+    after: before plus the counted code bytes the patch adds; over: bytes past the
+    cap (0 when it fits).
+    """
+
+    cap: int
+    before: int
+    after: int
+
+    @property
+    def over(self) -> int:
+        return max(0, self.after - self.cap)
+
+    def as_dict(self) -> dict:
+        return {"cap": self.cap, "before": self.before, "after": self.after, "over": self.over}
+
+
+def count_patch(script, result, enabled: set[str], counting: Counting, breakdown: bool = True) -> dict:
+    """Counted code bytes before and after a patch, and what each applied feature adds.
+
+    Takes the `Script` read from disk, its `PatchResult`, the enabled features and the
+    script's `Counting`. A wrapped script is counted re-wrapped (what the record
+    submits), whatever `--no-rewrap` wrote. Features are charged in the order of
+    `FEATURES`, `env_toggles` last: `by_feature[f]` is the count of the patch with the
+    features up to `f` minus the count up to the one before, so a runtime piece shared by
+    two features is charged to the first and the parts add up to the total (with
+    `breakdown` False, `by_feature` is {}: one patch per feature less). Returns
+    {"before", "after", "counted_as", "by_feature"} in bytes. Raises CountError when the
+    minifier fails.
+    """
+    from patcher.patch import patch_source
+    from patcher.source import render
+    from patcher.transforms.base import FEATURES
+
+    def counted(source: str) -> int:
+        file_text = render(script, source, rewrap=True) if script.wrapped else source
+        return counting.count(file_text, source)
+
+    before = counting.count(script.raw, script.source)
+    if not result.changed:
+        return {"before": before, "after": before, "counted_as": counting.how, "by_feature": {}}
+    after = counted(result.source)
+    if not breakdown:
+        return {"before": before, "after": after, "counted_as": counting.how, "by_feature": {}}
+    order = sorted(result.applied, key=lambda f: (f == "env_toggles", FEATURES.index(f)))
+    by_feature, previous, so_far = {}, before, set(enabled) - set(result.applied)
+    for feature in order:
+        so_far.add(feature)
+        if feature == order[-1]:
+            now = after
+        else:
+            now = counted(patch_source(script.source, so_far, module=result.survey.module, surveyed=result.survey).source)
+        by_feature[feature], previous = now - previous, now
+    return {"before": before, "after": after, "counted_as": counting.how, "by_feature": by_feature}

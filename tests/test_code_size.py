@@ -1,0 +1,99 @@
+"""Counted code bytes (wrapper, minified, raw) and the artifact budget from submission.json."""
+
+from __future__ import annotations
+
+import base64
+import json
+import lzma
+import shutil
+from pathlib import Path
+
+import libcst as cst
+import pytest
+import python_minifier
+
+from patcher.cli import main
+from patcher.code_size import ARTIFACT_CAP, Counting, counting_of, minified_wrapper_bytes, read_artifact_bytes
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+SIZE_FUNCTION = '''
+import lzma, base64, subprocess
+def _code_size(code):
+    minified = subprocess.run(["pyminify", "--no-rename-locals", "--remove-literal-statements", "-"], input=code, capture_output=True).stdout
+    return len(base64.b85encode(lzma.compress(minified)))
+'''
+
+
+@pytest.mark.parametrize(
+    "source, wrapped, how, flags",
+    [
+        pytest.param("x = 1\n", True, "wrapper", (), id="a-wrapper-counts-its-file"),
+        pytest.param(SIZE_FUNCTION, False, "minified", ("--no-rename-locals", "--remove-literal-statements"), id="the-scripts-own-pyminify-flags"),
+        pytest.param("cmd = ['python', 'pyminify']\n", False, "raw", (), id="pyminify-not-first-is-not-a-command"),
+        pytest.param("x = 1\n", False, "raw", (), id="plain-counts-raw"),
+    ],
+)
+def test_counting_of(source, wrapped, how, flags):
+    assert counting_of(cst.parse_module(source), wrapped) == Counting(how, flags)
+
+
+def test_minified_count_is_the_records_own_computation():
+    source = (FIXTURES / "tokenstream_readable.py").read_text()
+    minified = python_minifier.minify(source, rename_locals=False, hoist_literals=False, remove_literal_statements=True)
+    encoded = base64.b85encode(lzma.compress(minified.encode()))
+    wrapper = b'import lzma as L,base64 as B\nexec(L.decompress(B.b85decode("' + encoded + b'")))\n'
+    assert minified_wrapper_bytes(source) == len(wrapper)
+    # Docstrings do not count with --remove-literal-statements; code does.
+    documented = source.replace("def main() -> None:", "def main() -> None:\n    \"\"\"A long docstring that the minifier removes entirely.\"\"\"", 1)
+    assert documented != source and minified_wrapper_bytes(documented) == len(wrapper)
+    assert minified_wrapper_bytes(source + "\nextra_name_that_counts = 12345\n") > len(wrapper)
+
+
+@pytest.mark.parametrize(
+    "data, want",
+    [
+        pytest.param({"seed_results": {"1": {"artifact_bytes": 15_990_000}, "2": {"artifact_bytes": 15_995_500}}}, 15_995_500, id="largest-seed"),
+        pytest.param({"bytes_total": 15_800_000, "bytes_code": 50_000}, 15_800_000, id="a-total"),
+        pytest.param({"seeds": {"0": {"bytes_total": 15_900_001}}, "artifact_bytes_mean": 1}, 15_900_001, id="nested-totals-not-the-mean"),
+        pytest.param({"val_bpb": 1.07}, None, id="no-size"),
+    ],
+)
+def test_read_artifact_bytes(tmp_path, data, want):
+    (tmp_path / "submission.json").write_text(json.dumps(data))
+    assert read_artifact_bytes(tmp_path / "train_gpt.py") == want
+
+
+def test_read_artifact_bytes_without_a_readable_file(tmp_path):
+    assert read_artifact_bytes(tmp_path / "train_gpt.py") is None
+    (tmp_path / "submission.json").write_text("{not json")
+    assert read_artifact_bytes(tmp_path / "train_gpt.py") is None
+
+
+def _record(tmp_path, artifact_bytes):
+    shutil.copy(FIXTURES / "tokenstream_readable.py", tmp_path / "train_gpt.py")
+    (tmp_path / "submission.json").write_text(json.dumps({"seed_results": {"42": {"artifact_bytes": artifact_bytes}}}))
+    return tmp_path / "train_gpt.py"
+
+
+def test_report_counts_bytes_per_feature_and_fits_the_cap(tmp_path, capsys):
+    script = _record(tmp_path, 15_000_000)
+    assert main([str(script), "-o", str(tmp_path / "out.py"), "--no-check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    counted = report["code_bytes"]
+    raw = (tmp_path / "out.py").read_bytes()
+    assert counted["counted_as"] == "raw" and counted["after"] == len(raw) and counted["before"] == len(script.read_bytes())
+    assert set(counted["by_feature"]) == set(report["applied"])
+    assert sum(counted["by_feature"].values()) == counted["after"] - counted["before"]
+    assert report["artifact"] == {"cap": ARTIFACT_CAP, "before": 15_000_000, "after": 15_000_000 + counted["after"] - counted["before"], "over": 0}
+
+
+def test_over_the_cap_exits_4_with_one_line_naming_the_cost(tmp_path, capsys):
+    script = _record(tmp_path, ARTIFACT_CAP - 100)
+    code = main([str(script), "-o", str(tmp_path / "out.py"), "--no-check"])
+    out, err = capsys.readouterr()
+    assert code == 4
+    line = err.strip()
+    assert "\n" not in line and str(script) in line and "over the 16000000-byte cap" in line and "train_prefetch +" in line
+    assert "artifact (submission.json, largest)" in out and "over the cap" in out
+    assert (tmp_path / "out.py").exists()  # written; the check failed

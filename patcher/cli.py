@@ -21,7 +21,7 @@ from pathlib import Path
 
 from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
 from patcher.patch import features_from, patch_source
-from patcher.source import Script, SourceError, code_bytes, read_script, render, write_atomic
+from patcher.source import Script, SourceError, read_script, render, write_atomic
 from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4

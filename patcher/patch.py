@@ -122,8 +122,8 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
 
 def _keywords_and_reads(module: cst.Module) -> tuple[set[str], set[str]]:
     """Keyword names passed in calls, and what the script may use of the runtime: every
-    name it reads other than attribute names, and the attributes it reads on variables
-    that hold a runtime object (`train_loader.next_batch`)."""
+    name it reads other than attribute names, and the attributes it reads on names that
+    hold a runtime object (`train_loader.next_batch`, `_step_timer.time`)."""
     keywords, names, attributes, holders = set(), set(), [], set()
     attribute_names = set()
     for node in walk(module):
@@ -137,7 +137,9 @@ def _keywords_and_reads(module: cst.Module) -> tuple[set[str], set[str]]:
             names.add(node.value)
         elif m.matches(node, m.Assign(value=m.Call(func=m.Name()))) and node.value.func.value.startswith("_"):
             holders |= {t.target.value for t in node.targets if isinstance(t.target, cst.Name)}
-    return keywords, names | {attr for base, attr in attributes if base in holders}
+    # Runtime objects: the variables built by a runtime call, and the runtime's own
+    # module-level names (`_step_timer.next_step`), which all start with "_".
+    return keywords, names | {attr for base, attr in attributes if base in holders or base.startswith("_")}
 
 
 def _top_level_imports(module: cst.Module) -> set[str]:

@@ -23,6 +23,7 @@ import torch
 import templates.step_timing as step_timing_mod
 from patcher.demo import STEP_LINE
 from patcher.patch import features_from, patch_source
+from patcher.transforms.base import FEATURES
 from patcher.shards import write_shards
 from patcher.source import read_script, render
 from templates.copy_stream import _h2d, _h2d_timers
@@ -276,7 +277,7 @@ def main():
 
 
 def _timing(source: str, enabled=None):
-    result = patch_source(source, enabled)
+    result = patch_source(source, set(FEATURES) if enabled is None else enabled)  # step timing is opt-in
     return result, [n for n in result.notes if n.feature == "step_timing"]
 
 
@@ -379,7 +380,7 @@ def test_noop(body, reason_part):
 
 def test_needs_the_env_toggles():
     source = HEAD + MAIN_LOOP
-    _, notes = _timing(source, features_from(None, ["env_toggles"]))
+    _, notes = _timing(source, features_from(None, ["env_toggles"], diagnostics=True))
     assert not notes[0].applied and "env_toggles is off" in notes[0].reason
     _, notes = _timing(source.replace('iterations = int(os.environ.get("ITERATIONS", 10))', "iterations = 10"))
     assert not notes[0].applied and "no Hyperparameters class with an env line" in notes[0].reason
@@ -454,7 +455,7 @@ def runs(tmp_path_factory):
     for name in {n for n, _ in RUNS}:
         script = read_script(FIXTURES / f"{name}.py")
         paths[name] = out / f"{name}.py"
-        paths[name].write_text(render(script, patch_source(script.source).source))
+        paths[name].write_text(render(script, patch_source(script.source, set(FEATURES)).source))
 
     def run(key):
         name, mode = key

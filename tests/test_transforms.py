@@ -355,7 +355,7 @@ def test_env_toggles_minified_oneline_class():
     assert "seed=int(os.environ.get('SEED',1));n=2;train_prefetch=int(os.environ.get('TRAIN_PREFETCH',1));" in result.source
     assert "\ttrain_loader=_make_train_loader(lambda loader_device:L(h,loader_device),device,prefetch=Hyperparameters.train_prefetch," in result.source
     assert "\n\tdef shutdown(self):" in result.source  # runtime indented with the script's tabs
-    assert '"""' not in result.source.split("# patch-prefetch runtime", 1)[1].split("class Hyperparameters", 1)[0]  # no docstrings
+    assert '"""' not in result.source.split("# patch-prefetch ", 1)[1].split("class Hyperparameters", 1)[0]  # no docstrings
     compile(result.source, "minified", "exec")
 
 

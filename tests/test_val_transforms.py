@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from patcher.patch import features_from, patch_source
+from patcher.transforms.base import FEATURES
 
 HEADER = '''
 import math
@@ -49,7 +50,7 @@ def eval_val(args, model, rank, world_size, device, val_tokens, base_bytes_lut, 
 
 
 def patched(source: str, features=None):
-    return patch_source(source, features_from(features, None) if features else None)
+    return patch_source(source, features_from(features, None) if features else set(FEATURES))  # diagnostics included
 
 
 def notes(result, feature):

@@ -292,9 +292,11 @@ def _print_check(result, stream, indent: str) -> None:
         status = "ok" if imp.ok else f"FAILED: {imp.error}"
         extra = f"; stubbed: {', '.join(imp.stubbed)}" if imp.stubbed else ""
         extra += f"; stopped before line {imp.stopped_at} (top-level training)" if imp.stopped_at else ""
-        print(f"{pad}import smoke: {status}{extra}", file=stream)
+        print(f"{pad}import smoke (ran the script's definitions in a child process): {status}{extra}", file=stream)
         if imp.note:
             print(f"{pad}  ({imp.note})", file=stream)
+    else:
+        print(f"{pad}import smoke: not run (compiled only; nothing of the script ran)", file=stream)
     for warning in result.warnings:
         print(f"{pad}warning: {warning}", file=stream)
     print(f"{pad}code bytes: {result.code_bytes}", file=stream)

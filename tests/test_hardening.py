@@ -394,8 +394,10 @@ def test_no_import_compiles_only(tmp_path, capsys):
     script.write_text(f"open({str(marker)!r}, 'w').close()\nif __name__ == '__main__':\n    pass\n")
     code, out, _ = run(["check", script, "--no-import", "--json"], capsys)
     assert code == EXIT_OK and json.loads(out)["import"] is None and not marker.exists()
-    code, out, _ = run([script, "-o", tmp_path / "out.py", "--no-import", "--json"], capsys)
-    assert not marker.exists()
+    code, out, _ = run(["check", script, "--no-import"], capsys)
+    assert code == EXIT_OK and "not run (compiled only" in out and not marker.exists()
+    code, out, _ = run(["check", script], capsys)
+    assert "ran the script's definitions in a child process" in out and marker.exists()
 
 
 def test_main_command_timeout_and_scratch_directory(tmp_path, capsys, monkeypatch):
@@ -403,12 +405,12 @@ def test_main_command_timeout_and_scratch_directory(tmp_path, capsys, monkeypatc
     script = tmp_path / "train_gpt.py"
     record = tmp_path / "cwd.txt"
     script.write_text(
-        TINY + f"import os, time\nopen({str(record)!r}, 'w').write(os.getcwd())\ntime.sleep(300)\n"
+        f"import os, time\nopen({str(record)!r}, 'w').write(os.getcwd())\n" + TINY + "time.sleep(300)\n"
         "if __name__ == '__main__':\n    pass\n"
     )
-    code, out, _ = run([script, "-o", tmp_path / "out.py", "--timeout", "3", "--json"], capsys)
+    code, out, _ = run([script, "-o", tmp_path / "out.py", "--timeout", "4", "--json"], capsys)
     report = json.loads(out)
-    assert report["check"]["import"]["error"] == "timed out after 3 s"
+    assert report["check"]["import"]["error"] == "timed out after 4 s"
     assert code == 4
     cwd = record.read_text()
     assert Path(cwd) != tmp_path and not Path(cwd).exists()  # a scratch directory, removed

@@ -164,10 +164,11 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     minifier fails.
     """
     from patcher.patch import patch_source
-    from patcher.source import render
+    from patcher.source import keep_style, render
     from patcher.transforms.base import FEATURES
 
     def counted(source: str) -> int:
+        source = keep_style(script, source)  # as written: the input's line endings and BOM
         file_text = render(script, source, rewrap=True) if script.wrapped else source
         return counting.count(file_text, source)
 

@@ -164,7 +164,7 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     minifier fails.
     """
     from patcher.patch import patch_source
-    from patcher.source import keep_style, render
+    from patcher.source import SourceError, keep_style, render
     from patcher.transforms.base import FEATURES
 
     def counted(source: str) -> int:
@@ -172,6 +172,11 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
         file_text = render(script, source, rewrap=True) if script.wrapped else source
         return counting.count(file_text, source)
 
+    if counting.how == "wrapper" and result.changed:
+        try:
+            counted(result.source)
+        except SourceError:  # no wrapper can hold the patched payload (`--no-rewrap` only): count the code
+            counting = Counting("raw")
     before = counting.count(script.raw, script.source)
     if not result.changed:
         return {"before": before, "after": before, "counted_as": counting.how, "by_feature": {}}

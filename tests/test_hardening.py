@@ -278,7 +278,7 @@ def test_many_small_pieces_are_refused_not_called_a_syntax_error(tmp_path, capsy
 
 def test_rewrap_that_would_need_too_many_pieces_is_refused_in_one_line(tmp_path, capsys):
     script = tmp_path / "train_gpt.py"
-    script.write_text(wrapper((FIXTURES / "tokenstream_readable.py").read_text(), width=4))
+    script.write_text(wrapper((FIXTURES / "tokenstream_readable.py").read_text(), width=3))  # 2,249 pieces in, 3,287 needed out
     code, _, err = run([script, "-o", tmp_path / "out.py", "--no-check"], capsys)
     assert code == EXIT_BAD_INPUT and "--no-rewrap" in one_line_error(err)
     assert not (tmp_path / "out.py").exists()

@@ -505,9 +505,10 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportRes
     directory), under the module name `_smoke_<stem>`, never `__main__`, registered in
     `sys.modules` before it executes. Missing packages imported by the script are stubbed
     (`stubbed`). Without an `if __name__ == "__main__":` guard only the leading
-    definitions run (`stopped_at`). timeout: seconds before the child (and its process
-    group) is killed; the result then says "timed out after N s". Never raises for
-    problems in the script.
+    definitions run (`stopped_at`). timeout: seconds before the child, its process
+    group and every process it started (even in a new session) are killed; the result
+    then says "timed out after N s". Processes the script starts and leaves running are
+    killed when the import ends. Never raises for problems in the script.
     """
     source = source[1:] if source.startswith(_BOM) else source
     body, stopped_at = importable_part(source)
@@ -546,6 +547,9 @@ def _run_child(script: str, module_name: str, cwd: str, timeout: float) -> Impor
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         return ImportResult(False, error=f"timed out after {timeout:g} s", seconds=time.monotonic() - start)
+    except BaseException:  # Ctrl-C: the child and what it started go too
+        _kill_group(proc)
+        raise
     return _import_result(out, time.monotonic() - start, f"import child exited with code {proc.returncode} and no result: {_last_line(err)}")
 
 
@@ -574,6 +578,7 @@ def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> Impo
         try:
             os.close(read_end)
             os.setsid()
+            smoke_child.become_subreaper()
             os.chdir(cwd)
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
@@ -587,28 +592,47 @@ def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> Impo
         while True:
             left = timeout - (time.monotonic() - start)
             if left <= 0 or not select.select([read_end], [], [], left)[0]:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                _kill_tree(pid)
                 os.waitpid(pid, 0)
                 return ImportResult(False, error=f"timed out after {timeout:g} s", seconds=time.monotonic() - start)
             chunk = os.read(read_end, 65536)
             if not chunk:
                 break
             data += chunk
+    except BaseException:  # Ctrl-C: the child and what it started go too
+        _kill_tree(pid)
+        os.waitpid(pid, 0)
+        raise
     finally:
         os.close(read_end)
     _, status = os.waitpid(pid, 0)
     return _import_result(data, time.monotonic() - start, f"import child exited with status {status} and no result")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's process group (it leads its own session), then reap it."""
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the child `pid`, its process group and every process descended from it.
+
+    The child is stopped first, so that it starts nothing new, and is a subreaper
+    (`smoke_child.become_subreaper`), so processes that left its group with `setsid`
+    are still found among its descendants.
+    """
+    from patcher.smoke_child import kill_descendants
+
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
+        os.kill(pid, signal.SIGSTOP)
+    except OSError:
+        pass
+    kill_descendants(pid)
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child, its process group and its descendants (`_kill_tree`), then reap it."""
+    _kill_tree(proc.pid)
     try:
         proc.communicate(timeout=5)
     except subprocess.TimeoutExpired:

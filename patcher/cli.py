@@ -6,6 +6,7 @@ The work is elsewhere (patch, check, verify, bench). Exit codes of the main job:
 `patch-prefetch check FILE…`: 0 every check passed, 1 one failed, 2 bad input.
 `patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 differ, 2 cannot verify.
 `patch-prefetch DIR --out-dir OUT` (tree mode): 0 no file failed, 1 some failed, 2 usage.
+Every command: 130 interrupted (Ctrl-C), 141 stdout closed (quietly).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -21,10 +23,17 @@ from pathlib import Path
 
 from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
 from patcher.patch import features_from, patch_source
-from patcher.source import Script, SourceError, read_script, render, write_atomic
+from patcher.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
 from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+IMPORT_SMOKE_HELP = (
+    "the import smoke runs the script's definitions (imports, class bodies, decorators, default "
+    "arguments; the whole top level when it has an `if __name__ == \"__main__\":` guard, which is "
+    "not entered) in a child Python process with your environment, in a scratch working directory; "
+    "its process group is killed after --timeout seconds"
+)
 SUBCOMMANDS = ("check", "verify", "bench")
 
 
@@ -58,21 +67,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--diagnostics", action="store_true", help=f"also apply every diagnostic feature ({', '.join(DIAGNOSTICS)})")
     parser.add_argument("--no-rewrap", action="store_true", help="write a wrapped input's patched payload as plain source")
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
+    parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
+    parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
     parser.add_argument("--no-byte-breakdown", action="store_true", help="report counted code bytes before and after only, not what each feature adds (that costs one more patch per feature; tree mode's default)")
     parser.add_argument("--python", default="3.10", help="target Python for the check: a version (default 3.10) or an interpreter path")
     tree = parser.add_argument_group("tree mode (INPUT is a directory)")
     tree.add_argument("--out-dir", help="write each patched script to the same relative path here")
     tree.add_argument("--glob", default="train*.py", help="file names to patch (default train*.py)")
     tree.add_argument("--jobs", type=int, default=None, help="parallel processes (default: number of CPUs)")
-    parser.epilog = "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT (each has --help)."
+    tree.add_argument("--file-timeout", type=_seconds, default=600.0, help="seconds one file may take, check included; past it the file's worker is killed and its row says so (default 600)")
+    parser.epilog = (
+        "The output is checked unless --no-check: compiled under the target Python, then imported: "
+        + IMPORT_SMOKE_HELP + ". --no-import compiles only. "
+        "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT (each has --help)."
+    )
     return parser
 
 
 def build_check_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.")
+    parser = argparse.ArgumentParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.", epilog="Note: " + IMPORT_SMOKE_HELP + ". --no-import compiles only.")
     parser.add_argument("files", nargs="+", help="training scripts (plain or wrapped)")
     parser.add_argument("--python", default="3.10", help="target version (default 3.10) or interpreter path")
-    parser.add_argument("--timeout", type=float, default=60.0, help="import smoke timeout in seconds (default 60)")
+    parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
+    parser.add_argument("--no-import", action="store_true", help="compile only: no import smoke (nothing of the script runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object per file, one per line")
     return parser
 
@@ -90,8 +107,42 @@ def build_verify_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a positive number of seconds."""
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `patch-prefetch` command. Returns the exit code."""
+    """Entry point of the `patch-prefetch` command. Returns the exit code.
+
+    Ctrl-C gives one line on stderr and 130; a closed stdout (`| head`) ends the
+    command quietly with 141, whatever it had done by then (a file already written
+    stays written).
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("patch-prefetch: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """Point fd 1 at /dev/null so that Python's flush at exit does not complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     if command == "bench":
@@ -118,6 +169,8 @@ def _run(args) -> int:
     in_path = Path(args.input)
     out_path = _output_path(args, in_path)
     script = read_script(in_path)
+    if args.in_place and (problem := output_problem(in_path)) is not None:
+        raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
     try:
         enabled = features_from(args.only, args.skip, args.extra, args.diagnostics)
     except ValueError as error:
@@ -131,12 +184,13 @@ def _run(args) -> int:
             )
     wrote = False
     text = script.raw
+    patched = keep_style(script, result.source)  # the input's line endings and BOM
     if result.changed:
-        _compile_like_input(script, result.source)
-        text = render(script, result.source, rewrap=not args.no_rewrap)
+        _compile_like_input(script, patched)
+        text = render(script, patched, rewrap=not args.no_rewrap)
     elif result.already_patched and args.no_rewrap:
         text = script.source
-    if result.changed or result.already_patched:
+    if result.changed or (result.already_patched and not args.in_place):
         wrote = _write(text, out_path, args)
     report = {
         "input": str(in_path),
@@ -155,11 +209,11 @@ def _run(args) -> int:
     report["seconds"] = round(time.perf_counter() - started, 3)
     check = None
     if wrote and not args.no_check:
-        check = _check_written(text, _written_script(script, result, text), out_path, in_path, args)
+        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, args)
         report["check"] = check.as_dict()
     stream = sys.stderr if out_path == "-" else sys.stdout
     if args.diff:
-        stream.writelines(difflib.unified_diff(script.source.splitlines(True), result.source.splitlines(True), f"{in_path} (original)", f"{in_path} (patched)"))
+        stream.writelines(difflib.unified_diff(script.source.splitlines(True), patched.splitlines(True), f"{in_path} (original)", f"{in_path} (patched)"))
     if args.json:
         print(json.dumps(report), file=stream)
     else:
@@ -195,29 +249,32 @@ def _run_tree(args) -> int:
     options = [f"--only={f}" for f in args.only or []] + [f"--skip={f}" for f in args.skip or []]
     options += [f"--with={f}" for f in args.extra or []] + ["--diagnostics"] * args.diagnostics
     options += ["--no-check"] * args.no_check + ["--no-rewrap"] * args.no_rewrap + [f"--python={args.python}", "--no-byte-breakdown"]
+    options += ["--no-import"] * args.no_import + [f"--timeout={args.timeout}"]
     return tree.run(args, options)
 
 
-def _written_script(script: Script, result, text: str) -> Script:
-    """The written file as a Script: `text` on disk, its code, its wrapper if any, and
-    the patched tree (`result.module` prints to exactly `result.source`)."""
+def _written_script(script: Script, result, text: str, patched: str) -> Script:
+    """The written file as a Script: `text` on disk, its code (`patched`), its wrapper
+    if any, and the patched tree (`result.module` prints to exactly `result.source`)."""
     if text == script.raw:
         return script
-    if script.wrapped and text != result.source:
-        return Script(script.path, text, result.source, script.wrapper, result.module)  # re-wrapped; render checked the round trip
-    return Script(script.path, text, text, module=result.module if text == result.source else None)
+    module = result.module if patched == result.source else None
+    if script.wrapped and text != patched:
+        return Script(script.path, text, patched, script.wrapper, module)  # re-wrapped; render checked the round trip
+    return Script(script.path, text, text, module=module if text == patched else None)
 
 
 def _check_written(text: str, written: Script, out_path, in_path: Path, args):
     """Run `check` on what was written (a temporary copy for stdout)."""
     from patcher.check import check_file
 
+    options = dict(target=args.python, timeout=args.timeout, run_import=not args.no_import)
     if out_path != "-":
-        return check_file(out_path, target=args.python, script=replace(written, path=Path(out_path)))
+        return check_file(out_path, script=replace(written, path=Path(out_path)), **options)
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / in_path.name
         copy.write_text(text)
-        return check_file(copy, target=args.python, script=replace(written, path=copy))
+        return check_file(copy, script=replace(written, path=copy), **options)
 
 
 def _run_check(args) -> int:
@@ -225,7 +282,7 @@ def _run_check(args) -> int:
 
     failed = False
     for name in args.files:
-        result = check_file(name, target=args.python, timeout=args.timeout)
+        result = check_file(name, target=args.python, timeout=args.timeout, run_import=not args.no_import)
         failed |= not result.ok
         if args.json:
             print(json.dumps(result.as_dict()))
@@ -250,9 +307,11 @@ def _print_check(result, stream, indent: str) -> None:
         status = "ok" if imp.ok else f"FAILED: {imp.error}"
         extra = f"; stubbed: {', '.join(imp.stubbed)}" if imp.stubbed else ""
         extra += f"; stopped before line {imp.stopped_at} (top-level training)" if imp.stopped_at else ""
-        print(f"{pad}import smoke: {status}{extra}", file=stream)
+        print(f"{pad}import smoke (ran the script's definitions in a child process): {status}{extra}", file=stream)
         if imp.note:
             print(f"{pad}  ({imp.note})", file=stream)
+    else:
+        print(f"{pad}import smoke: not run (compiled only; nothing of the script ran)", file=stream)
     for warning in result.warnings:
         print(f"{pad}warning: {warning}", file=stream)
     print(f"{pad}code bytes: {result.code_bytes}", file=stream)
@@ -294,17 +353,21 @@ def _output_path(args, in_path: Path):
         same = False
     if same:
         raise UsageError(f"{out}: output path is the input path; use --in-place to overwrite it (a .orig backup is kept)")
+    problem = output_problem(out)
+    if problem is not None:
+        raise SourceError(out, f"cannot write output: {problem}; nothing written")
     return out
 
 
 def _compile_like_input(script, patched: str) -> None:
     """Compile the patched source with the running Python when the input compiled with it."""
+    bom = "\ufeff"
     try:
-        compile(script.source, str(script.path), "exec")
+        compile(script.source.removeprefix(bom), str(script.path), "exec")
     except SyntaxError:
         return  # the input needs a newer Python; the output is no worse (see `check`)
     try:
-        compile(patched, str(script.path), "exec")
+        compile(patched.removeprefix(bom), str(script.path), "exec")
     except SyntaxError as error:  # a bug in a transform, not the user's input
         raise RuntimeError(f"patched source does not compile: line {error.lineno}: {error.msg}") from error
 
@@ -315,6 +378,9 @@ def _write(text: str, out_path, args) -> bool:
         return True
     try:
         write_atomic(out_path, text, backup_suffix=".orig" if args.in_place else None)
+    except FileExistsError:
+        backup = f"{out_path}.orig"
+        raise SourceError(out_path, f"backup {backup} already exists; not overwritten (move it away to patch in place again); nothing written") from None
     except OSError as error:
         raise SourceError(out_path, f"cannot write output: {error.strerror or error}") from None
     return True

@@ -164,13 +164,19 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     minifier fails.
     """
     from patcher.patch import patch_source
-    from patcher.source import render
+    from patcher.source import SourceError, keep_style, render
     from patcher.transforms.base import FEATURES
 
     def counted(source: str) -> int:
+        source = keep_style(script, source)  # as written: the input's line endings and BOM
         file_text = render(script, source, rewrap=True) if script.wrapped else source
         return counting.count(file_text, source)
 
+    if counting.how == "wrapper" and result.changed:
+        try:
+            counted(result.source)
+        except SourceError:  # no wrapper can hold the patched payload (`--no-rewrap` only): count the code
+            counting = Counting("raw")
     before = counting.count(script.raw, script.source)
     if not result.changed:
         return {"before": before, "after": before, "counted_as": counting.how, "by_feature": {}}

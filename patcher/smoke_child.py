@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -33,6 +34,60 @@ def _describe(exc, script):
     if line is not None:
         text += f" (line {line} at module level)" if func == "<module>" else f" (line {line} in {func})"
     return text, line
+
+
+def become_subreaper() -> None:
+    """Adopt this process's orphaned descendants (Linux `PR_SET_CHILD_SUBREAPER`).
+
+    A process the script starts in its own session (`setsid`, `start_new_session=True`)
+    and then leaves behind stays a descendant of this process, so that
+    `kill_descendants` finds it. Does nothing where prctl is not available.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids whose parent chain leads to `pid` (read from /proc; [] without it)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and fields[0] != b"Z":  # zombies are dead already
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, stack = [], list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        out.append(child)
+        stack.extend(children.get(child, []))
+    return out
+
+
+def kill_descendants(pid: int, rounds: int = 20) -> None:
+    """SIGKILL every descendant of `pid` (not `pid` itself), again until none is left."""
+    for _ in range(rounds):
+        found = descendants(pid)
+        if not found:
+            return
+        for child in found:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def smoke_import(script: str, name: str) -> dict:
@@ -68,6 +123,7 @@ def report(result: dict, fd: int) -> None:
             stream.flush()
         except Exception:
             pass
+    kill_descendants(os.getpid())  # processes the script started do not outlive the smoke
     os.write(fd, ("\n" + json.dumps(result) + "\n").encode("utf-8"))
     os._exit(0)
 
@@ -75,5 +131,6 @@ def report(result: dict, fd: int) -> None:
 def run_and_report(script: str, name: str) -> None:
     """Child interpreter entry: the result goes to a private copy of fd 1, so a script
     that replaces sys.stdout or prints at import cannot hide it."""
+    become_subreaper()
     out = os.dup(1)
     report(smoke_import(script, name), out)

@@ -25,6 +25,7 @@ import ast
 import base64
 import bz2
 import copy
+import errno
 import gzip
 import io
 import lzma
@@ -52,6 +53,11 @@ __all__ = [
     "render",
     "code_bytes",
     "write_atomic",
+    "output_problem",
+    "keep_style",
+    "MAX_SOURCE_BYTES",
+    "MAX_NESTING",
+    "MAX_PIECES",
 ]
 
 CODECS = ("lzma", "zlib", "bz2", "gzip")
@@ -88,6 +94,18 @@ _XZ_MAGIC = b"\xfd7zXZ\x00"
 _GZIP_MAGIC = b"\x1f\x8b"
 _BOM = "\ufeff"
 _MAX_PRESET = 9 | lzma.PRESET_EXTREME
+
+# Caps on hostile input (the largest real record is about 160 KB of code, nested a few
+# dozen levels). MAX_SOURCE_BYTES: a file, and the decompressed payload of a wrapper
+# (decompression stops there instead of inflating a bomb into memory). MAX_NESTING:
+# depth of CPython's syntax tree; deeper code is refused before libcst sees it, because
+# libcst's native parser crashes (SIGSEGV) or turns quadratic on very deep code.
+# MAX_PIECES: libcst's parser reads at most this many implicitly concatenated pieces.
+MAX_SOURCE_BYTES = 4 * 1024 * 1024
+MAX_NESTING = 100
+MAX_PIECES = 3000
+# CPython's own refusals of code too deep for its parser.
+_CPYTHON_LIMITS = ("too many nested parentheses", "too many levels of indentation", "too complex", "parser stack overflow")
 
 
 # --------------------------------------------------------------------------- errors
@@ -212,12 +230,24 @@ def render(script: Script, new_source: str, rewrap: bool = True) -> str:
     Plain scripts, and any script with `rewrap=False`, give `new_source` itself.
     Wrapped scripts give the original wrapper with only the encoded literal replaced
     (and `__wrapper_size__` updated to keep its distance, in bytes, from the file
-    size). Raises RuntimeError if the result does not decode back to `new_source`,
-    which would be a bug here, not bad input. Syntax of `new_source` is not checked.
+    size). Raises SourceError when the literal would need more than MAX_PIECES pieces
+    at the input's piece width (libcst could not read the result back), RuntimeError if
+    the result does not decode back to `new_source`, which would be a bug here, not bad
+    input. Syntax of `new_source` is not checked.
     """
     w = script.wrapper
     if w is None or not rewrap:
         return new_source
+    if w.piece_width is not None:
+        text_len = len(_encode_payload(w, new_source))
+        pieces = -(-text_len // w.piece_width)
+        if pieces > MAX_PIECES:
+            raise SourceError(
+                script.path,
+                f"re-wrapping the patched payload in pieces of {w.piece_width} characters needs {pieces} pieces; "
+                f"libcst reads at most {MAX_PIECES} (use --no-rewrap to write the payload as plain source); nothing written",
+                line=w.line,
+            )
     with _deep_recursion():
         text = _encode_payload(w, new_source)
         literal = _build_literal(w, text)
@@ -242,20 +272,69 @@ def _deep_recursion(frames: int = 10_000):
         sys.setrecursionlimit(limit)
 
 
+def output_problem(path: str | Path) -> str | None:
+    """Why `path` must not be written, or None when it may be.
+
+    A path may be written when it is absent (in an existing directory) or a regular file
+    with a write permission bit that the user may write (checked on the mode bits as
+    well, because root may write anything). A symlink is judged by its target. Returns
+    one line such as "is a FIFO, not a regular file" or "is read-only"; touches nothing.
+    """
+    target = Path(os.path.realpath(path))
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        if not target.parent.is_dir():
+            return f"directory {target.parent} does not exist"
+        return None
+    except OSError as e:
+        return f"cannot stat ({e.strerror or e})"
+    kind = _file_kind(st.st_mode)
+    if kind != "regular file":
+        return f"is a {kind}, not a regular file"
+    if not st.st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(target, os.W_OK):
+        return "is read-only"
+    return None
+
+
+def _file_kind(mode: int) -> str:
+    """'regular file', 'directory', 'FIFO', 'character device', ... for an st_mode."""
+    for test, name in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
 def write_atomic(path: str | Path, text: str, backup_suffix: str | None = None) -> None:
     """Write `text` (UTF-8, line endings as given) to `path` atomically.
 
     The text goes to a temporary file in the same directory, which then replaces
-    `path` with `os.replace`, so readers never see a half-written file. When
-    `backup_suffix` is given and `path` exists, the old file is first copied to
-    `path + backup_suffix` (metadata kept). The target's mode bits are kept; a new
-    file gets the usual umask-based mode. A symlink is written through to its target.
-    Raises OSError on I/O failure (the temporary file is removed).
+    `path` with `os.replace`, so readers never see a half-written file. `path` must be
+    absent or a writable regular file (`output_problem`); anything else (a FIFO, a
+    device, a directory, a read-only file) raises PermissionError and is left alone.
+    When `backup_suffix` is given and `path` exists, the old file is first copied to
+    `path + backup_suffix` (metadata kept); an existing backup is never overwritten
+    (FileExistsError). The target's mode bits are kept; a new file gets the usual
+    umask-based mode. A symlink is written through to its target. Raises OSError on
+    I/O failure (the temporary file is removed).
     """
     target = Path(os.path.realpath(path))
+    problem = output_problem(target)
+    if problem is not None:
+        raise PermissionError(errno.EPERM, f"{problem}; not replaced", str(path))
     exists = target.exists()
     if backup_suffix and exists:
-        shutil.copy2(target, target.with_name(target.name + backup_suffix))
+        backup = target.with_name(target.name + backup_suffix)
+        with open(target, "rb") as src, open(backup, "xb") as dst:  # "x": never overwrite
+            shutil.copyfileobj(src, dst)
+        shutil.copystat(target, backup)
     mode = stat.S_IMODE(target.stat().st_mode) if exists else _default_mode()
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
@@ -271,6 +350,25 @@ def write_atomic(path: str | Path, text: str, backup_suffix: str | None = None) 
         raise
 
 
+def keep_style(script: Script, new_source: str) -> str:
+    """`new_source` (the patched `script.source`) with the input's line endings and BOM.
+
+    When every line of `script.source` ends in CRLF (or CR), the lines the patch added
+    with LF get the same ending (Python reads them alike, string literals included); a
+    mixed input is left as it is. A plain script that starts with a UTF-8 BOM keeps it
+    (a wrapper's BOM is kept by `render`). Returns the text to render.
+    """
+    source = script.source
+    for newline in ("\r\n", "\r"):
+        count = source.count(newline)
+        if count and count == source.count("\n") + source.count("\r") - (count if newline == "\r\n" else 0):
+            new_source = new_source.replace("\r\n", "\n").replace("\r", "\n").replace("\n", newline)
+            break
+    if not script.wrapped and source.startswith(_BOM) and not new_source.startswith(_BOM):
+        new_source = _BOM + new_source
+    return new_source
+
+
 def _default_mode() -> int:
     """Mode a plain open() would give a new file (0666 minus the umask)."""
     umask = os.umask(0)
@@ -282,11 +380,21 @@ def _default_mode() -> int:
 
 
 def _read_text(p: Path) -> str:
-    """The file's text, decoded as UTF-8 with no newline translation."""
+    """The file's text, decoded as UTF-8 with no newline translation.
+
+    Raises SourceError for a directory, a FIFO or device (not opened: reading one could
+    block or never end), a file over MAX_SOURCE_BYTES, and unreadable or binary files.
+    """
     if p.is_dir():
         raise SourceError(p, "is a directory, not a Python source file")
     try:
-        data = p.read_bytes()
+        kind = _file_kind(p.stat().st_mode)
+        if kind != "regular file":
+            raise SourceError(p, f"is a {kind}, not a regular file; not read")
+        with p.open("rb") as f:
+            data = f.read(MAX_SOURCE_BYTES + 1)
+        if len(data) > MAX_SOURCE_BYTES:
+            raise SourceError(p, f"file larger than {MAX_SOURCE_BYTES} bytes (the limit for a training script); not read")
     except FileNotFoundError:
         raise SourceError(p, "no such file") from None
     except PermissionError:
@@ -309,13 +417,95 @@ def _parse(path: Path, text: str, payload_line: int | None = None) -> cst.Module
     For a wrapped payload (`payload_line` = line of the exec call) the error is
     reported on the exec line and the message gives the line inside the payload.
     """
+    _check_depth(path, text, payload_line)
     try:
         return cst.parse_module(text)
     except cst.ParserSyntaxError as e:
         line, col, why = _syntax_position(text, e)
+        pieces = _longest_string_run(text) if _cpython_syntax_error(text) is None else 0
+    except cst.CSTValidationError as e:  # parsed, but not a valid tree: "Cannot concatenate string and bytes."
+        line, col, why = _cpython_syntax_error(text) or (1, 1, str(e))
+        pieces = 0
+    if pieces > MAX_PIECES:
+        where = "" if payload_line is None else f"wrapped payload line {line}: "
+        raise SourceError(
+            path,
+            f"{where}a string literal of {pieces} implicitly concatenated pieces; "
+            f"valid Python, but libcst's parser reads at most {MAX_PIECES}",
+            line=payload_line or line,
+        )
     if payload_line is None:
         raise SourceError(path, f"syntax error at column {col}: {why}", line=line, col=col)
     raise SourceError(path, f"syntax error in wrapped payload line {line}, column {col}: {why}", line=payload_line)
+
+
+def _check_depth(path: Path, text: str, payload_line: int | None) -> None:
+    """Refuse code nested deeper than MAX_NESTING, asking CPython first.
+
+    CPython's parser (`compile(..., PyCF_ONLY_AST)`, which never runs the code) rejects
+    what it cannot handle with an exception instead of crashing, as libcst's native
+    parser does on 5,000 nested parentheses. Other SyntaxErrors are left to libcst: a
+    script may need a newer Python than the one running (3.12 f-strings).
+    """
+    def where(line: int | None) -> str:
+        if payload_line is None:
+            return ""
+        return "wrapped payload: " if line is None else f"wrapped payload line {line}: "
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(min(limit, 1000))  # CPython's default depth, not _deep_recursion's
+    try:
+        tree = compile(text, str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+    except SyntaxError as e:
+        if any(s in str(e.msg) for s in _CPYTHON_LIMITS):
+            line = e.lineno or 1
+            raise SourceError(path, f"{where(line)}nested too deeply for Python's parser ({e.msg})", line=payload_line or line) from None
+        return
+    except (RecursionError, MemoryError) as e:
+        raise SourceError(path, f"{where(None)}code nested too deeply for Python's parser ({type(e).__name__})", line=payload_line) from None
+    except ValueError:
+        return
+    finally:
+        sys.setrecursionlimit(limit)
+    depth, line = _ast_depth(tree)
+    if depth > MAX_NESTING:
+        raise SourceError(
+            path, f"{where(line)}code nested more than {MAX_NESTING} levels deep (the limit for a training script)", line=payload_line or line
+        )
+
+
+def _ast_depth(tree: ast.AST) -> tuple[int, int]:
+    """(greatest depth of `tree`, a line at that depth), walked without recursion.
+
+    Stops early, reporting MAX_NESTING + 1, once the limit is passed.
+    """
+    best, best_line = 0, 1
+    stack = [(tree, 1, 1)]
+    while stack:
+        node, depth, line = stack.pop()
+        line = getattr(node, "lineno", line)
+        if depth > best:
+            best, best_line = depth, line
+            if best > MAX_NESTING:
+                break
+        stack.extend((child, depth + 1, line) for child in ast.iter_child_nodes(node))
+    return best, best_line
+
+
+def _longest_string_run(text: str) -> int:
+    """Most STRING tokens in a row in `text` (implicit concatenation), 0 if it does not tokenize."""
+    best = run = 0
+    skip = (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.STRING:
+                run += 1
+                best = max(best, run)
+            elif tok.type not in skip or tok.type == tokenize.NEWLINE:
+                run = 0
+    except (tokenize.TokenError, SyntaxError):
+        return best
+    return best
 
 
 def _syntax_position(text: str, err: cst.ParserSyntaxError) -> tuple[int, int, str]:
@@ -750,6 +940,8 @@ def _indirection_target(path: Path, call: cst.Call) -> str:
 def _decode_literal(path: Path, match: _Match, line: int) -> bytes:
     """Compressed bytes from the encoded literal; bad encoding -> SourceError."""
     values = [p.evaluated_value for p in match.pieces]
+    if len({type(v) for v in values}) > 1:
+        raise SourceError(path, "unsupported exec wrapper: the literal mixes bytes and str pieces", line=line)
     encoded = b"".join(values) if _is_bytes(match.pieces[0]) else "".join(values)
     try:
         return getattr(base64, match.encoding)(encoded)
@@ -758,16 +950,73 @@ def _decode_literal(path: Path, match: _Match, line: int) -> bytes:
 
 
 def _decompress(path: Path, match: _Match, blob: bytes, line: int) -> str:
-    """Payload text from the compressed bytes; bad data or non-UTF-8 -> SourceError."""
+    """Payload text from the compressed bytes; bad data, non-UTF-8 or a payload over
+    MAX_SOURCE_BYTES -> SourceError."""
     try:
-        data = _codec_module(match.codec).decompress(blob, **match.kwargs)
-    except (lzma.LZMAError, zlib.error, OSError, EOFError, ValueError, TypeError) as e:
+        data = decompress_capped(match.codec, blob, match.kwargs, MAX_SOURCE_BYTES)
+    except _TooLarge:
+        why = f"wrapped payload decompresses to more than {MAX_SOURCE_BYTES} bytes (the limit for a training script); not unpacked"
+        raise SourceError(path, why, line=line) from None
+    except (lzma.LZMAError, zlib.error, OSError, EOFError, ValueError, TypeError, MemoryError) as e:
         raise SourceError(path, f"corrupt wrapper payload: {match.codec} decompress failed ({e})", line=line) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         why = f"corrupt wrapper payload: decompressed data is not UTF-8 (byte {e.start})"
         raise SourceError(path, why, line=line) from None
+
+
+class _TooLarge(Exception):
+    """Decompressed data would pass the cap."""
+
+
+def decompress_capped(codec: str, blob: bytes, kwargs: dict, cap: int) -> bytes:
+    """`<codec>.decompress(blob, **kwargs)`, streamed, stopping after `cap` bytes of output.
+
+    Same result and same errors as the codec's own decompress (lzma and bz2:
+    concatenated streams, trailing garbage after the first ignored; zlib: one stream;
+    gzip: every member), but never holds more than `cap` + 1 decompressed bytes.
+    Raises `_TooLarge` past `cap`; the codec's error (LZMAError, zlib.error, OSError,
+    EOFError, ValueError, TypeError) for bad data or arguments.
+    """
+    if codec == "gzip":
+        with gzip.GzipFile(fileobj=io.BytesIO(blob)) as f:
+            data = f.read(cap + 1)
+        if len(data) > cap:
+            raise _TooLarge
+        return data
+    if codec == "zlib":
+        d = zlib.decompressobj(kwargs.get("wbits", zlib.MAX_WBITS))
+        data = d.decompress(blob, cap + 1)
+        if len(data) > cap:
+            raise _TooLarge
+        if not d.eof:
+            raise zlib.error("Error -5 while decompressing data: incomplete or truncated stream")
+        return data
+    make = (lambda: lzma.LZMADecompressor(**kwargs)) if codec == "lzma" else bz2.BZ2Decompressor
+    bad = lzma.LZMAError if codec == "lzma" else OSError
+    out: list[bytes] = []
+    total = 0
+    while True:
+        d = make()
+        try:
+            chunk = d.decompress(blob, max_length=cap - total + 1)
+        except bad:
+            if out:
+                break  # trailing data that is not another stream: ignored, as decompress does
+            raise
+        total += len(chunk)
+        if total > cap:
+            raise _TooLarge
+        out.append(chunk)
+        if not d.eof:
+            if d.needs_input:
+                raise EOFError("Compressed data ended before the end-of-stream marker was reached")
+            raise _TooLarge  # output stopped at max_length
+        blob = d.unused_data
+        if not blob:
+            break
+    return b"".join(out)
 
 
 def _is_bytes(piece: cst.SimpleString) -> bool:

@@ -4,8 +4,10 @@ Every file under the input directory whose name matches `--glob` (default `train
 is patched in its own process (`--jobs`, default the number of CPUs) exactly as
 `patch-prefetch FILE -o OUT --json` would, into the same relative path under
 `--out-dir`. A failure in one file (bad input, a failed check, a crash) is a row in the
-summary, not the end of the run. Exit code: 0 when no file failed (written, already
-patched or nothing to patch), 1 when one or more failed, 2 for bad usage.
+summary, not the end of the run. A worker process that dies (a signal, an exit) or
+passes `--file-timeout` is killed and replaced; that file's row says what happened and
+the other files go on. Exit code: 0 when no file failed (written, already patched or
+nothing to patch), 1 when one or more failed, 2 for bad usage.
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import multiprocessing
 import os
+import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor
+import time
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 
 from patcher.check import use_forked_smoke
 
 STATUS_BY_CODE = {0: "written", 2: "bad input", 3: "nothing to patch", 4: "check failed"}
-FAILED_STATUSES = ("bad input", "check failed", "crash")
+FAILED_STATUSES = ("bad input", "check failed", "crash", "timed out")
+DEFAULT_FILE_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -30,7 +36,7 @@ class Row:
     """One file of the tree: what the single-file command reported for it.
 
     file: path relative to the input directory. status: written | already patched |
-    nothing to patch | bad input | check failed | crash. applied: features applied.
+    nothing to patch | bad input | check failed | crash | timed out. applied: features applied.
     skipped: "feature: reason" lines. bytes_before / bytes_after: code bytes of the
     input and of what was written (None when nothing was), counted as `counted_as`
     (wrapper | minified | raw, see patcher.code_size). artifact: {"cap", "before",
@@ -115,27 +121,158 @@ def _last_json(text: str) -> dict | None:
     return None
 
 
-def patch_tree(root: Path, out_dir: Path, pattern: str = "train*.py", jobs: int | None = None, options: list[str] | None = None) -> list[Row]:
+def patch_tree(
+    root: Path,
+    out_dir: Path,
+    pattern: str = "train*.py",
+    jobs: int | None = None,
+    options: list[str] | None = None,
+    file_timeout: float = DEFAULT_FILE_TIMEOUT_S,
+) -> list[Row]:
     """Patch every matching script under `root` into `out_dir` (same relative paths).
 
     Returns one Row per file, in path order. options: extra single-file arguments
-    (`--only`, `--skip`, `--no-check`, `--python`, `--no-rewrap`).
+    (`--only`, `--skip`, `--no-check`, `--python`, `--no-rewrap`, `--timeout`,
+    `--no-import`). file_timeout: seconds one file may take in its worker; past it the
+    worker is killed (status "timed out"). A worker that dies gives its file the status
+    "crash" with the signal or exit code; the other files are patched all the same.
     """
     scripts = find_scripts(root, pattern, out_dir)
     tasks = [(str(p), str(out_dir / p.relative_to(root)), str(p.relative_to(root)), list(options or [])) for p in scripts]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks) or 1))
-    # Worker processes import torch once and fork each file's import smoke from there.
-    with ProcessPoolExecutor(max_workers=jobs, initializer=use_forked_smoke) as pool:
-        # Largest files first, so that no long one is left running alone at the end.
-        by_size = sorted(tasks, key=lambda task: -os.path.getsize(task[0]))
-        futures = {task[2]: pool.submit(patch_one, *task) for task in by_size}
-        rows = []
-        for task in tasks:
+    # Largest files first, so that no long one is left running alone at the end.
+    pending = sorted(tasks, key=lambda task: -os.path.getsize(task[0]))
+    preload = not {"--no-check", "--no-import"} & set(options or [])
+    done = _Pool(jobs, file_timeout, preload).run(pending)
+    return [done[task[2]] for task in tasks]
+
+
+def _worker(conn, preload: bool) -> None:
+    """Worker process: patch the files sent on `conn`, one Row back for each, until None."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if preload:
+        use_forked_smoke()  # import torch once; each file's import smoke is forked from here
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        conn.send(patch_one(*task))
+
+
+class _Pool:
+    """Worker processes that each patch one file at a time.
+
+    Unlike a ProcessPoolExecutor, a worker that dies or overruns its time only costs
+    its own file: it is reaped (or killed) and replaced, and the row says why.
+    """
+
+    def __init__(self, jobs: int, file_timeout: float, preload: bool = True):
+        self.jobs = jobs
+        self.preload = preload
+        self.file_timeout = file_timeout
+        self.context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
+        self.busy: dict = {}  # conn -> (process, task, started)
+        self.idle: list = []  # (process, conn)
+
+    def run(self, pending: list[tuple]) -> dict[str, Row]:
+        """Rows by relative path for every task in `pending`."""
+        done: dict[str, Row] = {}
+        pending = list(pending)
+        try:
+            while pending or self.busy:
+                while pending and len(self.busy) < self.jobs:
+                    self._start(pending.pop(0))
+                self._collect(done)
+        finally:
+            self._stop_all()
+        return done
+
+    def _start(self, task: tuple) -> None:
+        if self.idle:
+            process, conn = self.idle.pop()
+        else:
+            conn, child_conn = self.context.Pipe()
+            process = self.context.Process(target=_worker, args=(child_conn, self.preload), daemon=True)
+            process.start()
+            child_conn.close()
+        conn.send(task)
+        self.busy[conn] = (process, task, time.monotonic())
+
+    def _collect(self, done: dict) -> None:
+        """Wait for a result, a death or the next deadline; record what happened."""
+        now = time.monotonic()
+        first_deadline = min(started + self.file_timeout for _, _, started in self.busy.values())
+        sentinels = {process.sentinel: conn for conn, (process, _, _) in self.busy.items()}
+        ready = wait(list(self.busy) + list(sentinels), timeout=max(0.0, first_deadline - now))
+        for item in ready:
+            conn = item if item in self.busy else sentinels.get(item)
+            if conn is None or conn not in self.busy:
+                continue
+            process, task, _ = self.busy[conn]
+            row, closed = None, False
+            if conn.poll():
+                try:
+                    row = conn.recv()
+                except (EOFError, OSError):
+                    closed = True
+            if row is not None:
+                del self.busy[conn]
+                done[task[2]] = row
+                self.idle.append((process, conn))
+                continue
+            if not closed and process.is_alive():
+                continue  # not a result yet
+            del self.busy[conn]
+            process.join()
+            done[task[2]] = Row(task[2], "crash", None, error=_death(process.exitcode))
+            conn.close()
+        now = time.monotonic()
+        for conn, (process, task, started) in list(self.busy.items()):
+            if now - started >= self.file_timeout:
+                del self.busy[conn]
+                _kill(process)
+                conn.close()
+                done[task[2]] = Row(task[2], "timed out", None, error=f"took longer than {self.file_timeout:g} s (--file-timeout); its worker was killed, nothing written")
+
+    def _stop_all(self) -> None:
+        for process, conn in self.idle:
             try:
-                rows.append(futures[task[2]].result())
-            except Exception as error:  # the worker process died
-                rows.append(Row(task[2], "crash", None, error=f"{type(error).__name__}: {error}"))
-        return rows
+                conn.send(None)
+            except OSError:
+                pass
+        for process, conn in self.idle:
+            process.join(timeout=5)
+            if process.is_alive():
+                _kill(process)
+        for process, _, _ in self.busy.values():
+            _kill(process)
+        self.idle, self.busy = [], {}
+
+
+def _kill(process) -> None:
+    """SIGKILL a worker, and the import smoke it may have started, then reap it."""
+    from patcher.smoke_child import kill_descendants
+
+    try:
+        process.kill()
+        kill_descendants(process.pid)
+    except OSError:
+        pass
+    process.join()
+
+
+def _death(exitcode: int | None) -> str:
+    """One line on how a worker ended, e.g. "worker killed by SIGSEGV (signal 11)"."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "a signal"
+        return f"worker killed by {name} (signal {-exitcode}) while patching this file; nothing written"
+    return f"worker exited with code {exitcode} while patching this file; nothing written"
 
 
 def print_table(rows: list[Row], stream) -> None:
@@ -161,7 +298,7 @@ def print_table(rows: list[Row], stream) -> None:
 def run(args, options: list[str]) -> int:
     """The tree mode of the command line (`args.input` is a directory)."""
     root, out_dir = Path(args.input), Path(args.out_dir)
-    rows = patch_tree(root, out_dir, args.glob, args.jobs, options)
+    rows = patch_tree(root, out_dir, args.glob, args.jobs, options, getattr(args, "file_timeout", DEFAULT_FILE_TIMEOUT_S))
     if args.json:
         print(json.dumps({"root": str(root), "out_dir": str(out_dir), "files": [dict(asdict(r), failed=r.failed) for r in rows]}))
     else:

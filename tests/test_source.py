@@ -471,11 +471,11 @@ def test_directory(tmp_path):
 def test_unreadable(tmp_path, monkeypatch):
     p = write(tmp_path, PAYLOAD)
 
-    def denied(self):
+    def denied(self, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(self))
 
     # chmod 000 does not stop root, so simulate the refusal.
-    monkeypatch.setattr(Path, "read_bytes", denied)
+    monkeypatch.setattr(Path, "open", denied)
     with pytest.raises(SourceError) as ei:
         read_script(p)
     assert "permission" in assert_one_line_error(ei.value, p)

@@ -469,7 +469,7 @@ def _print_table(report: dict, stream) -> None:
     if report["main_thread_slowdown_pct"] is not None:
         work = "op loop" if report["main_thread"] == "op-bound" else "Python work"
         print(f"  main thread's {work} slowed by {report['main_thread_slowdown_pct']} %", file=stream)
-    print(f"  {'step per step (ms)':22} {'mean':>9} {'median':>9} {'p99':>9}   {'data mean':>9} {'median':>9} {'p99':>9}", file=stream)
+    print(f"  {'step time (ms)':22} {'mean':>9} {'median':>9} {'p99':>9}   {'data mean':>9} {'median':>9} {'p99':>9}", file=stream)
     for name in ("original", "patched"):
         row = [report[f"{k}_{kind}_ms_{name}"] for kind in ("step", "data") for k in ("mean", "median", "p99")]
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f}   {row[3]:9.3f} {row[4]:9.3f} {row[5]:9.3f}", file=stream)

@@ -1,10 +1,10 @@
-"""Main-thread data wait, original vs patched, for several scripts and both main-thread modes.
+"""Main-thread data wait and step time, original vs patched, for several scripts and main-thread modes.
 
-    python bench/loader_wait.py SCRIPT [SCRIPT ...] [--steps 300] [--data-dir DIR]
+    python bench/loader_wait.py SCRIPT [SCRIPT ...] [--steps 300] [--data-dir DIR] [--modes idle,gil-busy,op-bound]
 
-Runs `patch-prefetch bench` (patcher.bench.run_bench) for each script with an idle and
-a GIL-busy main thread and prints one row per run, every figure a ratio against the
-original or an absolute wait in ms:
+Runs `patch-prefetch bench` (patcher.bench.run_bench) for each script and mode and
+prints one row per idle or GIL-busy run, every figure a ratio against the original or
+an absolute wait in ms:
 
 - `wait ratio`: total wait original / patched (higher is better);
 - `max ms`: the patched loader's longest single wait, against the original's;
@@ -16,6 +16,12 @@ original or an absolute wait in ms:
 - `N/1`: N workers' rate against one worker's (same assembly);
 - `slowdown`: how much longer the main thread's own Python work took beside the patched
   loader's worker than beside the original (GIL-busy only).
+
+Op-bound runs (a host-bound step of small torch ops, calibrated to `--compute-ms`)
+print a second table, one row each, in ms per step: the mean step original -> patched,
+the median and p99 steps, the original's mean time in `next_batch` (`data`), the
+share of it recovered as a shorter step (`recovered`; the goal is 80 % with a median
+step no longer than the original's), and the op loop's slowdown beside the worker.
 
 The wait is measured with the patched loader at `TRAIN_PREFETCH_WORKERS=N`. Shards are
 written once into --data-dir (`--shards` x 100 M tokens, about 200 MB each) and reused.
@@ -29,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher.bench import run_bench  # noqa: E402
+from patcher.bench import MAIN_THREAD_MODES, run_bench  # noqa: E402
 
 
 def main() -> int:
@@ -39,12 +45,20 @@ def main() -> int:
     parser.add_argument("--data-dir", default="out/bench-shards")
     parser.add_argument("--workers", type=int, default=2, help="TRAIN_PREFETCH_WORKERS of the patched loader and of the N-worker producer variant (default 2)")
     parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3)")
+    parser.add_argument("--modes", default=",".join(MAIN_THREAD_MODES), help=f"main-thread modes, comma-separated (default {','.join(MAIN_THREAD_MODES)})")
+    parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step in ms (default 20)")
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MAIN_THREAD_MODES))
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MAIN_THREAD_MODES)}")
     n = f"{args.workers} workers"
-    print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'python':>16} {'numpy':>16} {n:>16} {'N/1':>7} {'slowdown':>9}")
+    wait_modes = [m for m in modes if m != "op-bound"]
+    if wait_modes:
+        print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'python':>16} {'numpy':>16} {n:>16} {'N/1':>7} {'slowdown':>9}")
     for script in args.scripts:
-        for mode in ("idle", "gil-busy"):
-            r = run_bench(script, steps=args.steps, main_thread=mode, data_dir=args.data_dir, workers=args.workers, shards=args.shards)
+        for mode in wait_modes:
+            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, workers=args.workers, shards=args.shards)
             slowdown = "" if r["main_thread_slowdown_pct"] is None else f"{r['main_thread_slowdown_pct']:+.2f} %"
             maxes = f"{r['wait_ms_patched_max']:.2f} ({r['wait_ms_original_max']:.1f})"
             rates = [_rate(r, name) for name in ("python", "numpy", "workers")]
@@ -54,7 +68,22 @@ def main() -> int:
                 f"{r['producer_batches_per_s_original']:>9.0f} {rates[0]:>16} {rates[1]:>16} {rates[2]:>16} {per_worker:>7} {slowdown:>9}",
                 flush=True,
             )
+    if "op-bound" in modes:
+        print(f"{'script':48} {'mean step ms':>17} {'median':>15} {'p99':>15} {'data ms':>8} {'recovered':>10} {'goal':>5} {'ops slowdown':>13} {'ops':>6}")
+        for script in args.scripts:
+            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread="op-bound", data_dir=args.data_dir, workers=args.workers, shards=args.shards)
+            share = "-" if r["recovered_share"] is None else f"{100 * r['recovered_share']:.1f} %"
+            print(
+                f"{Path(script).parent.name[-48:] or script:48} {_pair(r, 'mean'):>17} {_pair(r, 'median'):>15} {_pair(r, 'p99'):>15} "
+                f"{r['mean_data_ms_original']:>8.3f} {share:>10} {'met' if r['step_goal_met'] else 'no':>5} {r['main_thread_slowdown_pct']:>+11.2f} % {r['ops_per_step']:>6}",
+                flush=True,
+            )
     return 0
+
+
+def _pair(report: dict, stat: str) -> str:
+    """`original -> patched` step time in ms for `stat` (mean, median or p99)."""
+    return f"{report[f'{stat}_step_ms_original']:.2f}->{report[f'{stat}_step_ms_patched']:.2f}"
 
 
 def _rate(report: dict, name: str) -> str:

@@ -14,6 +14,23 @@ training loop needs), and driven
 - `gil-busy` (default): part of the step is pure-Python work that holds the GIL (about
   5 ms, calibrated at start), the rest sleeps: closer to a loop that launches kernels
   from Python, where a producer holding the GIL competes with the training loop.
+- `op-bound`: the whole step is a host-bound loop of small torch ops on the main thread
+  (`torch.add` on 16 floats, `out=`), each releasing and re-taking the GIL as a kernel
+  launch does; the op count is calibrated at start, alone, to `compute_ms`. A producer
+  thread that takes the GIL between two ops delays the next one: what it costs shows
+  as a longer step, not as a longer wait.
+
+Per step and side, the step time is measured too: from dropping the previous batch to
+the end of the simulated step, `next_batch` included; the original builds its batch
+inline on the main thread, as it does in a run. Reported as means (the total over the
+measured steps divided by their number, so shard-load stalls count), medians and p99
+(`mean_step_ms_*`, `median_step_ms_*`, `p99_step_ms_*`, and the same for the time in
+`next_batch`: `*_data_ms_*`). `recovered_share` is the share of the original's mean
+data time the patched side recovers as a shorter step:
+`(mean_step_ms_original - mean_step_ms_patched) / mean_data_ms_original` (1 = all of
+it, 0 = none, negative = the patched step is longer). `step_goal_met`: the patched mean
+step is at most the original's minus 80 % of its mean data time and the patched median
+step no longer than the original's. Most meaningful in `op-bound` mode.
 
 Measured per step, in ms: the main thread's wait inside `next_batch` (p50, p99, max,
 total) for each loader, and the time of the Python work of the step (to see how much
@@ -43,6 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
@@ -53,6 +71,11 @@ from patcher.transforms.base import TOGGLES
 
 PYTHON_WORK_MS = 5.0
 WORLD_SIZE = 8
+MAIN_THREAD_MODES = ("idle", "gil-busy", "op-bound")
+# The op-bound step's calibration stops once one step is this close to compute_ms (relative).
+OP_CALIBRATION_TOLERANCE = 0.03
+# The share of the original's mean data time the patched step must recover (`step_goal_met`).
+STEP_GOAL_SHARE = 0.8
 
 
 class BenchError(Exception):
@@ -78,8 +101,8 @@ def run_bench(
 
     Raises BenchError when the script has no training loader the patch prefetches.
     """
-    if main_thread not in ("idle", "gil-busy"):
-        raise BenchError(f"--main-thread must be idle or gil-busy, not {main_thread!r}")
+    if main_thread not in MAIN_THREAD_MODES:
+        raise BenchError(f"--main-thread must be one of {', '.join(MAIN_THREAD_MODES)}, not {main_thread!r}")
     original_source = read_script(script).source
     result = patch_source(original_source, keep=frozenset({"wait_full"}))  # the producer-rate rounds wait for a full queue
     if "train_prefetch" not in result.applied:
@@ -103,9 +126,9 @@ def run_bench(
         _set_toggle(spaces[1], "TRAIN_PREFETCH_QUEUE", queue_depth)
         args = recipe.arguments(spaces[0], 0, [getattr(make_hp(0), "train_seq_len", 1024)])
         build = [lambda: recipe.build(recipe.constructions[0], spaces[0]), lambda: recipe.evaluate(patched_site, spaces[1], recipe.constructions[0].binding)]
-        work_loops = _calibrate_python_work(PYTHON_WORK_MS)
+        step, ops = _step_function(main_thread, compute_ms)
         _set_toggles(spaces[1], variants[variants["patched"]])
-        waits, work = _alternate(build, args, steps + warmup, compute_ms, main_thread, work_loops)
+        waits, work, spans = _alternate(build, args, steps + warmup, step)
         # Best of a few alternating rounds: the rate a side can reach on this machine.
         names = ["original"] + [name for name in ("python", "numpy", "workers") if name in variants]
         rounds = []
@@ -119,6 +142,8 @@ def run_bench(
         rates = {name: max(r[name] for r in rounds) for name in names}
         _set_toggles(spaces[1], {"TRAIN_PREFETCH_WORKERS": 1, "TRAIN_PREFETCH_NUMPY": 1})
     report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates[variants["patched"]]])
+    report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
+    report["ops_per_step"] = ops
     report["torch_threads"] = torch_threads
     _producer_report(report, rates, variants, workers)
     return report
@@ -230,25 +255,105 @@ def _python_work(loops: int) -> int:
     return total
 
 
-def _alternate(build, args, steps, compute_ms, main_thread, work_loops):
+def _step_function(main_thread: str, compute_ms: float):
+    """The simulated step for `main_thread` mode, calibrated here (before any worker runs).
+
+    Returns `(step, ops)`: `step()` runs one step of about `compute_ms` ms and returns
+    the ms of its main-thread work (Python work in gil-busy, the op loop in op-bound,
+    0 when idle); `ops`: torch ops per step in op-bound mode, else None.
+    """
+    if main_thread == "op-bound":
+        tensors = _op_tensors()
+        ops = calibrate_ops(compute_ms, lambda n: _timed_op_loop(n, tensors))
+        return (lambda: _timed_op_loop(ops, tensors)), ops
+    work_loops = _calibrate_python_work(PYTHON_WORK_MS) if main_thread == "gil-busy" else 0
+    return (lambda: _simulated_step(compute_ms, main_thread, work_loops)), None
+
+
+def _op_tensors() -> tuple:
+    """Two inputs and an output for the op loop: 16 float32 each (no allocation per op)."""
+    return torch.ones(16), torch.ones(16), torch.empty(16)
+
+
+def op_loop(ops: int, tensors: tuple) -> int:
+    """`ops` times `torch.add(a, b, out=out)` with `tensors = (a, b, out)`; returns `ops`.
+
+    Each call releases the GIL while torch runs it and takes it back after, as the
+    launch of a CUDA kernel from Python does.
+    """
+    a, b, out = tensors
+    add = torch.add
+    for _ in range(ops):
+        add(a, b, out=out)
+    return ops
+
+
+def _timed_op_loop(ops: int, tensors: tuple) -> float:
+    t0 = time.perf_counter()
+    op_loop(ops, tensors)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def calibrate_ops(target_ms: float, run, tolerance: float = OP_CALIBRATION_TOLERANCE, rounds: int = 12) -> int:
+    """The op count whose run takes `target_ms` ms, within `tolerance` (relative) if reachable.
+
+    Takes: target_ms: the step time to reach (ms); run: `ops -> ms`, runs the op loop
+    with that many ops and returns its time (each estimate is the median of three runs,
+    against a preemption in one); tolerance: stop once an estimate is within
+    `tolerance * target_ms` of the target; rounds: at most this many corrections.
+    Returns the op count (>= 1). The count is first grown until a run takes 1 ms, then
+    scaled by target / measured until within tolerance, so a fixed cost per run (loop
+    set-up) is corrected for too.
+    """
+    def measure(n):
+        return statistics.median(run(n) for _ in range(3))
+
+    ops = 256
+    elapsed = measure(ops)
+    while elapsed < 1.0 and ops < 1 << 26:
+        ops *= 4
+        elapsed = measure(ops)
+    for _ in range(rounds):
+        if abs(elapsed - target_ms) <= tolerance * target_ms:
+            break
+        ops = max(1, round(ops * target_ms / max(elapsed, 1e-9)))
+        elapsed = measure(ops)
+    return ops
+
+
+def _alternate(build, args, steps, step):
+    """Both loaders driven alternately, one step each, `steps` times.
+
+    Takes: build: `[make_original, make_patched]`, each `() -> loader`; args: the
+    `next_batch` arguments; step: `() -> ms`, one simulated training step, run on this
+    (the main) thread after each `next_batch`, returning the ms of its main-thread
+    work. The original's `next_batch` runs here, inline, as in a run. Returns
+    `(waits, work, spans)`, each `[original, patched]` lists of ms per step: the time
+    in `next_batch`, the step's main-thread work, and the whole step (dropping the
+    previous batch, `next_batch` and the simulated step).
+    """
     loaders = [make() for make in build]
     waits: list[list[float]] = [[], []]
     work: list[list[float]] = [[], []]
+    spans: list[list[float]] = [[], []]
     # Each side holds its batch through its step and drops it before the next call, as
     # a training loop does: freeing a batch (munmap of its host memory, tens of µs) is
     # the step's cost, not the wait's.
     held: list = [None, None]
+    clock = time.perf_counter
     try:
         for _ in range(steps):
             for side in (0, 1):
+                start = clock()
                 held[side] = None
-                t0 = time.perf_counter()
+                t0 = clock()
                 held[side] = loaders[side].next_batch(*args)
-                waits[side].append((time.perf_counter() - t0) * 1e3)
-                work[side].append(_simulated_step(compute_ms, main_thread, work_loops))
+                waits[side].append((clock() - t0) * 1e3)
+                work[side].append(step())
+                spans[side].append((clock() - start) * 1e3)
     finally:
         _close(loaders[1])
-    return waits, work
+    return waits, work, spans
 
 
 def _simulated_step(compute_ms: float, main_thread: str, work_loops: int) -> float:
@@ -262,6 +367,33 @@ def _simulated_step(compute_ms: float, main_thread: str, work_loops: int) -> flo
     if rest > 0:
         time.sleep(rest)
     return spent
+
+
+def step_report(spans: list, data: list) -> dict:
+    """Step and data time per side, and the share of the data time recovered.
+
+    Takes: spans, data: `[original, patched]` lists of ms per measured step (the whole
+    step; the time in `next_batch`). Returns a dict of ms: `mean_step_ms_<side>`,
+    `median_step_ms_<side>`, `p99_step_ms_<side>` and the same for `data`;
+    `recovered_share`: `(mean_step_ms_original - mean_step_ms_patched) /
+    mean_data_ms_original` (None when the original never waited); `step_goal_met`:
+    the patched mean step at most the original's minus `STEP_GOAL_SHARE` of its mean
+    data time, and the patched median step at most the original's.
+    """
+    out = {}
+    for side, name in ((0, "original"), (1, "patched")):
+        for kind, values in (("step", spans[side]), ("data", data[side])):
+            values = np.asarray(values, dtype=np.float64)
+            out[f"mean_{kind}_ms_{name}"] = round(float(values.mean()), 4)
+            out[f"median_{kind}_ms_{name}"] = round(float(np.median(values)), 4)
+            out[f"p99_{kind}_ms_{name}"] = round(float(np.percentile(values, 99)), 4)
+    # From the unrounded means: the rounding of three values must not move the share.
+    means = [float(np.mean(spans[0])), float(np.mean(spans[1]))]
+    data_mean = float(np.mean(data[0]))
+    saved = means[0] - means[1]
+    out["recovered_share"] = round(saved / data_mean, 4) if data_mean > 0 else None
+    out["step_goal_met"] = bool(saved >= STEP_GOAL_SHARE * data_mean and np.median(spans[1]) <= np.median(spans[0]))
+    return out
 
 
 def _producer_rate(make, args, batches: int, patched: bool) -> float:
@@ -312,7 +444,7 @@ def _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, 
     report["producer_batches_per_s_original"] = round(rates[0], 2)
     report["producer_batches_per_s_patched"] = round(rates[1], 2)
     report["producer_ratio"] = round(rates[1] / rates[0], 3) if rates[0] else None
-    if main_thread == "gil-busy":
+    if main_thread in ("gil-busy", "op-bound"):
         original, patched = statistics.mean(work[0][warmup:]), statistics.mean(work[1][warmup:])
         report["main_thread_slowdown_pct"] = round(100.0 * (patched / original - 1.0), 2)
     else:
@@ -335,7 +467,16 @@ def _print_table(report: dict, stream) -> None:
     if report["producer_ratio_workers_vs_1"] is not None:
         print(f"    {report['workers']} workers / 1 worker: {report['producer_ratio_workers_vs_1']}x", file=stream)
     if report["main_thread_slowdown_pct"] is not None:
-        print(f"  main thread's Python work slowed by {report['main_thread_slowdown_pct']} %", file=stream)
+        work = "op loop" if report["main_thread"] == "op-bound" else "Python work"
+        print(f"  main thread's {work} slowed by {report['main_thread_slowdown_pct']} %", file=stream)
+    print(f"  {'step time (ms)':22} {'mean':>9} {'median':>9} {'p99':>9}   {'data mean':>9} {'median':>9} {'p99':>9}", file=stream)
+    for name in ("original", "patched"):
+        row = [report[f"{k}_{kind}_ms_{name}"] for kind in ("step", "data") for k in ("mean", "median", "p99")]
+        print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f}   {row[3]:9.3f} {row[4]:9.3f} {row[5]:9.3f}", file=stream)
+    share = report["recovered_share"]
+    ops = f", {report['ops_per_step']} torch ops a step" if report.get("ops_per_step") else ""
+    print(f"  data time recovered as a shorter step: {'-' if share is None else f'{100 * share:.1f} %'} of the original's "
+          f"(goal {100 * STEP_GOAL_SHARE:.0f} % and a median step no longer: {'met' if report['step_goal_met'] else 'not met'}){ops}", file=stream)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("script")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step time in ms (default 20)")
-    parser.add_argument("--main-thread", choices=["idle", "gil-busy"], default="gil-busy")
+    parser.add_argument("--main-thread", choices=list(MAIN_THREAD_MODES), default="gil-busy", help="simulated step: idle (sleeps), gil-busy (5 ms of Python, then sleeps) or op-bound (small torch ops for the whole step)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
     parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node)")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from patcher import bench
 from patcher.bench import main, run_bench
+from templates import prefetch_loader
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 KEYS = {
@@ -64,3 +67,94 @@ def test_other_families_report_one_python_worker(tmp_path):
     assert report["producer_batches_per_s_numpy"] is None and report["producer_batches_per_s_workers"] is None
     assert report["producer_ratio_workers_vs_1"] is None
     assert report["producer_batches_per_s_patched"] == report["producer_batches_per_s_python"]
+
+
+# --- op-bound mode: the step, not only the wait ---------------------------------------
+
+STEP_KEYS = {
+    f"{stat}_{kind}_ms_{side}" for stat in ("mean", "median", "p99") for kind in ("step", "data") for side in ("original", "patched")
+} | {"recovered_share", "step_goal_met", "ops_per_step"}
+
+
+@pytest.mark.parametrize("overhead_ms, per_op_ms, target_ms", [(0.0, 0.0013, 19.0), (0.4, 0.003, 20.0), (3.0, 0.0005, 5.0), (0.02, 0.00001, 2.0)])
+def test_op_calibration_reaches_the_target_within_its_tolerance(overhead_ms, per_op_ms, target_ms):
+    # A deterministic stand-in for the op loop's time: a fixed cost per run plus a cost per op.
+    calls = []
+
+    def run(ops):
+        calls.append(ops)
+        return overhead_ms + per_op_ms * ops
+
+    ops = bench.calibrate_ops(target_ms, run)
+    assert abs(run(ops) - target_ms) <= bench.OP_CALIBRATION_TOLERANCE * target_ms
+    assert all(n >= 1 for n in calls)
+
+
+def test_op_calibration_of_an_unreachable_target_returns_one_op():
+    # Every run costs more than the target: the fewest ops, no endless loop.
+    assert bench.calibrate_ops(1.0, lambda ops: 5.0 + 0.001 * ops) == 1
+
+
+def test_op_loop_runs_the_requested_torch_ops():
+    a, b, out = bench._op_tensors()
+    assert bench.op_loop(7, (a, b, out)) == 7
+    assert torch.equal(out, a + b)
+
+
+def test_step_report_arithmetic_on_known_inputs():
+    spans = [[20.0, 22.0, 30.0], [20.0, 21.0, 22.0]]
+    data = [[1.0, 2.0, 6.0], [0.1, 0.1, 0.1]]
+    r = bench.step_report(spans, data)
+    assert r["mean_step_ms_original"] == 24.0 and r["mean_step_ms_patched"] == 21.0
+    assert r["median_step_ms_original"] == 22.0 and r["median_step_ms_patched"] == 21.0
+    assert r["mean_data_ms_original"] == 3.0 and r["median_data_ms_original"] == 2.0
+    assert r["p99_step_ms_original"] == pytest.approx(22.0 + 0.98 * 8.0)  # numpy's linear interpolation
+    assert r["recovered_share"] == 1.0  # 3 ms shorter a step, of 3 ms data
+    assert r["step_goal_met"] is True
+    # Shorter on average, but the median step is longer: not met.
+    r = bench.step_report([[20.0, 20.0, 30.0], [20.5, 20.5, 20.5]], data)
+    assert r["recovered_share"] == pytest.approx((70 / 3 - 20.5) / 3.0, abs=1e-4) and r["step_goal_met"] is False
+    # A patched step longer than the original's: a negative share; no data time: no share.
+    assert bench.step_report([[20.0], [21.0]], [[2.0], [0.0]])["recovered_share"] == -0.5
+    assert bench.step_report([[20.0], [21.0]], [[0.0], [0.0]])["recovered_share"] is None
+
+
+class _RecordingLoader:
+    """A loader whose `next_batch` notes the thread it runs on."""
+
+    def __init__(self):
+        self.threads, self.count = [], 0
+
+    def next_batch(self, n):
+        self.threads.append(threading.get_ident())
+        self.count += 1
+        return torch.full((n,), self.count)
+
+
+def test_alternate_builds_the_original_inline_and_the_patched_on_a_worker():
+    original, inner = _RecordingLoader(), _RecordingLoader()
+    build = [lambda: original, lambda: prefetch_loader._PrefetchLoader(lambda device: inner, "cpu", queue_depth=2)]
+    steps = []
+    waits, work, spans = bench._alternate(build, (4,), 6, lambda: steps.append(1) or 0.5)
+    main = threading.main_thread().ident
+    assert original.threads == [main] * 6
+    assert inner.threads and main not in inner.threads
+    assert len(steps) == 12 and work == [[0.5] * 6, [0.5] * 6]
+    for side in (0, 1):
+        assert len(waits[side]) == len(spans[side]) == 6
+        assert all(span >= wait for span, wait in zip(spans[side], waits[side]))
+
+
+def test_op_bound_report(tmp_path, capsys):
+    code = main([str(FIXTURES / "tokenstream_readable.py"), "--steps", "12", "--compute-ms", "1", "--shard-tokens", "50000", "--main-thread", "op-bound", "--data-dir", str(tmp_path), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["main_thread"] == "op-bound"
+    assert KEYS | STEP_KEYS <= set(report)
+    assert report["ops_per_step"] >= 1 and isinstance(report["main_thread_slowdown_pct"], float)
+    for side in ("original", "patched"):
+        assert report[f"mean_step_ms_{side}"] >= report[f"mean_data_ms_{side}"] > 0
+        assert report[f"median_data_ms_{side}"] == pytest.approx(report[f"wait_ms_{side}_p50"], abs=1e-3)
+    expected = (report["mean_step_ms_original"] - report["mean_step_ms_patched"]) / report["mean_data_ms_original"]
+    assert report["recovered_share"] == pytest.approx(expected, abs=1e-2)
+    code = main([str(FIXTURES / "tokenstream_readable.py"), "--steps", "6", "--compute-ms", "1", "--shard-tokens", "50000", "--main-thread", "op-bound", "--data-dir", str(tmp_path)])
+    assert code == 0 and "recovered as a shorter step" in capsys.readouterr().out

@@ -24,8 +24,9 @@ demo: setup
 	@echo "--- check: original and patched train on synthetic shards, losses compared bit for bit"
 	$(PY) -m patcher.demo fixtures/tokenstream_readable.py $(OUT)/train_gpt_patched.py
 
+# Two processes, each test file in one of them (module fixtures train the fixtures once).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

@@ -169,18 +169,19 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
 
     def counted(source: str) -> int:
         source = keep_style(script, source)  # as written: the input's line endings and BOM
-        file_text = render(script, source, rewrap=True) if script.wrapped else source
+        file_text = render(script, source, rewrap=True) if counting.how == "wrapper" else source
         return counting.count(file_text, source)
 
+    after = None
     if counting.how == "wrapper" and result.changed:
         try:
-            counted(result.source)
+            after = counted(result.source)
         except SourceError:  # no wrapper can hold the patched payload (`--no-rewrap` only): count the code
             counting = Counting("raw")
     before = counting.count(script.raw, script.source)
     if not result.changed:
         return {"before": before, "after": before, "counted_as": counting.how, "by_feature": {}}
-    after = counted(result.source)
+    after = counted(result.source) if after is None else after
     if not breakdown:
         return {"before": before, "after": after, "counted_as": counting.how, "by_feature": {}}
     order = sorted(result.applied, key=lambda f: (f == "env_toggles", FEATURES.index(f)))

@@ -407,7 +407,8 @@ def _budget(in_path: Path, counted: dict) -> Budget | None:
 def _over_cap_line(budget: Budget, counted: dict) -> str:
     costs = ", ".join(f"{name} {added:+d}" for name, added in counted["by_feature"].items())
     costs = f": {costs}" if costs else " (per feature: run it without --no-byte-breakdown)"
-    return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}; the patch adds {counted['after'] - counted['before']:+d}{costs})"
+    already = f", already {budget.before - budget.cap} over before the patch" if budget.before > budget.cap else ""
+    return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}{already}; the patch adds {counted['after'] - counted['before']:+d}{costs})"
 
 
 def _print_report(report: dict, result, stream) -> None:

@@ -7,9 +7,10 @@ parameter-golf charges code bytes plus the compressed model against a cap of
 - ``wrapper``: a compressed exec wrapper counts the file itself, as written.
 - ``minified``: a script that computes its own code size (records from 2026-04-10
   on define a function that runs ``pyminify --no-rename-locals --no-hoist-literals
-  --remove-literal-statements``, then ``lzma.compress``, then a base85 ``exec``
-  wrapper) is counted that way, with the flags the script itself passes, through
-  python-minifier (the library behind ``pyminify``).
+  --remove-literal-statements``, then ``lzma.compress`` or, from 2026-04-13 on,
+  ``brotli.compress``, then a base85 ``exec`` wrapper) is counted that way, with the
+  flags and the compressor the script's own function uses, through python-minifier
+  (the library behind ``pyminify``).
 - ``raw``: anything else counts its UTF-8 bytes.
 
 `submission.json` beside a script gives the artifact sizes the record reported
@@ -35,7 +36,10 @@ from patcher.cst_walk import walk
 ARTIFACT_CAP = 16_000_000
 
 # The wrapper a minifying record builds around its compressed code (its own bytes count).
-_MINIFIED_WRAPPER = (b'import lzma as L,base64 as B\nexec(L.decompress(B.b85decode("', b'")))\n')
+_MINIFIED_WRAPPER = {
+    "lzma": (b'import lzma as L,base64 as B\nexec(L.decompress(B.b85decode("', b'")))\n'),
+    "brotli": (b'import brotli as B,base64 as A\nexec(B.decompress(A.b85decode("', b'")))\n'),
+}
 # The flags of the records' own code-size function, when a script names none we can read.
 DEFAULT_MINIFY_FLAGS = ("--no-rename-locals", "--no-hoist-literals", "--remove-literal-statements")
 # Keys of submission.json whose values are whole-artifact sizes in bytes.
@@ -51,11 +55,12 @@ class Counting:
     """How a script's code is counted.
 
     how: "wrapper" | "minified" | "raw". minify_flags: the pyminify flags (a tuple of
-    str) for "minified", else ().
+    str) for "minified", else (). compressor: "lzma" | "brotli", for "minified".
     """
 
     how: str
     minify_flags: tuple = ()
+    compressor: str = "lzma"
 
     def count(self, file_text: str, source: str) -> int:
         """Counted bytes of a script whose file is `file_text` and whose code is `source`
@@ -63,51 +68,68 @@ class Counting:
         if self.how == "wrapper":
             return len(file_text.encode("utf-8"))
         if self.how == "minified":
-            return minified_wrapper_bytes(source, self.minify_flags)
+            return minified_wrapper_bytes(source, self.minify_flags, self.compressor)
         return len(source.encode("utf-8"))
 
 
 def counting_of(module: cst.Module, wrapped: bool) -> Counting:
     """How the record whose code is `module` counts its code size.
 
-    A wrapped file counts as "wrapper". A module holding a list literal that starts
-    with the string "pyminify" (the record's own code-size command) counts as
-    "minified" with that list's string flags. Anything else is "raw".
+    A wrapped file counts as "wrapper". A module with a function that names
+    "pyminify" (the record's own code-size function) counts as "minified", with the
+    `--` flags of the command list in that function and the compressor it calls
+    (`brotli.compress` under any import alias, else lzma). Anything else is "raw".
     """
     if wrapped:
         return Counting("wrapper")
-    for node in walk(module):
-        if isinstance(node, cst.List) and node.elements and m.matches(node.elements[0].value, m.SimpleString()):
-            first = node.elements[0].value.evaluated_value
-            if first == "pyminify":
-                flags = tuple(
-                    e.value.evaluated_value
-                    for e in node.elements[1:]
-                    if isinstance(e.value, cst.SimpleString) and e.value.evaluated_value.startswith("--")
-                )
-                return Counting("minified", flags or DEFAULT_MINIFY_FLAGS)
+    brotli_names = {a.asname.name.value if a.asname else "brotli" for n in walk(module) if isinstance(n, cst.Import) for a in n.names if cst.Module([]).code_for_node(a.name) == "brotli"}
+    for function in (n for n in walk(module) if isinstance(n, cst.FunctionDef)):
+        nodes = list(walk(function))
+        if not any(isinstance(n, cst.SimpleString) and n.evaluated_value == "pyminify" for n in nodes):
+            continue
+        flags = ()
+        for node in nodes:
+            if isinstance(node, cst.List):
+                found = tuple(e.value.evaluated_value for e in node.elements if isinstance(e.value, cst.SimpleString) and e.value.evaluated_value.startswith("--"))
+                if found:
+                    flags = found
+                    break
+        brotli = any(m.matches(n, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("compress")))) and n.func.value.value in brotli_names for n in nodes)
+        return Counting("minified", flags or DEFAULT_MINIFY_FLAGS, "brotli" if brotli else "lzma")
     return Counting("raw")
 
 
-def minified_wrapper_bytes(source: str, flags: tuple = DEFAULT_MINIFY_FLAGS) -> int:
-    """Size in bytes of ``pyminify FLAGS`` -> ``lzma.compress`` -> base85 exec wrapper of `source`,
-    as the records' own code-size function computes it. Raises CountError (one line)."""
+def minified_wrapper_bytes(source: str, flags: tuple = DEFAULT_MINIFY_FLAGS, compressor: str = "lzma") -> int:
+    """Size in bytes of ``pyminify FLAGS`` -> ``lzma.compress`` (or ``brotli.compress(quality=11)``)
+    -> base85 exec wrapper of `source`, as the records' own code-size function computes
+    it. Raises CountError (one line)."""
     command = [sys.executable, "-m", "python_minifier", *flags, "-"]
     done = subprocess.run(command, input=source.encode("utf-8"), capture_output=True)
     if done.returncode != 0:
         last = (done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
         raise CountError(f"pyminify failed: {last}")
-    encoded = base64.b85encode(lzma.compress(done.stdout))
-    return len(_MINIFIED_WRAPPER[0]) + len(encoded) + len(_MINIFIED_WRAPPER[1])
+    if compressor == "brotli":
+        import brotli
+
+        compressed = brotli.compress(done.stdout, quality=11)
+    else:
+        compressed = lzma.compress(done.stdout)
+    prefix, suffix = _MINIFIED_WRAPPER[compressor]
+    return len(prefix) + len(base64.b85encode(compressed)) + len(suffix)
 
 
 def read_artifact_bytes(script_path: str | Path) -> int | None:
     """The largest artifact size (bytes) in the `submission.json` beside `script_path`.
 
     Takes every value under a key of `_ARTIFACT_KEYS` at any depth (per-seed sizes or a
-    total). Returns None when there is no such file, it is not JSON, or it gives no size.
+    total). Returns None when there is no such file, it is not JSON, it gives no size,
+    or the script is a companion of the record's `train_gpt.py` (a readable copy such
+    as `train_gpt_human.py` beside the wrapped file the record submits).
     """
-    path = Path(script_path).parent / "submission.json"
+    script_path = Path(script_path)
+    if script_path.name != "train_gpt.py" and (script_path.parent / "train_gpt.py").is_file():
+        return None
+    path = script_path.parent / "submission.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):

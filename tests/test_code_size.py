@@ -25,6 +25,32 @@ def _code_size(code):
 '''
 
 
+BROTLI_SIZE_FUNCTION = '''
+import brotli as BR, shutil, subprocess
+def _compressed_code_size(code):
+    exe = shutil.which("pyminify")
+    minified = subprocess.run([exe, "--no-rename-locals", "-"], input=code, capture_output=True).stdout
+    return len(BR.compress(minified, quality=11))
+'''
+
+
+def test_counting_of_a_brotli_record():
+    assert counting_of(cst.parse_module(BROTLI_SIZE_FUNCTION), False) == Counting("minified", ("--no-rename-locals",), "brotli")
+    source = (FIXTURES / "tokenstream_readable.py").read_text()
+    import brotli
+
+    minified = python_minifier.minify(source, rename_locals=False)
+    wrapper = b'import brotli as B,base64 as A\nexec(B.decompress(A.b85decode("' + base64.b85encode(brotli.compress(minified.encode(), quality=11)) + b'")))\n'
+    assert minified_wrapper_bytes(source, ("--no-rename-locals",), "brotli") == len(wrapper)
+
+
+def test_a_companion_of_the_submitted_script_has_no_budget(tmp_path):
+    (tmp_path / "submission.json").write_text(json.dumps({"bytes_total": 15_000_000}))
+    (tmp_path / "train_gpt.py").write_text("x = 1\n")
+    assert read_artifact_bytes(tmp_path / "train_gpt_human.py") is None
+    assert read_artifact_bytes(tmp_path / "train_gpt.py") == 15_000_000
+
+
 @pytest.mark.parametrize(
     "source, wrapped, how, flags",
     [

@@ -324,7 +324,7 @@ def _defined(stmt: cst.BaseStatement) -> set[str]:
     return names
 
 
-def _read(node: cst.CSTNode) -> set[str]:
+def names_read(node: cst.CSTNode) -> set[str]:
     """Every name and attribute name that `node` mentions."""
     found = set()
     for child in walk(node):
@@ -360,9 +360,9 @@ def prune(statements: list[cst.BaseStatement], roots: set[str]) -> list[cst.Base
                 kept.add(index)
                 changed = True
                 if isinstance(stmt, cst.ClassDef):
-                    live |= _read(stmt.with_changes(body=cst.IndentedBlock(body=[]))) | _read_bases(stmt)
+                    live |= names_read(stmt.with_changes(body=cst.IndentedBlock(body=[]))) | _read_bases(stmt)
                 else:
-                    live |= _read(stmt)
+                    live |= names_read(stmt)
             if index in kept and isinstance(stmt, cst.ClassDef):
                 alive = members.setdefault(index, set())
                 for position, (bound, member) in enumerate(_members(stmt)):
@@ -370,7 +370,7 @@ def prune(statements: list[cst.BaseStatement], roots: set[str]) -> list[cst.Base
                         continue
                     if not bound or bound & (live | _IMPLICIT):
                         alive.add(position)
-                        live |= _read(member)
+                        live |= names_read(member)
                         changed = True
     out = []
     for index, stmt in enumerate(statements):
@@ -386,9 +386,9 @@ def prune(statements: list[cst.BaseStatement], roots: set[str]) -> list[cst.Base
 def _read_bases(cls: cst.ClassDef) -> set[str]:
     found = set()
     for arg in cls.bases:
-        found |= _read(arg.value)
+        found |= names_read(arg.value)
     for decorator in cls.decorators:
-        found |= _read(decorator.decorator)
+        found |= names_read(decorator.decorator)
     return found
 
 

@@ -23,7 +23,7 @@ import libcst as cst
 import libcst.matchers as m
 
 import templates
-from patcher.cut import StripDocsAndComments, fold, prune
+from patcher.cut import StripDocsAndComments, fold, names_read, prune
 
 TEMPLATE_DIR = Path(templates.__file__).parent
 
@@ -144,9 +144,7 @@ def runtime_block(names: list[str], script_imports: set[str], minified: bool, to
     body = fold(body, facts or {})
     if roots is not None:
         body = prune(body, roots)
-    read = set()
-    for stmt in body:
-        read |= {n.value for n in m.findall(stmt, m.Name())}
+    read = set().union(*(names_read(stmt) for stmt in body))
     needed = []
     for name in ordered:
         for module in template_imports(name):

@@ -105,12 +105,14 @@ def seeds() -> list[tuple[str, str]]:
 
 def _tokens(text: str) -> list[tuple[int, int]]:
     """(start, end) character offsets of the tokens of `text` (as far as it tokenizes)."""
+    # Lines as tokenize reads them (only \n, \r\n and \r end a line, not \x0c or U+2028).
+    lines = io.StringIO(text, newline="").readlines()
     starts = [0]
-    for line in text.splitlines(True):
+    for line in lines:
         starts.append(starts[-1] + len(line))
     spans = []
     try:
-        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        for tok in tokenize.generate_tokens(iter(lines).__next__):
             if tok.type in (tokenize.ENDMARKER, tokenize.DEDENT) or tok.start == tok.end:
                 continue
             (r0, c0), (r1, c1) = tok.start, tok.end
@@ -197,7 +199,7 @@ def mutate(text: str, rng: random.Random) -> tuple[str, list[str]]:
         elif kind == "bom":
             text = "\ufeff" + text.lstrip("\ufeff")
         elif kind == "flip":  # characters of the encoded literal (base85/64 alphabet or not)
-            spans = [s for s in _tokens(text) if text[s[0]] in "\"'bB" and s[1] - s[0] > 20]
+            spans = [s for s in _tokens(text) if s[0] < len(text) and text[s[0]] in "\"'bB" and s[1] - s[0] > 20]
             if spans:
                 a, b = rng.choice(spans)
                 chars = list(text)

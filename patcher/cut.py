@@ -123,7 +123,8 @@ class _Fold(cst.CSTTransformer):
 
     def leave_Call(self, original_node, updated_node):
         updated_node = self._drop_positional_options(original_node, updated_node)
-        if updated_node.args and updated_node.args[-1].comma is not cst.MaybeSentinel.DEFAULT:
+        # A dropped last argument leaves the comma before it: only then is one removed.
+        if len(updated_node.args) < len(original_node.args) and updated_node.args and updated_node.args[-1].comma is not cst.MaybeSentinel.DEFAULT:
             args = list(updated_node.args)
             args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             return updated_node.with_changes(args=args)

@@ -54,22 +54,14 @@ class _ShuffledAssembly:
         return _shuffled_gather(plan, pin)
 
 
-class _ShuffledPlan:
-    """One batch to read: seq_len; per row the shard index and the window start (int64
-    arrays); shards: {shard index: token array} for the shards the rows use."""
-
-    __slots__ = ("seq_len", "shard_of_row", "start_of_row", "shards")
-
-    def __init__(self, seq_len, shard_of_row, start_of_row, shards):
-        self.seq_len, self.shard_of_row, self.start_of_row, self.shards = seq_len, shard_of_row, start_of_row, shards
-
-
 def _shuffled_plan(loader, get_memmap, global_tokens, grad_accum_steps):
     """`ShuffledSequenceLoader.next_batch(global_tokens, grad_accum_steps)` without reading tokens.
 
     The same statements in the same order for everything that changes the loader: the
     float64 `remaining` counts, `rng.choice(..., p=probs)` per row, the pop, the reset of
-    every shard when none is left. Returns a `_ShuffledPlan`.
+    every shard when none is left. Returns the plan, `(seq_len, shard_of_row,
+    start_of_row, shards)`: per row the shard index and the window start (int64
+    arrays), and {shard index: token array} for the shards the rows use.
     """
     device_tokens = global_tokens // (loader.world_size * grad_accum_steps)
     device_batch_size = device_tokens // loader.seq_len
@@ -105,11 +97,8 @@ def _shuffled_plan(loader, get_memmap, global_tokens, grad_accum_steps):
         remaining[si] -= 1
         total -= 1
         shard_of_row[bi] = si
-    shards = {}
-    for si in shard_of_row:
-        if si not in shards:
-            shards[si] = numpy.asarray(get_memmap(loader.files[si]))
-    return _ShuffledPlan(loader.seq_len, numpy.array(shard_of_row, dtype=numpy.int64), numpy.array(start_of_row, dtype=numpy.int64), shards)
+    shards = {si: numpy.asarray(get_memmap(loader.files[si])) for si in dict.fromkeys(shard_of_row)}
+    return loader.seq_len, numpy.array(shard_of_row, dtype=numpy.int64), numpy.array(start_of_row, dtype=numpy.int64), shards
 
 
 def _shuffled_gather(plan, pin=False):
@@ -118,21 +107,17 @@ def _shuffled_gather(plan, pin=False):
     One fancy index per shard (`tokens[starts[:, None] + arange(seq_len + 1)]`) and two
     casting copies into the buffer; no Python loop over rows.
     """
-    rows, seq_len = len(plan.start_of_row), plan.seq_len
+    seq_len, shard_of_row, start_of_row, shards = plan
+    rows = len(start_of_row)
     if pin:
         pinned = torch.empty((2, rows, seq_len), dtype=torch.int64, pin_memory=True)
         out = pinned.numpy()
     else:
         out = numpy.empty((2, rows, seq_len), dtype=numpy.int64)
     offsets = numpy.arange(seq_len + 1, dtype=numpy.int64)
-    for si, tokens in plan.shards.items():
-        if len(plan.shards) == 1:
-            windows = tokens[plan.start_of_row[:, None] + offsets]
-            out[0] = windows[:, :-1]
-            out[1] = windows[:, 1:]
-            break
-        picked = numpy.flatnonzero(plan.shard_of_row == si)
-        windows = tokens[plan.start_of_row[picked, None] + offsets]
+    for si, tokens in shards.items():
+        picked = numpy.flatnonzero(shard_of_row == si)
+        windows = tokens[start_of_row[picked, None] + offsets]
         out[0, picked] = windows[:, :-1]
         out[1, picked] = windows[:, 1:]
     batch = pinned if pin else torch.from_numpy(out)

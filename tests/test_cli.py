@@ -211,3 +211,20 @@ def test_verify_subcommand(tmp_path, capsys):
     assert code == EXIT_OK and json.loads(stdout)["identical"] is True
     code, _, stderr = run(["verify", FIXTURES / "no_loader.py", FIXTURES / "no_loader.py"], capsys)
     assert code == EXIT_BAD_INPUT and "cannot verify" in stderr
+
+
+def test_producer_toggles_only_on_request(tmp_path, capsys):
+    # The tuning toggles cost code bytes: a default patch leaves them out, the flag adds
+    # them (and the runtime that runs several workers), and the byte report counts them.
+    fixture = FIXTURES / "shuffled_minified.py"
+    reports = {}
+    for flag in ([], ["--producer-toggles"]):
+        out = tmp_path / f"out{len(flag)}.py"
+        code, stdout, _ = run([fixture, "-o", out, "--json", "--no-byte-breakdown", *flag], capsys)
+        assert code == EXIT_OK
+        reports[bool(flag)] = (json.loads(stdout), read_script(out).source)
+    (plain, plain_src), (tuned, tuned_src) = reports[False], reports[True]
+    assert "TRAIN_PREFETCH_WORKERS" not in plain_src and "class _OrderedWorker" not in plain_src
+    assert "TRAIN_PREFETCH_WORKERS" in tuned_src and "TRAIN_PREFETCH_NUMPY" in tuned_src
+    assert "class _OrderedWorker" in tuned_src and "_ShuffledAssembly(" in plain_src
+    assert tuned["code_bytes"]["after"] > plain["code_bytes"]["after"]

@@ -104,8 +104,11 @@ def run_bench(
     if main_thread not in MAIN_THREAD_MODES:
         raise BenchError(f"--main-thread must be one of {', '.join(MAIN_THREAD_MODES)}, not {main_thread!r}")
     original_source = read_script(script).source
-    # The producer-rate rounds wait for a full queue and compare the producer variants.
-    result = patch_source(original_source, keep=frozenset({"wait_full"}), producer_toggles=True)
+    # The wait and the step are measured with what a default patch gives (with
+    # `workers` > 1: the producer toggles set to N workers); the producer-rate rounds
+    # compare the variants of a patch with the producer toggles, and wait for a full queue.
+    result = patch_source(original_source, keep=frozenset({"wait_full"}))
+    tuned = patch_source(original_source, keep=frozenset({"wait_full"}), producer_toggles=True)
     if "train_prefetch" not in result.applied:
         reasons = "; ".join(n.reason for n in result.skipped if n.feature == "train_prefetch") or "no training loader"
         raise BenchError(f"{script}: nothing to benchmark: {reasons}")
@@ -114,35 +117,47 @@ def run_bench(
     except HarnessError as error:
         raise BenchError(f"{script}: {error}") from None
     patched_site = patched_constructions(result.source, recipe)[0]
+    tuned_site = patched_constructions(tuned.source, recipe)[0]
     workers = max(1, int(workers))
-    variants = _producer_variants(patched_site, workers)
+    variants = _producer_variants(tuned_site, workers)
     with _shard_dir(data_dir) as directory, host_only_pinning([]), _torch_threads(torch_threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
-        modules = load_module(original_source, str(script)), load_module(result.source, str(script))
+        modules = load_module(original_source, str(script)), load_module(result.source, str(script)), load_module(tuned.source, str(script))
         # Rank 0 of the record's own configuration, 8 GPUs: in the TokenStream family every
         # rank's stream advances by the global batch per step, so shard loads come as often
         # as in a real run.
         make_hp = hparams_factory(recipe, modules[0], WORLD_SIZE, directory)
         spaces = [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cpu")) for mod in modules]
-        _set_toggle(spaces[1], "TRAIN_PREFETCH_QUEUE", queue_depth)
+        for space in spaces[1:]:
+            _set_toggle(space, "TRAIN_PREFETCH_QUEUE", queue_depth)
         args = recipe.arguments(spaces[0], 0, [getattr(make_hp(0), "train_seq_len", 1024)])
-        build = [lambda: recipe.build(recipe.constructions[0], spaces[0]), lambda: recipe.evaluate(patched_site, spaces[1], recipe.constructions[0].binding)]
+        binding = recipe.constructions[0].binding
+        build = [
+            lambda: recipe.build(recipe.constructions[0], spaces[0]),
+            lambda: recipe.evaluate(patched_site, spaces[1], binding),
+            lambda: recipe.evaluate(tuned_site, spaces[2], binding),
+        ]
         step, ops = _step_function(main_thread, compute_ms)
-        _set_toggles(spaces[1], variants[variants["patched"]])
-        waits, work, spans = _alternate(build, args, steps + warmup, step)
+        measured = "workers" if variants["patched"] == "workers" else "default"
+        _set_toggles(spaces[2], variants[variants["patched"]])
+        waits, work, spans = _alternate([build[0], build[2] if measured == "workers" else build[1]], args, steps + warmup, step)
         # Best of a few alternating rounds: the rate a side can reach on this machine.
-        names = ["original"] + [name for name in ("python", "numpy", "workers") if name in variants]
+        names = ["original", "default"] + [name for name in ("python", "numpy", "workers") if name in variants]
         rounds = []
         for _ in range(3):
             rates_now = {}
             for name in names:
-                if name != "original":
-                    _set_toggles(spaces[1], variants[name])
-                rates_now[name] = _producer_rate(build[name != "original"], args, producer_batches, patched=name != "original")
+                if name in variants:
+                    _set_toggles(spaces[2], variants[name])
+                if name == "python" and tuned.source == result.source:
+                    rates_now[name] = rates_now["default"]  # no producer toggles here: the same code
+                    continue
+                side = build[0] if name == "original" else build[1] if name == "default" else build[2]
+                rates_now[name] = _producer_rate(side, args, producer_batches, patched=name != "original")
             rounds.append(rates_now)
         rates = {name: max(r[name] for r in rounds) for name in names}
-        _set_toggles(spaces[1], {"TRAIN_PREFETCH_WORKERS": 1, "TRAIN_PREFETCH_NUMPY": 1})
-    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates[variants["patched"]]])
+        _set_toggles(spaces[2], {"TRAIN_PREFETCH_WORKERS": 1, "TRAIN_PREFETCH_NUMPY": 1})
+    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates[measured]])
     report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
     report["ops_per_step"] = ops
     report["torch_threads"] = torch_threads

@@ -90,7 +90,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             continue
         recognition = _assembly(cls, ctx)
         attrs = _read_beyond_next_batch(survey.module, target)
-        needs_full = needs_full or reshape_arg is not None or bool(rollback) or attrs
+        # The producer toggles (ShuffledSequenceLoader family) run on the full runtime.
+        needs_full = needs_full or reshape_arg is not None or bool(rollback) or attrs or (ctx.producer_toggles and recognition is not None)
         for site in group:
             replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition, attrs)
         lines = ", ".join(str(c.line) for c in group)
@@ -103,7 +104,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         notes.append(Note(FEATURE, True, f"`{target}` built at line {lines} prefetches{extra}", group[0].line))
     if replacements:
         # `prefetch_iterator` needs the full loader runtime, whose names the lean one shares.
-        full = ctx.producer_toggles or needs_full or "prefetch_iterator" in ctx.templates
+        full = needs_full or "prefetch_iterator" in ctx.templates
         ctx.need("prefetch_loader" if full else "prefetch_lean")
         module = replace_nodes(module, replacements, ctx)
     return module, notes

@@ -30,8 +30,9 @@ TEMPLATE_DIR = Path(templates.__file__).parent
 # template name -> templates it uses, injected before it
 DEPENDENCIES = {
     "copy_stream": [],
-    "prefetch_loader": ["copy_stream"],
-    "prefetch_lean": ["copy_stream"],
+    "staging": [],
+    "prefetch_loader": ["copy_stream", "staging"],
+    "prefetch_lean": ["copy_stream", "staging"],
     "prefetch_iterator": ["prefetch_loader"],
     "prefetch_val": ["copy_stream"],
     "val_bytecount": [],

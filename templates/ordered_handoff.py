@@ -9,7 +9,8 @@ carry no copy of it.
 import threading
 import time
 
-from templates.prefetch_loader import _EMPTY, _ORDERED_WORKER, _POLL_S, _Built, _snapshot, _stage, _Worker
+from templates.prefetch_loader import _EMPTY, _ORDERED_WORKER, _POLL_S, _Built, _snapshot, _Worker
+from templates.staging import _stage
 
 
 class _OrderedHandoff:

@@ -50,6 +50,7 @@ import threading
 import torch
 
 from templates.copy_stream import _h2d
+from templates.staging import _each_tensor, _stage
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
@@ -132,23 +133,3 @@ class _PrefetchLoader:
         self.room.put(None)  # wakes a worker waiting for room
         if self.thread.is_alive():
             self.thread.join(3)
-
-
-def _each_tensor(item, fn):
-    """`item` (a tensor, or tuples and lists of them and of other values) with `fn` applied to each tensor."""
-    if isinstance(item, torch.Tensor):
-        return fn(item)
-    if isinstance(item, (tuple, list)):
-        return type(item)(_each_tensor(t, fn) for t in item)
-    return item
-
-
-def _stage(item, pin, host_copy=True):
-    """The host tensors of one batch in fresh (pinned when `pin`) memory.
-
-    A copy, so that a loader that reuses its buffers cannot change a queued batch;
-    with `host_copy=False` and no pinning the batch is returned as it is.
-    """
-    if not (pin or host_copy):
-        return item
-    return _each_tensor(item, lambda t: t if t.device.type != "cpu" else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t))

@@ -28,10 +28,8 @@ from patcher.source import SourceError
 PEP701 = 'import os\nd = {"k": 1}\nmsg = f"value {d["k"]}"\n'
 PEP701_LINE, PEP701_COL = 3, 7  # the f-string starts at column 7 of line 3
 
-PY310, PY310_VERSION = find_python("3.10")
-PY312, _ = find_python("3.12")
-needs_310 = pytest.mark.skipif(PY310 is None, reason="no real Python 3.10 installed (pyenv or PATH)")
-needs_312 = pytest.mark.skipif(PY312 is None, reason="no real Python 3.12 installed (pyenv or PATH)")
+needs_310 = pytest.mark.usefixtures("python310")  # tests/conftest.py: skipped when none is installed
+needs_312 = pytest.mark.usefixtures("python312")
 
 
 def _src(text: str) -> str:
@@ -85,10 +83,10 @@ def test_find_python_gives_none_for_what_does_not_exist(target):
 
 
 @needs_310
-def test_compile_on_real_310_names_the_pep701_fstring_and_its_position():
+def test_compile_on_real_310_names_the_pep701_fstring_and_its_position(python310):
     result = compile_source(PEP701, "t.py", "3.10")
     assert result.real and not result.ok
-    assert result.python.startswith("3.10.") and PY310 in result.python
+    assert result.python.startswith("3.10.") and python310 in result.python
     assert (result.line, result.col) == (PEP701_LINE, PEP701_COL)
     assert "PEP 701" in result.error and "3.12" in result.error
     assert "py310_fstrings" in result.error
@@ -429,11 +427,11 @@ def _wrap(payload: str) -> str:
 
 
 @needs_310
-def test_wrapped_script_wrapper_compiles_but_payload_fails_on_310(tmp_path):
+def test_wrapped_script_wrapper_compiles_but_payload_fails_on_310(tmp_path, python310):
     """py_compile on the file passes on 3.10; the payload inside does not."""
     path = tmp_path / "train_gpt.py"
     path.write_text(_wrap(PEP701))
-    py_compile = subprocess.run([PY310, "-m", "py_compile", str(path)], capture_output=True)
+    py_compile = subprocess.run([python310, "-m", "py_compile", str(path)], capture_output=True)
     assert py_compile.returncode == 0  # what existing checkers see
 
     result = check_file(path, "3.10", run_import=False)

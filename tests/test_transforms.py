@@ -6,6 +6,7 @@ import textwrap
 
 import libcst as cst
 import pytest
+import torch
 
 from patcher.patch import features_from, patch_source
 from patcher.survey import survey
@@ -399,17 +400,44 @@ def test_mlp_fusion_noop(body):
     assert not result.applied
 
 
-def test_mlp_fusion_same_numbers():
-    import torch
-    import torch.nn.functional as F
+MLP_FORMS = """
+import torch
+import torch.nn.functional as F
+class ReluSquared(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 32)
+        self.proj = torch.nn.Linear(32, 16)
+    def forward(self, x):
+        x = torch.relu(self.fc(x))
+        return self.proj(x.square())
+class LeakySquared(ReluSquared):
+    def forward(self, x):
+        return self.proj(F.leaky_relu(self.fc(x), negative_slope=0.5).square())
+class Banked(torch.nn.Module):
+    def forward(self, x, up_w, down_w):
+        hidden = F.leaky_relu(F.linear(x, up_w.to(x.dtype)), negative_slope=0.5).square()
+        return F.linear(hidden, down_w.to(x.dtype))
+"""
 
-    x = torch.randn(64, 128, dtype=torch.float32)
-    for act in (torch.relu, lambda t: F.leaky_relu(t, negative_slope=0.5)):
-        h = act(x)
-        assert torch.equal(act(x).square(), h * h)
-    xb = x.to(torch.bfloat16)
-    hb = F.leaky_relu(xb, negative_slope=0.5)
-    assert torch.equal(hb.square(), hb * hb)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mlp_fusion_same_numbers(dtype):
+    """The patched MLP forwards give bit-identical outputs to the originals."""
+    result = patch_source(MLP_FORMS, features_from(["mlp_fusion"], None))
+    assert len(result.applied) == 1 and result.source != MLP_FORMS
+    original, patched = {}, {}
+    exec(compile(MLP_FORMS, "original", "exec"), original)
+    exec(compile(result.source, "patched", "exec"), patched)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for name in ("ReluSquared", "LeakySquared"):
+        torch.manual_seed(1)
+        before = original[name]().to(dtype)
+        torch.manual_seed(1)
+        after = patched[name]().to(dtype)
+        assert torch.equal(before(x), after(x)), name
+    up_w, down_w = torch.randn(32, 16), torch.randn(16, 32)
+    assert torch.equal(original["Banked"]()(x, up_w, down_w), patched["Banked"]()(x, up_w, down_w))
 
 
 def test_patching_twice_is_a_noop():

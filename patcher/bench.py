@@ -67,7 +67,7 @@ from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_on
 from patcher.patch import patch_source
 from patcher.shards import write_shards
 from patcher.source import SourceError, read_script
-from patcher.transforms.base import TOGGLES
+from patcher.features import TOGGLES
 
 PYTHON_WORK_MS = 5.0
 WORLD_SIZE = 8

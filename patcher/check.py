@@ -46,7 +46,8 @@ from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvide
 
 from patcher import cst_walk
 from patcher.source import Script, code_bytes, read_script
-from patcher.survey import pep701_kind
+from patcher.cst_walk import dotted
+from patcher.transforms.py310_fstrings import pep701_kind
 
 __all__ = [
     "CompileResult",
@@ -765,7 +766,7 @@ def _is_cheap_expr(node: cst.CSTNode) -> bool:
     if isinstance(node, cst.Lambda):
         return True  # defines, runs nothing
     if isinstance(node, cst.Call):
-        name = _dotted(node.func)
+        name = dotted(node.func, partial=False)
         return name in _CHEAP_CALLS and all(_is_cheap_expr(a.value) for a in node.args)
     cheap_kinds = (
         cst.Attribute, cst.ConcatenatedString, cst.FormattedString, cst.FormattedStringExpression,
@@ -829,7 +830,7 @@ class _ImportTimeCalls(cst.CSTVisitor):
         return False
 
     def visit_Call(self, node: cst.Call) -> None:
-        name = _dotted(node.func)
+        name = dotted(node.func, partial=False)
         if name:
             self.names.append(name)
 
@@ -839,16 +840,6 @@ def _starts_gpu_or_dist(stmt: cst.CSTNode) -> bool:
     calls = _ImportTimeCalls()
     cst_walk.visit(stmt, calls)
     return any(n.startswith(("torch.cuda.", "cuda.")) or n.rsplit(".", 1)[-1] == "init_process_group" for n in calls.names)
-
-
-def _dotted(node: cst.CSTNode) -> str | None:
-    """"a.b.c" for a Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr.value}" if base else None
-    return None
 
 
 # --------------------------------------------------------------------------- check_file
@@ -992,11 +983,11 @@ class _Findings(cst.CSTVisitor):
         self.code_literals = False
 
     def visit_Import(self, node: cst.Import) -> None:
-        self.imports.extend((node, _dotted(alias.name).split(".")[0]) for alias in node.names)
+        self.imports.extend((node, dotted(alias.name).split(".")[0]) for alias in node.names)
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if not node.relative and node.module is not None:
-            self.imports.append((node, _dotted(node.module).split(".")[0]))
+            self.imports.append((node, dotted(node.module).split(".")[0]))
 
     def visit_Name(self, node: cst.Name) -> None:
         if node.value == "__file__":

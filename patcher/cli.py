@@ -24,7 +24,7 @@ from pathlib import Path
 from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
 from patcher.patch import features_from, patch_source
 from patcher.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
-from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
+from patcher.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141

@@ -13,13 +13,9 @@ import libcst.matchers as m
 
 from patcher import render
 from patcher.cst_walk import walk
+from patcher.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
 from patcher.survey import Survey, survey
-from patcher.transforms import copy_stream, env_toggles, mlp_fusion, py310_fstrings, step_timing, train_prefetch, val_bytecount, val_prefetch, val_progress
-from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, Context, Note
-
-# Order matters: env_toggles defines what the others referenced; val_bytecount edits
-# statements inside the loops val_prefetch rebuilds, val_progress wraps what it built.
-TRANSFORMS = [train_prefetch, copy_stream, mlp_fusion, step_timing, val_bytecount, val_prefetch, val_progress, env_toggles, py310_fstrings]
+from patcher.transforms.base import Context, Note
 
 
 @dataclass
@@ -67,7 +63,7 @@ def features_from(only: list[str] | None, skip: list[str] | None, extra: list[st
             raise ValueError(f"unknown feature {name!r}; choose from {', '.join(FEATURES)}")
     enabled = set(only) if only else set(DEFAULT_FEATURES)
     enabled |= set(extra or []) | (set(DIAGNOSTICS) if diagnostics else set())
-    if only and ({"train_prefetch", "copy_stream", "step_timing", "val_prefetch", "val_bytecount", "val_progress"} & enabled):
+    if only and (SWITCHED & enabled):
         enabled.add("env_toggles")  # the switches come with the behaviour they switch
     return enabled - set(skip or [])
 
@@ -84,15 +80,16 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     enabled = set(DEFAULT_FEATURES) if enabled is None else enabled
     module = module if module is not None else cst.parse_module(source)
     surveyed = surveyed if surveyed is not None and surveyed.module is module else survey(module)
-    if surveyed.already_patched:
-        names = ", ".join(sorted(surveyed.already_patched))
+    already = {feature for feature, name in INJECTED_NAMES.items() if name in surveyed.module_names}
+    if already:
+        names = ", ".join(sorted(already))
         return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)
-    ctx = Context(surveyed, enabled, keep=set(keep))
+    units = [u for u in UNITS if u.name in enabled]
+    facts = {u.name: u.analyse(surveyed) for u in units if u.analyse is not None}  # on the unpatched module
+    ctx = Context(surveyed, enabled, toggles=TOGGLE_UNITS, facts=facts, keep=set(keep))
     notes: list[Note] = []
-    for transform in TRANSFORMS:
-        if transform.FEATURE not in enabled:
-            continue
-        module, new_notes = transform.apply(module, ctx)
+    for unit in units:
+        module, new_notes = unit.apply(module, ctx)
         notes.extend(new_notes)
     if ctx.templates or ctx.constants:
         module = _insert_runtime(module, ctx)

@@ -45,6 +45,8 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from patcher.cst_walk import dotted
+
 __all__ = [
     "SourceError",
     "Wrapper",
@@ -697,7 +699,7 @@ class _ImportTable:
         for stmt in _top_level_statements(module):
             if isinstance(stmt, cst.Import):
                 for alias in stmt.names:
-                    full = _dotted(alias.name)
+                    full = dotted(alias.name)
                     if alias.asname is not None:
                         table.modules[alias.asname.name.value] = full
                     elif "." not in full:
@@ -705,10 +707,10 @@ class _ImportTable:
             elif isinstance(stmt, cst.ImportFrom) and stmt.module is not None and not stmt.relative:
                 if isinstance(stmt.names, cst.ImportStar):
                     continue
-                mod = _dotted(stmt.module)
+                mod = dotted(stmt.module)
                 for alias in stmt.names:
                     bound = alias.asname.name.value if alias.asname else alias.name.value
-                    table.names[bound] = (mod, _dotted(alias.name))
+                    table.names[bound] = (mod, dotted(alias.name))
         return table
 
     def resolve(self, func: cst.BaseExpression) -> tuple[str, str] | None:
@@ -719,13 +721,6 @@ class _ImportTable:
         if isinstance(func, cst.Name):
             return self.names.get(func.value)
         return None
-
-
-def _dotted(node: cst.BaseExpression) -> str:
-    """'a.b.c' for a Name/Attribute chain."""
-    if isinstance(node, cst.Attribute):
-        return f"{_dotted(node.value)}.{node.attr.value}"
-    return node.value
 
 
 @dataclass

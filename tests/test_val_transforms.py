@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from patcher.patch import features_from, patch_source
-from patcher.transforms.base import FEATURES
+from patcher.features import FEATURES
 
 HEADER = '''
 import math

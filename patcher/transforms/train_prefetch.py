@@ -39,7 +39,7 @@ import libcst.matchers as m
 
 from patcher.assembly import Recognition, recognise_shuffled
 from patcher.cst_walk import walk
-from patcher.transforms.base import Context, Note, replace_nodes
+from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
 
@@ -270,3 +270,18 @@ def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
             names = ", ".join(f"`{a}`" for a in changing)
             return f"next_batch gets per-step argument {names} and moves batches to the GPU itself; only constant arguments run ahead", call.line
     return None, None
+
+
+UNIT = Feature(
+    name=FEATURE,
+    apply=apply,
+    order=10,
+    toggles=(
+        Toggle("TRAIN_PREFETCH", 1, "build training batches ahead on a background thread", slot=0),
+        Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", slot=1),
+        Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", slot=9),
+        Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", slot=10),
+    ),
+    runtime={"prefetch_loader": ("copy_stream",), "prefetch_iterator": ("prefetch_loader",), "ordered_handoff": ("prefetch_loader",), "shuffled_assembly": ()},
+    injected="_make_train_loader",
+)

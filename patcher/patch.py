@@ -26,6 +26,8 @@ class PatchResult:
     notes: one `Note` per feature decision. already_patched: the input carries
     this tool's runtime already, so nothing was changed. module: the patched tree
     (`module.code == source`), so that checking the output need not parse it again.
+    runtime: the text of the injected runtime block (header line and templates) as it
+    stands in `source`, "" when none was injected.
     """
 
     source: str
@@ -33,6 +35,7 @@ class PatchResult:
     already_patched: bool = False
     survey: Survey | None = None
     module: cst.Module | None = field(default=None, repr=False)
+    runtime: str = field(default="", repr=False)
 
     @property
     def applied(self) -> list[str]:
@@ -91,18 +94,22 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     for unit in units:
         module, new_notes = unit.apply(module, ctx)
         notes.extend(new_notes)
+    runtime = ""
     if ctx.templates or ctx.constants:
-        module = _insert_runtime(module, ctx)
-    return PatchResult(module.code, notes, False, surveyed, module)
+        module, runtime = _insert_runtime(module, ctx)
+    return PatchResult(module.code, notes, False, surveyed, module, runtime)
 
 
-def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
-    """Put constants and templates after the leading imports, before the first def or class."""
+def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
+    """Put constants and templates after the leading imports, before the first def or class.
+
+    Returns the new module and the text of the templates' block in it ("" for none)."""
     body = list(module.body)
     at = next((i for i, s in enumerate(body) if isinstance(s, (cst.ClassDef, cst.FunctionDef))), len(body))
     # Only imports above the insertion point count: a script may import `os` further down.
     imports = _top_level_imports(module.with_changes(body=body[:at]))
     block: list[cst.BaseStatement] = []
+    runtime: list[cst.BaseStatement] = []
     if ctx.constants:
         if "os" not in imports:
             block.append(cst.parse_statement("import os\n"))
@@ -111,10 +118,12 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
         toggles = [n for n in ctx.toggles_used]
         passed, read = _keywords_and_reads(module)
         facts = render.cut_facts(ctx.templates, passed)
-        block.extend(render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep))
+        runtime = render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep)
+        block.extend(runtime)
     if block and not ctx.minified and at < len(body) and not body[at].leading_lines:
         body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
-    return module.with_changes(body=body[:at] + block + body[at:])
+    module = module.with_changes(body=body[:at] + block + body[at:])
+    return module, "".join(module.code_for_node(stmt) for stmt in runtime)
 
 
 def _keywords_and_reads(module: cst.Module) -> tuple[set[str], set[str]]:

@@ -39,6 +39,8 @@ import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
 
 import libcst as cst
 import libcst.matchers as m
@@ -65,6 +67,7 @@ DEFAULT_TARGET = "3.10"
 PROBE_TIMEOUT_S = 20.0  # starting an interpreter to ask its version
 COMPILE_TIMEOUT_S = 120.0  # compiling one script in a child interpreter
 _BOM = "\ufeff"
+EMPTY: Mapping[str, cst.Module] = MappingProxyType({})  # no tree known beforehand
 
 
 # --------------------------------------------------------------------------- results
@@ -273,7 +276,7 @@ sys.stdout.write(json.dumps(r) + "\\n")
 """
 
 
-def compile_source(source: str, filename: str, target: str = DEFAULT_TARGET) -> CompileResult:
+def compile_source(source: str, filename: str, target: str = DEFAULT_TARGET, known: Mapping[str, cst.Module] = EMPTY) -> CompileResult:
     """Compile `source` (text, not a path) with a real interpreter of `target`.
 
     filename: used in the compiler's messages only. target: as for `find_python`.
@@ -283,16 +286,16 @@ def compile_source(source: str, filename: str, target: str = DEFAULT_TARGET) -> 
     line and column of the f-string. With no interpreter for `target` the result comes
     from `ast.parse(feature_version=...)` under the running Python plus a libcst scan
     for those f-strings, and `real` is False. A leading BOM is ignored. Never raises
-    for bad code; the result carries the error.
+    for bad code; the result carries the error. known: as for `_parse`.
     """
     source = source[1:] if source.startswith(_BOM) else source
     path, version = find_python(target)
     if path is None:
-        return _grammar_check(source, filename, target)
-    return _compile_real(source, filename, path, version)
+        return _grammar_check(source, filename, target, known)
+    return _compile_real(source, filename, path, version, known)
 
 
-def _compile_real(source: str, filename: str, python: str, version: str) -> CompileResult:
+def _compile_real(source: str, filename: str, python: str, version: str, known: Mapping[str, cst.Module]) -> CompileResult:
     label = f"{version} ({python})"
     proc = None
     try:
@@ -311,11 +314,11 @@ def _compile_real(source: str, filename: str, python: str, version: str) -> Comp
     if reply["ok"]:
         return CompileResult(label, True, True)
     older = (_parse_version(version) or (3, 12)) < (3, 12)
-    error, line, col = _explain(source, reply, pep701=older)
+    error, line, col = _explain(source, reply, older, known)
     return CompileResult(label, True, False, error, line, col)
 
 
-def _grammar_check(source: str, filename: str, target: str) -> CompileResult:
+def _grammar_check(source: str, filename: str, target: str, known: Mapping[str, cst.Module]) -> CompileResult:
     """Stand-in for a real interpreter: the running Python's parser at the target's grammar."""
     running = sys.version_info[:2]
     wanted = _parse_version(target)
@@ -332,11 +335,11 @@ def _grammar_check(source: str, filename: str, target: str) -> CompileResult:
             ast.parse(source, filename, feature_version=feature)
     except SyntaxError as e:
         reply = {"type": type(e).__name__, "msg": e.msg, "lineno": e.lineno, "offset": e.offset}
-        error, line, col = _explain(source, reply, pep701=scan)
+        error, line, col = _explain(source, reply, scan, known)
         return CompileResult(None, False, False, f"{error} [{note}]", line, col)
     except (ValueError, MemoryError, RecursionError) as e:
         return CompileResult(None, False, False, f"{type(e).__name__}: {e} [{note}]")
-    sites = _pep701_sites(source) if scan else []
+    sites = _pep701_sites(source, known) if scan else []
     if sites:
         first = sites[0]
         error = f"f-string at line {first.line} — {first.text}{_more_sites(sites)}"
@@ -344,7 +347,7 @@ def _grammar_check(source: str, filename: str, target: str) -> CompileResult:
     return CompileResult(None, False, True, note)
 
 
-def _explain(source: str, reply: dict, pep701: bool) -> tuple[str, int | None, int | None]:
+def _explain(source: str, reply: dict, pep701: bool, known: Mapping[str, cst.Module]) -> tuple[str, int | None, int | None]:
     """(message, line, col) for a compiler's error reply, naming a PEP 701 f-string at that line."""
     kind = reply.get("type") or "SyntaxError"
     msg = reply.get("msg") or "invalid syntax"
@@ -352,7 +355,7 @@ def _explain(source: str, reply: dict, pep701: bool) -> tuple[str, int | None, i
     line, col = reply.get("lineno"), reply.get("offset")
     if not pep701 or line is None:
         return msg, line, col
-    sites = _pep701_sites(source)
+    sites = _pep701_sites(source, known)
     site = next((s for s in sites if s.line <= line <= s.end_line), None)
     if site is None:
         return msg, line, col
@@ -400,15 +403,14 @@ class _FstringSite:
     text: str
 
 
-# The tree of the code being checked when the caller already has it (the main job's
-# patched module, which libcst prints to exactly that code): {code: module}, one entry.
-_KNOWN_TREE: dict[str, cst.Module] = {}
+def _parse(source: str, known: Mapping[str, cst.Module] = EMPTY) -> cst.Module | None:
+    """libcst module for `source` (3.12 grammar, so PEP 701 parses), None if it does not parse.
 
-
-def _parse(source: str) -> cst.Module | None:
-    """libcst module for `source` (3.12 grammar, so PEP 701 parses), None if it does not parse."""
-    known = _KNOWN_TREE.get(source)
-    return known if known is not None else _parse_text(source)
+    known: trees the caller already has, by the code they print to (the main job's
+    patched module), so that the code is not parsed again.
+    """
+    tree = known.get(source)
+    return tree if tree is not None else _parse_text(source)
 
 
 @lru_cache(maxsize=4)
@@ -419,9 +421,9 @@ def _parse_text(source: str) -> cst.Module | None:
         return None
 
 
-def _pep701_sites(source: str) -> list[_FstringSite]:
+def _pep701_sites(source: str, known: Mapping[str, cst.Module] = EMPTY) -> list[_FstringSite]:
     """Outermost f-strings in `source` that Python 3.10/3.11 cannot tokenize, in source order."""
-    module = _parse(source)
+    module = _parse(source, known)
     if module is None:
         return []
     finder = _Pep701Finder(module)
@@ -498,7 +500,7 @@ def use_forked_smoke() -> None:
         _FORKED_SMOKE = True
 
 
-def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportResult:
+def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mapping[str, cst.Module] = EMPTY) -> ImportResult:
     """Import `source` in a child process of the running Python and report what happened.
 
     source: the code (the payload for a wrapped script). filename: its name; the code
@@ -509,10 +511,11 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportRes
     definitions run (`stopped_at`). timeout: seconds before the child, its process
     group and every process it started (even in a new session) are killed; the result
     then says "timed out after N s". Processes the script starts and leaves running are
-    killed when the import ends. Never raises for problems in the script.
+    killed when the import ends. Never raises for problems in the script. known: as
+    for `_parse`.
     """
     source = source[1:] if source.startswith(_BOM) else source
-    body, stopped_at = importable_part(source)
+    body, stopped_at = importable_part(source, known)
     stem = _safe_stem(filename)
     with tempfile.TemporaryDirectory(prefix="patch-prefetch-smoke-") as tmp:
         script = os.path.join(tmp, stem + ".py")
@@ -669,7 +672,7 @@ _CHEAP_CALLS = frozenset(
 )
 
 
-def importable_part(source: str) -> tuple[str, int | None]:
+def importable_part(source: str, known: Mapping[str, cst.Module] = EMPTY) -> tuple[str, int | None]:
     """(code to import, line where it was cut or None).
 
     A script with an `if __name__ == "__main__":` guard, or one that libcst cannot
@@ -677,9 +680,9 @@ def importable_part(source: str) -> tuple[str, int | None]:
     statement that is not an import, definition, docstring, cheap assignment,
     `if TYPE_CHECKING:` or try-import block, or that calls `torch.cuda.*` or
     `init_process_group` while defining (decorators, defaults, class bodies).
-    The kept text is byte-identical, so line numbers do not move.
+    The kept text is byte-identical, so line numbers do not move. known: as for `_parse`.
     """
-    module = _parse(source)
+    module = _parse(source, known)
     if module is None or _has_main_guard(module):
         return source, None
     body = list(module.body)
@@ -694,15 +697,16 @@ def importable_part(source: str) -> tuple[str, int | None]:
     return module.with_changes(body=body[:cut], footer=()).code, line
 
 
-def definitions_only(source: str) -> str:
+def definitions_only(source: str, known: Mapping[str, cst.Module] = EMPTY) -> str:
     """`source` without its top-level training code: every top-level statement that
     `importable_part` would keep (imports, definitions, cheap assignments), from the
     whole file, not only before the first one it cuts at. A script with a
     `__main__` guard, or one libcst cannot parse, is returned whole. For `verify`,
     which needs the functions a top-level script defines after its first run-time
     statement (`args = Hyperparameters()`), and evaluates such statements itself.
+    known: as for `_parse`.
     """
-    module = _parse(source)
+    module = _parse(source, known)
     if module is None or _has_main_guard(module):
         return source
     return module.with_changes(body=[stmt for stmt in module.body if _is_definition(stmt)]).code
@@ -866,24 +870,22 @@ def check_file(
     `module`, when set, is used instead of parsing `source` again.
     """
     script = read_script(path) if script is None else script
-    _KNOWN_TREE.clear()
-    if script.module is not None:
-        _KNOWN_TREE[script.source] = script.module
+    known = {script.source: script.module} if script.module is not None else EMPTY
     name = str(path)
-    compiled = compile_source(script.source, name, target)
+    compiled = compile_source(script.source, name, target, known)
     compiled.where = "payload" if script.wrapped else "file"
     wrapper = None
     if script.wrapped:
         wrapper = compile_source(script.raw, name, target)
         wrapper.where = "file"
-    imports = _import_if_compiles(script.source, name, timeout) if run_import else None
+    imports = _import_if_compiles(script.source, name, timeout, known) if run_import else None
     return CheckResult(
         file=name,
         compile=compiled,
         wrapper_compile=wrapper,
         imports=imports,
         code_bytes=code_bytes(script.raw),
-        warnings=self_contained_warnings(script.source, script.path, script.wrapped),
+        warnings=self_contained_warnings(script.source, script.path, script.wrapped, known),
     )
 
 
@@ -899,7 +901,7 @@ def _requoted(source: str) -> str | None:
     return fixed
 
 
-def _import_if_compiles(source: str, filename: str, timeout: float) -> ImportResult:
+def _import_if_compiles(source: str, filename: str, timeout: float, known: Mapping[str, cst.Module]) -> ImportResult:
     """import_smoke, unless the running Python cannot compile `source` (then say so)."""
     code = source[1:] if source.startswith(_BOM) else source
     try:
@@ -920,7 +922,7 @@ def _import_if_compiles(source: str, filename: str, timeout: float) -> ImportRes
         return ImportResult(False, error=why, line=e.lineno)
     except (ValueError, MemoryError, RecursionError) as e:
         return ImportResult(False, error=f"not imported: cannot compile ({type(e).__name__}: {e})")
-    return import_smoke(source, filename, timeout)
+    return import_smoke(source, filename, timeout, known)
 
 
 # --------------------------------------------------------------------------- self-contained
@@ -933,7 +935,7 @@ _FILE_ANCHOR = m.Name("__file__") | m.Subscript(
 _READ_METHODS = frozenset({"read", "read_text", "read_bytes", "readlines"})
 
 
-def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool = False) -> list[str]:
+def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool = False, known: Mapping[str, cst.Module] = EMPTY) -> list[str]:
     """One-line warnings for code the script needs from other files at run time.
 
     source: the code (payload for a wrapped script). path: the script's file, whose
@@ -942,8 +944,9 @@ def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool 
     module, and for a path built from `__file__` or `sys.argv[0]` that names a code file
     (`.py`, `.so`, `.cu`, ...). Data paths (glob patterns, `.bin`, `data/`) and reading
     the script itself are not warned about. Lines are payload lines when `wrapped`.
+    known: as for `_parse`.
     """
-    module = _parse(source[1:] if source.startswith(_BOM) else source)
+    module = _parse(source[1:] if source.startswith(_BOM) else source, known)
     if module is None:
         return []
     script = Path(path)

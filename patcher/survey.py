@@ -137,6 +137,7 @@ class Survey:
     module_names: set[str] = field(default_factory=set)
     collector: "_SiteCollector | None" = field(default=None, repr=False)
     _line_cache: dict = field(default_factory=dict, repr=False)
+    _shared: dict = field(default_factory=dict, repr=False)
     _line_starts: dict = field(default_factory=dict, repr=False)
 
     def line_of(self, node: cst.CSTNode) -> int:
@@ -160,6 +161,13 @@ class Survey:
             if stmt is node or any(n is node for n in walk(stmt)):
                 return stmt
         raise KeyError("node is not in the surveyed module")
+
+    def shared(self, name: str, compute):
+        """The analysis `name` of this survey's module, computed once by `compute()`
+        (several features ask the same question of the same module)."""
+        if name not in self._shared:
+            self._shared[name] = compute()
+        return self._shared[name]
 
     def training_constructions(self) -> list[Construction]:
         return [c for c in self.constructions if c.training]

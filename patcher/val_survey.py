@@ -92,17 +92,7 @@ def find_val_loops(survey: Survey) -> list[ValLoop]:
     reported too, with the reason, at the innermost loop holding it. Surveyed once per
     `Survey` (the three validation transforms ask the same question of the same module).
     """
-    cached = _VAL_LOOPS.get(id(survey))
-    if cached is not None and cached[0] is survey:
-        return list(cached[1])
-    found = _find_val_loops(survey)
-    _VAL_LOOPS.clear()  # one module at a time
-    _VAL_LOOPS[id(survey)] = (survey, found)
-    return list(found)
-
-
-# id(survey) -> (survey, its loops): the survey is kept so that its id is not reused.
-_VAL_LOOPS: dict[int, tuple[Survey, list[ValLoop]]] = {}
+    return list(survey.shared("val_loops", lambda: _find_val_loops(survey)))
 
 
 def _find_val_loops(survey: Survey) -> list[ValLoop]:

@@ -61,12 +61,17 @@ class Feature:
 
 @dataclass
 class Note:
-    """One line of the report: a feature applied, or skipped with the reason and line."""
+    """One line of the report: a feature applied, or skipped with the reason and line.
+
+    unfixable: a skipped site the target Python cannot run and the tool cannot rewrite
+    (a PEP 701 form quoting cannot fix): nothing is written for such a script.
+    """
 
     feature: str
     applied: bool
     reason: str | None = None
     line: int | None = None
+    unfixable: bool = False
 
     def as_dict(self) -> dict:
         return {"feature": self.feature, "reason": self.reason, "line": self.line}

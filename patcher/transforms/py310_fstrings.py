@@ -46,7 +46,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         try:
             replacements[node] = rewrite(node, ctx.survey.module)
         except Unfixable as error:
-            notes.append(Note(FEATURE, False, f"cannot rewrite for Python 3.10: {error}", line))
+            notes.append(Note(FEATURE, False, f"cannot rewrite for Python 3.10: {error}", line, unfixable=True))
             continue
         notes.append(Note(FEATURE, True, "nested same-quote f-string (PEP 701) requoted for Python 3.10", line))
     module = replace_nodes(module, replacements, ctx)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from patcher.check import use_forked_smoke
+from patcher.import_smoke import use_forked_smoke
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
 from patcher.progress import file_bar, wanted
 from patcher.source import SourceError

@@ -26,7 +26,7 @@ import libcst.matchers as m
 import numpy as np
 import torch
 
-from patcher.check import definitions_only
+from patcher.import_smoke import definitions_only
 from patcher.harness import (
     HarnessError,
     IteratorRecipe,

@@ -25,10 +25,12 @@ from pathlib import Path
 import pytest
 
 from patcher import source, tree
+from patcher import wrapper as wrapper_codec
 from patcher.check import check_file
 from patcher.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK, build_check_parser, build_parser, main
 from patcher.patch_file import FileOptions
-from patcher.source import MAX_PIECES, MAX_SOURCE_BYTES, SourceError, decompress_capped, output_problem, read_script
+from patcher.source import MAX_PIECES, MAX_SOURCE_BYTES, SourceError, output_problem, read_script
+from patcher.wrapper import decompress_capped
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,7 +197,7 @@ def test_capped_decompression_equals_the_codec(codec):
     else:
         expected = module.decompress(blob, **kwargs)
     assert decompress_capped(name, blob, kwargs, len(expected)) == expected
-    with pytest.raises(source._TooLarge):
+    with pytest.raises(wrapper_codec._TooLarge):
         decompress_capped(name, blob, kwargs, len(expected) - 1)
     with pytest.raises((lzma.LZMAError, zlib.error, OSError, EOFError)):
         decompress_capped(name, blob[: len(blob) // 3], kwargs, 10**6)

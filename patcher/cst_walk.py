@@ -117,3 +117,15 @@ def dotted_reads(expr: cst.CSTNode) -> list[str]:
         if isinstance(n, cst.Attribute) and dotted(n):
             out.append(dotted(n))
     return out
+
+
+def small_statements(statements) -> list[cst.CSTNode]:
+    """`statements` (a block's or a module's body) with each simple statement line
+    replaced by its small statements (`a = 1; b = 2` gives two), compound ones as they are."""
+    out: list[cst.CSTNode] = []
+    for stmt in statements:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            out.extend(stmt.body)
+        else:
+            out.append(stmt)
+    return out

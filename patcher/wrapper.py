@@ -20,7 +20,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.bad_input import BOM, MAX_SOURCE_BYTES, SourceError
-from patcher.cst_walk import dotted
+from patcher.cst_walk import dotted, small_statements
 
 
 CODECS = ("lzma", "zlib", "bz2", "gzip")
@@ -622,13 +622,7 @@ def code_bytes(text: str) -> int:
 
 def top_level_statements(module: cst.Module) -> list[cst.CSTNode]:
     """Module-level small statements and compound statements, in order."""
-    out: list[cst.CSTNode] = []
-    for stmt in module.body:
-        if isinstance(stmt, cst.SimpleStatementLine):
-            out.extend(stmt.body)
-        else:
-            out.append(stmt)
-    return out
+    return small_statements(module.body)
 
 
 def wrapper_size_int(stmt: cst.CSTNode) -> cst.Integer | None:

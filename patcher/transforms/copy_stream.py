@@ -55,11 +55,5 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     return module, notes
 
 
-UNIT = Feature(
-    name=FEATURE,
-    apply=apply,
-    order=20,  # after train_prefetch: its notes say which copies the prefetch thread makes
-    toggles=(Toggle("TRAIN_COPY_STREAM", 1, "host-to-device copies of training batches on a dedicated CUDA stream", slot=2),),
-    runtime={"copy_stream": ()},
-    injected="_h2d",
-)
+# after train_prefetch: its notes say which copies the prefetch thread makes
+UNIT = Feature(FEATURE, apply, order=20, toggles=(Toggle("TRAIN_COPY_STREAM", 1, "host-to-device copies of training batches on a dedicated CUDA stream", slot=2),), runtime={"copy_stream": ()}, injected="_h2d")

@@ -84,18 +84,11 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     return module, [Note(FEATURE, True, f"training loop at line {survey.line_of(step.loop)} timed per step ({where}), logged through {log_name}{extra}", survey.line_of(step.loop))]
 
 
-UNIT = Feature(
-    name=FEATURE,
-    apply=apply,
-    order=40,  # times the calls the training-loader rewrites left in the loop
-    toggles=(
-        Toggle("TRAINING_TIMING_BREAKDOWN", 0, "log the time of each training-step phase (batch, forward, backward, optimizer)", slot=3),
-        Toggle("TRAINING_TIMING_EVERY", 200, "steps between two timing lines", slot=4),
-    ),
-    runtime={"step_timing": ("copy_stream",)},
-    injected="_step_timer",
-    diagnostic=True,
-)
+# order 40: times the calls the training-loader rewrites left in the loop
+UNIT = Feature(FEATURE, apply, order=40, diagnostic=True, injected="_step_timer", runtime={"step_timing": ("copy_stream",)}, toggles=(
+    Toggle("TRAINING_TIMING_BREAKDOWN", 0, "log the time of each training-step phase (batch, forward, backward, optimizer)", slot=3),
+    Toggle("TRAINING_TIMING_EVERY", 200, "steps between two timing lines", slot=4),
+))
 
 
 def find_training_step(survey) -> tuple[TrainingStep | None, str | None, int | None]:

@@ -272,16 +272,11 @@ def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
     return None, None
 
 
-UNIT = Feature(
-    name=FEATURE,
-    apply=apply,
-    order=10,
-    toggles=(
-        Toggle("TRAIN_PREFETCH", 1, "build training batches ahead on a background thread", slot=0),
-        Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", slot=1),
-        Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", slot=9),
-        Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", slot=10),
-    ),
-    runtime={"prefetch_loader": ("copy_stream",), "prefetch_iterator": ("prefetch_loader",), "ordered_handoff": ("prefetch_loader",), "shuffled_assembly": ()},
-    injected="_make_train_loader",
+TOGGLES = (
+    Toggle("TRAIN_PREFETCH", 1, "build training batches ahead on a background thread", slot=0),
+    Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", slot=1),
+    Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", slot=9),
+    Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", slot=10),
 )
+RUNTIME = {"prefetch_loader": ("copy_stream",), "prefetch_iterator": ("prefetch_loader",), "ordered_handoff": ("prefetch_loader",), "shuffled_assembly": ()}
+UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, injected="_make_train_loader")

@@ -52,15 +52,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     return module, notes
 
 
-UNIT = Feature(
-    name=FEATURE,
-    apply=apply,
-    order=50,  # before val_prefetch, which rebuilds the loops whose statements this edits
-    toggles=(Toggle("VAL_BYTECOUNT_DEVICE", "cuda", "where validation counts target bytes: cuda, or cpu from the host slice", slot=7),),
-    runtime={"val_bytecount": ()},
-    injected="_val_byte_count",
-    diagnostic=True,
-)
+# before val_prefetch, which rebuilds the loops whose statements this edits
+UNIT = Feature(FEATURE, apply, order=50, toggles=(Toggle("VAL_BYTECOUNT_DEVICE", "cuda", "where validation counts target bytes: cuda, or cpu from the host slice", slot=7),), runtime={"val_bytecount": ()}, injected="_val_byte_count", diagnostic=True)
 
 
 def _host_branch(site, module: cst.Module, ctx: Context) -> cst.If:

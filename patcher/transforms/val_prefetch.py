@@ -63,17 +63,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     return module, notes
 
 
-UNIT = Feature(
-    name=FEATURE,
-    apply=apply,
-    order=60,
-    toggles=(
-        Toggle("VAL_PREFETCH", 1, "build the next validation batch ahead into pinned memory", slot=5),
-        Toggle("VAL_COPY_STREAM", 1, "host-to-device copies of validation batches on a dedicated CUDA stream", slot=6),
-    ),
-    runtime={"prefetch_val": ("copy_stream",)},
-    injected="_val_prefetch",
-)
+UNIT = Feature(FEATURE, apply, order=60, runtime={"prefetch_val": ("copy_stream",)}, injected="_val_prefetch", toggles=(
+    Toggle("VAL_PREFETCH", 1, "build the next validation batch ahead into pinned memory", slot=5),
+    Toggle("VAL_COPY_STREAM", 1, "host-to-device copies of validation batches on a dedicated CUDA stream", slot=6),
+))
 
 
 class _Plan:

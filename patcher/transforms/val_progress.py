@@ -43,15 +43,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     return module, notes
 
 
-UNIT = Feature(
-    name=FEATURE,
-    apply=apply,
-    order=70,  # wraps the iterable val_prefetch built
-    toggles=(Toggle("VAL_PROGRESS_LOG_EVERY", 0, "validation batches between two progress lines (0: none)", slot=8),),
-    runtime={"val_progress": ()},
-    injected="_val_progress",
-    diagnostic=True,
-)
+# wraps the iterable val_prefetch built
+UNIT = Feature(FEATURE, apply, order=70, toggles=(Toggle("VAL_PROGRESS_LOG_EVERY", 0, "validation batches between two progress lines (0: none)", slot=8),), runtime={"val_progress": ()}, injected="_val_progress", diagnostic=True)
 
 
 class _WrapIterable(Tracking):

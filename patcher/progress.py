@@ -6,6 +6,7 @@ All of it goes to stderr and only when stderr is a terminal and the output is no
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -24,7 +25,17 @@ def wanted(json_output: bool, stream=None) -> bool:
 
 def file_bar(total: int, enabled: bool) -> tqdm:
     """A bar of files done out of `total`, with the elapsed time; `set_postfix_str` names the file in hand."""
-    return tqdm(total=total, unit="file", file=sys.stderr, disable=not enabled, dynamic_ncols=True, leave=False, mininterval=0)
+    return tqdm(total=total, unit="file", file=sys.stderr, disable=not enabled, leave=False, mininterval=0, **_size())
+
+
+def _size() -> dict:
+    """tqdm's size arguments: follow the terminal on stderr, or 80 x 24 where it reports
+    no size (a pseudo-terminal without one would otherwise hide the bar)."""
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {"dynamic_ncols": True} if size.columns and size.lines else {"ncols": 80, "nrows": 24}
 
 
 @contextmanager
@@ -33,7 +44,7 @@ def running_clock(label: str, enabled: bool, every_s: float = 0.5) -> Iterator[N
     if not enabled:
         yield
         return
-    bar = tqdm(total=None, file=sys.stderr, bar_format="{desc} {elapsed}", desc=label, leave=False)
+    bar = tqdm(total=None, file=sys.stderr, bar_format="{desc} {elapsed}", desc=label, leave=False, **_size())
     stop = threading.Event()
 
     def tick() -> None:

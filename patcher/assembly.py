@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from patcher.cst_walk import small_statements
+
 GETTER = "MEMMAP_GETTER"  # the pattern's placeholder for the shard getter's name
 
 SHUFFLED_NEXT_BATCH = f"""
@@ -115,13 +117,7 @@ def _statements(suite) -> list[cst.CSTNode]:
     """The statements of a block, a `;`-joined line counted as its small statements."""
     if isinstance(suite, cst.SimpleStatementSuite):
         return list(suite.body)
-    out: list[cst.CSTNode] = []
-    for stmt in suite.body:
-        if isinstance(stmt, cst.SimpleStatementLine):
-            out.extend(stmt.body)
-        else:
-            out.append(stmt)
-    return out
+    return small_statements(suite.body)
 
 
 def _without_docstring(statements: list) -> list:

@@ -63,11 +63,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from patcher.features import TOGGLES
 from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
 from patcher.patch import patch_source
+from patcher.progress import running_clock, wanted
 from patcher.shards import write_shards
 from patcher.source import SourceError, read_script
-from patcher.transforms.base import TOGGLES
 
 PYTHON_WORK_MS = 5.0
 WORLD_SIZE = 8
@@ -531,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit:
         return 2 if exit.code else 0
     try:
-        report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers)
+        with running_clock(f"bench {args.script}: {args.steps} steps", wanted(args.json)):
+            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers)
     except (BenchError, SourceError) as error:
         print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
         return 2

@@ -16,18 +16,18 @@ import difflib
 import json
 import os
 import sys
-import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
-from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
-from patcher.patch import features_from, patch_source
-from patcher.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
-from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
+from patcher.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
+from patcher.patch import features_from
+from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
+from patcher.progress import coloured_diff, running_clock, wanted
+from patcher.source import SourceError, output_problem
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+EXIT_BY_STATUS = {WRITTEN: EXIT_OK, ALREADY_PATCHED: EXIT_OK, NOTHING_TO_PATCH: EXIT_NOTHING, CHECK_FAILED: EXIT_CHECK_FAILED}
 IMPORT_SMOKE_HELP = (
     "the import smoke runs the script's definitions (imports, class bodies, decorators, default "
     "arguments; the whole top level when it has an `if __name__ == \"__main__\":` guard, which is "
@@ -35,10 +35,6 @@ IMPORT_SMOKE_HELP = (
     "its process group is killed after --timeout seconds"
 )
 SUBCOMMANDS = ("check", "verify", "bench")
-
-
-class UsageError(Exception):
-    """Bad arguments: one line, exit 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,70 +162,42 @@ def _main(argv: list[str] | None) -> int:
 def _run(args) -> int:
     if Path(args.input).is_dir() or args.out_dir is not None:
         return _run_tree(args)
-    started = time.perf_counter()
     in_path = Path(args.input)
     out_path = _output_path(args, in_path)
-    script = read_script(in_path)
-    if args.in_place and (problem := output_problem(in_path)) is not None:
-        raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
+    done = patch_file(in_path, out_path, _file_options(args))
+    stream = sys.stderr if out_path == "-" else sys.stdout
+    if args.diff:
+        diff = difflib.unified_diff(done.original.splitlines(True), done.patched.splitlines(True), f"{in_path} (original)", f"{in_path} (patched)")
+        stream.writelines(coloured_diff(diff) if stream.isatty() else diff)
+    if args.json:
+        print(json.dumps(done.report), file=stream)
+    else:
+        _print_report(done.report, done.patch, stream)
+        if done.check is not None:
+            print(f"  check: {'ok' if done.check.ok else 'FAILED (exit 4)'}", file=stream)
+            _print_check(done.check, stream, indent="    ")
+    if done.over_cap is not None:
+        print(f"patch-prefetch: error: {done.over_cap}", file=sys.stderr)
+    return EXIT_BY_STATUS[done.status]
+
+
+def _file_options(args) -> FileOptions:
+    """The `FileOptions` of the parsed command line; raises UsageError for an unknown feature."""
     try:
         enabled = features_from(args.only, args.skip, args.extra, args.diagnostics)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    result = patch_source(script.source, enabled, module=script.module, producer_toggles=args.producer_toggles)
-    for note in result.skipped:
-        if note.feature == "py310_fstrings" and note.reason.startswith("cannot rewrite"):
-            where = " payload" if script.wrapped else ""
-            raise SourceError(in_path, f"{note.reason}; nothing written", note.line) if not where else SourceError(
-                in_path, f"payload line {note.line}: {note.reason}; nothing written"
-            )
-    wrote = False
-    text = script.raw
-    patched = keep_style(script, result.source)  # the input's line endings and BOM
-    if result.changed:
-        _compile_like_input(script, patched)
-        text = render(script, patched, rewrap=not args.no_rewrap)
-    elif result.already_patched and args.no_rewrap:
-        text = script.source
-    if result.changed or (result.already_patched and not args.in_place):
-        wrote = _write(text, out_path, args)
-    report = {
-        "input": str(in_path),
-        "output": None if out_path is None else ("-" if out_path == "-" else str(out_path)),
-        "written": wrote,
-        "already_patched": result.already_patched,
-        "applied": result.applied,
-        "skipped": [n.as_dict() for n in result.skipped],
-        "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
-        "code_bytes": _counted_bytes(script, result, enabled, breakdown=not args.no_byte_breakdown),
-        "wrapped": script.wrapped,
-    }
-    budget = _budget(in_path, report["code_bytes"])
-    if budget is not None:
-        report["artifact"] = budget.as_dict()
-    report["seconds"] = round(time.perf_counter() - started, 3)
-    check = None
-    if wrote and not args.no_check:
-        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, args)
-        report["check"] = check.as_dict()
-    stream = sys.stderr if out_path == "-" else sys.stdout
-    if args.diff:
-        stream.writelines(difflib.unified_diff(script.source.splitlines(True), patched.splitlines(True), f"{in_path} (original)", f"{in_path} (patched)"))
-    if args.json:
-        print(json.dumps(report), file=stream)
-    else:
-        _print_report(report, result, stream)
-        if check is not None:
-            print(f"  check: {'ok' if check.ok else 'FAILED (exit 4)'}", file=stream)
-            _print_check(check, stream, indent="    ")
-    if budget is not None and budget.over:
-        print(f"patch-prefetch: error: {in_path}: {_over_cap_line(budget, report['code_bytes'])}", file=sys.stderr)
-        return EXIT_CHECK_FAILED
-    if check is not None and not check.ok:
-        return EXIT_CHECK_FAILED
-    if result.already_patched:
-        return EXIT_OK
-    return EXIT_OK if result.changed else EXIT_NOTHING
+    return FileOptions(
+        enabled=frozenset(enabled),
+        rewrap=not args.no_rewrap,
+        check=not args.no_check,
+        run_import=not args.no_import,
+        python=args.python,
+        timeout=args.timeout,
+        byte_breakdown=not args.no_byte_breakdown,
+        in_place=args.in_place,
+        producer_toggles=args.producer_toggles,
+    )
 
 
 def _run_tree(args) -> int:
@@ -243,40 +211,8 @@ def _run_tree(args) -> int:
         raise UsageError("tree mode takes --out-dir, not -o, --in-place or --diff")
     if Path(args.out_dir).resolve() == Path(args.input).resolve():
         raise UsageError(f"{args.out_dir}: --out-dir is the input directory; nothing overwritten")
-    try:
-        features_from(args.only, args.skip, args.extra, args.diagnostics)
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    options = [f"--only={f}" for f in args.only or []] + [f"--skip={f}" for f in args.skip or []]
-    options += [f"--with={f}" for f in args.extra or []] + ["--diagnostics"] * args.diagnostics
-    options += ["--producer-toggles"] * args.producer_toggles
-    options += ["--no-check"] * args.no_check + ["--no-rewrap"] * args.no_rewrap + [f"--python={args.python}", "--no-byte-breakdown"]
-    options += ["--no-import"] * args.no_import + [f"--timeout={args.timeout}"]
+    options = replace(_file_options(args), byte_breakdown=False)
     return tree.run(args, options)
-
-
-def _written_script(script: Script, result, text: str, patched: str) -> Script:
-    """The written file as a Script: `text` on disk, its code (`patched`), its wrapper
-    if any, and the patched tree (`result.module` prints to exactly `result.source`)."""
-    if text == script.raw:
-        return script
-    module = result.module if patched == result.source else None
-    if script.wrapped and text != patched:
-        return Script(script.path, text, patched, script.wrapper, module)  # re-wrapped; render checked the round trip
-    return Script(script.path, text, text, module=module if text == patched else None)
-
-
-def _check_written(text: str, written: Script, out_path, in_path: Path, args):
-    """Run `check` on what was written (a temporary copy for stdout)."""
-    from patcher.check import check_file
-
-    options = dict(target=args.python, timeout=args.timeout, run_import=not args.no_import)
-    if out_path != "-":
-        return check_file(out_path, script=replace(written, path=Path(out_path)), **options)
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / in_path.name
-        copy.write_text(text)
-        return check_file(copy, script=replace(written, path=copy), **options)
 
 
 def _run_check(args) -> int:
@@ -323,7 +259,8 @@ def _run_verify(args) -> int:
     from patcher.verify import CannotVerify, verify
 
     try:
-        result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens)
+        with running_clock(f"verify {args.patched}: {args.batches} batches x {args.world_size} ranks", wanted(args.json)):
+            result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens)
     except CannotVerify as error:
         print(f"patch-prefetch verify: cannot verify: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -359,58 +296,6 @@ def _output_path(args, in_path: Path):
     if problem is not None:
         raise SourceError(out, f"cannot write output: {problem}; nothing written")
     return out
-
-
-def _compile_like_input(script, patched: str) -> None:
-    """Compile the patched source with the running Python when the input compiled with it."""
-    bom = "\ufeff"
-    try:
-        compile(script.source.removeprefix(bom), str(script.path), "exec")
-    except SyntaxError:
-        return  # the input needs a newer Python; the output is no worse (see `check`)
-    try:
-        compile(patched.removeprefix(bom), str(script.path), "exec")
-    except SyntaxError as error:  # a bug in a transform, not the user's input
-        raise RuntimeError(f"patched source does not compile: line {error.lineno}: {error.msg}") from error
-
-
-def _write(text: str, out_path, args) -> bool:
-    if out_path == "-":
-        sys.stdout.write(text)
-        return True
-    try:
-        write_atomic(out_path, text, backup_suffix=".orig" if args.in_place else None)
-    except FileExistsError:
-        backup = f"{out_path}.orig"
-        raise SourceError(out_path, f"backup {backup} already exists; not overwritten (move it away to patch in place again); nothing written") from None
-    except OSError as error:
-        raise SourceError(out_path, f"cannot write output: {error.strerror or error}") from None
-    return True
-
-
-def _counted_bytes(script: Script, result, enabled: set[str], breakdown: bool) -> dict:
-    """The report's `code_bytes`: counted as the record counts them (see patcher.code_size)."""
-    module = result.survey.module if result.survey is not None else script.module
-    counting = counting_of(module, script.wrapped) if module is not None else Counting("raw")
-    try:
-        return count_patch(script, result, enabled, counting, breakdown)
-    except CountError as error:
-        raise SourceError(script.path, f"cannot count code bytes: {error}") from None
-
-
-def _budget(in_path: Path, counted: dict) -> Budget | None:
-    """The artifact budget from a submission.json beside the input, or None."""
-    reported = read_artifact_bytes(in_path)
-    if reported is None:
-        return None
-    return Budget(ARTIFACT_CAP, reported, reported + counted["after"] - counted["before"])
-
-
-def _over_cap_line(budget: Budget, counted: dict) -> str:
-    costs = ", ".join(f"{name} {added:+d}" for name, added in counted["by_feature"].items())
-    costs = f": {costs}" if costs else " (per feature: run it without --no-byte-breakdown)"
-    already = f", already {budget.before - budget.cap} over before the patch" if budget.before > budget.cap else ""
-    return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}{already}; the patch adds {counted['after'] - counted['before']:+d}{costs})"
 
 
 def _print_report(report: dict, result, stream) -> None:

@@ -187,7 +187,7 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     """
     from patcher.patch import patch_source
     from patcher.source import SourceError, keep_style, render
-    from patcher.transforms.base import FEATURES
+    from patcher.features import FEATURES
 
     def counted(source: str) -> int:
         source = keep_style(script, source)  # as written: the input's line endings and BOM

@@ -79,3 +79,53 @@ def walk(node: cst.CSTNode):
         current = stack.pop()
         yield current
         stack.extend(reversed(children(current)))
+
+
+def walk_own(node: cst.CSTNode):
+    """Nodes under `node` (pre-order, `node` included), not entering the function, class
+    or lambda definitions below it: what runs in `node`'s own scope."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        if isinstance(current, (cst.FunctionDef, cst.ClassDef, cst.Lambda)) and current is not node:
+            continue
+        stack.extend(reversed(children(current)))
+
+
+def dotted(node: cst.BaseExpression, partial: bool = True) -> str | None:
+    """"a.b.c" for a Name/Attribute chain.
+
+    With `partial` a part that is not a name reads as "" (`f().x` gives ".x") and a node
+    that is neither a Name nor an Attribute gives ""; without it, both give None.
+    """
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted(node.value, partial)
+        return None if base is None or (not partial and not base) else f"{base}.{node.attr.value}"
+    return "" if partial else None
+
+
+def dotted_reads(expr: cst.CSTNode) -> list[str]:
+    """Names an expression reads in its own scope: plain names and dotted attribute
+    chains (`args.train_seq_len` gives "args", "train_seq_len" and "args.train_seq_len")."""
+    out = []
+    for n in walk_own(expr):
+        if isinstance(n, cst.Name):
+            out.append(n.value)
+        if isinstance(n, cst.Attribute) and dotted(n):
+            out.append(dotted(n))
+    return out
+
+
+def small_statements(statements) -> list[cst.CSTNode]:
+    """`statements` (a block's or a module's body) with each simple statement line
+    replaced by its small statements (`a = 1; b = 2` gives two), compound ones as they are."""
+    out: list[cst.CSTNode] = []
+    for stmt in statements:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            out.extend(stmt.body)
+        else:
+            out.append(stmt)
+    return out

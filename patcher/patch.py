@@ -13,13 +13,9 @@ import libcst.matchers as m
 
 from patcher import render
 from patcher.cst_walk import walk
+from patcher.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
 from patcher.survey import Survey, survey
-from patcher.transforms import copy_stream, env_toggles, mlp_fusion, py310_fstrings, step_timing, train_prefetch, val_bytecount, val_prefetch, val_progress
-from patcher.transforms.base import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, Context, Note
-
-# Order matters: env_toggles defines what the others referenced; val_bytecount edits
-# statements inside the loops val_prefetch rebuilds, val_progress wraps what it built.
-TRANSFORMS = [train_prefetch, copy_stream, mlp_fusion, step_timing, val_bytecount, val_prefetch, val_progress, env_toggles, py310_fstrings]
+from patcher.transforms.base import Context, Note
 
 
 @dataclass
@@ -30,7 +26,9 @@ class PatchResult:
     notes: one `Note` per feature decision. already_patched: the input carries
     this tool's runtime already, so nothing was changed. module: the patched tree
     (`module.code == source`), so that checking the output need not parse it again.
-    producer_toggles: the option it was patched with (a re-patch repeats it).
+    runtime: the text of the injected runtime block (header line and templates) as it
+    stands in `source`, "" when none was injected. producer_toggles: the option it was
+    patched with (a re-patch repeats it).
     """
 
     source: str
@@ -38,6 +36,7 @@ class PatchResult:
     already_patched: bool = False
     survey: Survey | None = None
     module: cst.Module | None = field(default=None, repr=False)
+    runtime: str = field(default="", repr=False)
     producer_toggles: bool = False
 
     @property
@@ -69,7 +68,7 @@ def features_from(only: list[str] | None, skip: list[str] | None, extra: list[st
             raise ValueError(f"unknown feature {name!r}; choose from {', '.join(FEATURES)}")
     enabled = set(only) if only else set(DEFAULT_FEATURES)
     enabled |= set(extra or []) | (set(DIAGNOSTICS) if diagnostics else set())
-    if only and ({"train_prefetch", "copy_stream", "step_timing", "val_prefetch", "val_bytecount", "val_progress"} & enabled):
+    if only and (SWITCHED & enabled):
         enabled.add("env_toggles")  # the switches come with the behaviour they switch
     return enabled - set(skip or [])
 
@@ -88,28 +87,33 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     enabled = set(DEFAULT_FEATURES) if enabled is None else enabled
     module = module if module is not None else cst.parse_module(source)
     surveyed = surveyed if surveyed is not None and surveyed.module is module else survey(module)
-    if surveyed.already_patched:
-        names = ", ".join(sorted(surveyed.already_patched))
+    already = {feature for feature, name in INJECTED_NAMES.items() if name in surveyed.module_names}
+    if already:
+        names = ", ".join(sorted(already))
         return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)
-    ctx = Context(surveyed, enabled, keep=set(keep), producer_toggles=producer_toggles)
+    units = [u for u in UNITS if u.name in enabled]
+    facts = {u.name: u.analyse(surveyed) for u in units if u.analyse is not None}  # on the unpatched module
+    ctx = Context(surveyed, enabled, toggles=TOGGLE_UNITS, facts=facts, keep=set(keep), producer_toggles=producer_toggles)
     notes: list[Note] = []
-    for transform in TRANSFORMS:
-        if transform.FEATURE not in enabled:
-            continue
-        module, new_notes = transform.apply(module, ctx)
+    for unit in units:
+        module, new_notes = unit.apply(module, ctx)
         notes.extend(new_notes)
+    runtime = ""
     if ctx.templates or ctx.constants:
-        module = _insert_runtime(module, ctx)
-    return PatchResult(module.code, notes, False, surveyed, module, producer_toggles)
+        module, runtime = _insert_runtime(module, ctx)
+    return PatchResult(module.code, notes, False, surveyed, module, runtime, producer_toggles)
 
 
-def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
-    """Put constants and templates after the leading imports, before the first def or class."""
+def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
+    """Put constants and templates after the leading imports, before the first def or class.
+
+    Returns the new module and the text of the templates' block in it ("" for none)."""
     body = list(module.body)
     at = next((i for i, s in enumerate(body) if isinstance(s, (cst.ClassDef, cst.FunctionDef))), len(body))
     # Only imports above the insertion point count: a script may import `os` further down.
     imports = _top_level_imports(module.with_changes(body=body[:at]))
     block: list[cst.BaseStatement] = []
+    runtime: list[cst.BaseStatement] = []
     if ctx.constants:
         if "os" not in imports:
             block.append(cst.parse_statement("import os\n"))
@@ -118,10 +122,12 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:
         toggles = [n for n in ctx.toggles_used]
         passed, read = _keywords_and_reads(module)
         facts = render.cut_facts(ctx.templates, passed)
-        block.extend(render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep))
+        runtime = render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep)
+        block.extend(runtime)
     if block and not ctx.minified and at < len(body) and not body[at].leading_lines:
         body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
-    return module.with_changes(body=body[:at] + block + body[at:])
+    module = module.with_changes(body=body[:at] + block + body[at:])
+    return module, "".join(module.code_for_node(stmt) for stmt in runtime)
 
 
 def _keywords_and_reads(module: cst.Module) -> tuple[set[str], set[str]]:

@@ -24,23 +24,10 @@ import libcst.matchers as m
 
 import templates
 from patcher.cut import StripDocsAndComments, fold, names_read, prune
+from patcher.features import TEMPLATE_DEPENDENCIES
 
 TEMPLATE_DIR = Path(templates.__file__).parent
 
-# template name -> templates it uses, injected before it
-DEPENDENCIES = {
-    "copy_stream": [],
-    "staging": [],
-    "prefetch_loader": ["copy_stream", "staging"],
-    "prefetch_lean": ["copy_stream", "staging"],
-    "prefetch_iterator": ["prefetch_loader"],
-    "prefetch_val": ["copy_stream"],
-    "val_bytecount": [],
-    "val_progress": [],
-    "step_timing": ["copy_stream"],
-    "ordered_handoff": ["prefetch_loader"],
-    "shuffled_assembly": [],
-}
 
 MARKER = "# patch-prefetch {version}; toggles: {toggles}"
 
@@ -123,7 +110,7 @@ def with_dependencies(names: list[str]) -> list[str]:
     ordered: list[str] = []
 
     def add(name: str) -> None:
-        for dep in DEPENDENCIES.get(name, []):
+        for dep in TEMPLATE_DEPENDENCIES.get(name, []):
             add(dep)
         if name not in ordered:
             ordered.append(name)

@@ -3,8 +3,8 @@
 `survey(module)` walks a parsed script (libcst) once and returns a `Survey`: the data
 loader classes and their family, the training loader's construction sites and
 `next_batch` call sites (with whether each argument is a run constant), whether a
-loader already prefetches, the Hyperparameters class and its idiom, the script's log
-function, the MLP `.square()` sites, and the script's style (minified or readable).
+loader already prefetches, the Hyperparameters class, the script's log function, the
+names defined at module level, and the script's style (minified or readable).
 Nodes are kept by identity so that transforms run on the same `Module` object can
 find them; positions (1-based lines) are kept for reports.
 """
@@ -18,19 +18,8 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from patcher import cst_walk
+from patcher.cst_walk import dotted, walk
 
-# Names of the runtime pieces injected by the transforms: their presence at module
-# level means the script was already patched.
-INJECTED_NAMES = {
-    "train_prefetch": "_make_train_loader",
-    "copy_stream": "_h2d",
-    "step_timing": "_step_timer",
-    "val_prefetch": "_val_prefetch",
-    "val_bytecount": "_val_byte_count",
-    "val_progress": "_val_progress",
-}
-
-ACTIVATIONS = {"relu", "leaky_relu", "gelu", "silu", "relu6", "elu", "mish", "softplus"}
 GLOBAL_RNG_TORCH = {"rand", "randn", "randint", "randperm", "manual_seed", "bernoulli", "multinomial", "normal", "seed"}
 GLOBAL_RNG_NUMPY_OK = {"Generator", "PCG64", "default_rng", "RandomState", "SeedSequence", "Philox", "MT19937", "SFC64", "BitGenerator"}
 THREAD_NAMES = {"ThreadPoolExecutor", "Thread", "ProcessPoolExecutor"}
@@ -124,27 +113,12 @@ class IteratorSite:
 
 @dataclass
 class Hyperparameters:
-    """The Hyperparameters class. style: "class" | "dataclass" | "oneline".
-
-    sample: an existing `name = int(<getter>("NAME", default))` statement whose
-    idiom new toggles copy.
-    """
+    """The Hyperparameters class. style: "class" | "dataclass" | "oneline"."""
 
     name: str
     node: cst.ClassDef
     line: int
     style: str
-    sample: cst.BaseSmallStatement | None
-
-
-@dataclass
-class SquareSite:
-    """A `.square()` of an activation in an MLP forward: kind "relu2" | "leaky_relu2" | "banked" | "act2"."""
-
-    node: cst.Call
-    function: cst.FunctionDef
-    line: int
-    kind: str
 
 
 @dataclass
@@ -160,11 +134,10 @@ class Survey:
     iterators: list[IteratorSite] = field(default_factory=list)
     hyperparameters: Hyperparameters | None = None
     log_function: tuple[str, cst.CSTNode] | None = None
-    squares: list[SquareSite] = field(default_factory=list)
-    already_patched: set[str] = field(default_factory=set)
-    pep701_fstrings: list[cst.FormattedString] = field(default_factory=list)
+    module_names: set[str] = field(default_factory=set)
     collector: "_SiteCollector | None" = field(default=None, repr=False)
     _line_cache: dict = field(default_factory=dict, repr=False)
+    _shared: dict = field(default_factory=dict, repr=False)
     _line_starts: dict = field(default_factory=dict, repr=False)
 
     def line_of(self, node: cst.CSTNode) -> int:
@@ -185,9 +158,16 @@ class Survey:
         if top is not None:
             return top
         for stmt in self.module.body:
-            if stmt is node or any(n is node for n in _walk(stmt)):
+            if stmt is node or any(n is node for n in walk(stmt)):
                 return stmt
         raise KeyError("node is not in the surveyed module")
+
+    def shared(self, name: str, compute):
+        """The analysis `name` of this survey's module, computed once by `compute()`
+        (several features ask the same question of the same module)."""
+        if name not in self._shared:
+            self._shared[name] = compute()
+        return self._shared[name]
 
     def training_constructions(self) -> list[Construction]:
         return [c for c in self.constructions if c.training]
@@ -222,12 +202,12 @@ def _positions(module: cst.Module) -> dict:
 def survey(module: cst.Module) -> Survey:
     """Analyse `module` (not modified). Returns a `Survey` whose nodes belong to `module`.
 
-    One pass of `_SiteCollector` over the module; loader classes and MLP forwards,
-    which are small, are then read on their own.
+    One pass of `_SiteCollector` over the module; loader classes, which are small, are
+    then read on their own. What only one feature needs (MLP squares, PEP 701
+    f-strings, the env idiom of Hyperparameters) is that feature's `analyse`.
     """
     result = Survey(module=module, minified=_is_minified(module), uses_torch=_imports(module, "torch"))
-    top_names = _module_level_names(module)
-    result.already_patched = {feature for feature, name in INJECTED_NAMES.items() if name in top_names}
+    result.module_names = _module_level_names(module)
     classes = {n.name.value: n for n in module.body if isinstance(n, cst.ClassDef)}
     collector = _SiteCollector()
     cst_walk.visit(module, collector)
@@ -240,51 +220,7 @@ def survey(module: cst.Module) -> Survey:
     _inside_training_generators(result)
     result.hyperparameters = _find_hyperparameters(module, result)
     result.log_function = _find_log_function(collector)
-    result.squares = _find_squares(collector, result)
-    result.pep701_fstrings = _pep701_fstrings(collector, module)
     return result
-
-
-def _pep701_fstrings(collector: "_SiteCollector", module: cst.Module) -> list[cst.FormattedString]:
-    """The outermost f-strings that only Python 3.12+ parses (an inner one counts when its outer one is fine)."""
-    found: list[cst.FormattedString] = []
-    for node, outer in collector.fstrings:
-        if not any(o in found for o in outer) and pep701_kind(node, module) is not None:
-            found.append(node)
-    return found
-
-
-def pep701_kind(node: cst.FormattedString, module: cst.Module) -> str | None:
-    """Which Python 3.12-only form (PEP 701) a replacement field of `node` uses, or None.
-
-    "quote": the f-string's own quote reused inside a field (`f"{", ".join(xs)}"`);
-    "backslash", "comment", "newline" (in a single-quoted f-string): the other forms
-    Python 3.10 and 3.11 reject, reported before "quote" when both occur. Fields
-    nested in format specs count too.
-    """
-    quote = node.start.lstrip("fFrRbBuU")
-    codes = [(part, module.code_for_node(part)) for part in _fstring_fields(node.parts)]
-    # The forms quoting cannot fix first, so that a rewrite never hides one of them.
-    for part, code in codes:
-        if "\\" in code:
-            return "backslash"
-        if m.findall(part, m.Comment()):
-            return "comment"
-        if len(quote) == 1 and ("\n" in code or "\r" in code):
-            return "newline"
-    if any(quote in code for _, code in codes):
-        return "quote"
-    return None
-
-
-def _fstring_fields(parts) -> list[cst.FormattedStringExpression]:
-    """Replacement fields of an f-string, including those nested in format specs."""
-    out = []
-    for part in parts:
-        if isinstance(part, cst.FormattedStringExpression):
-            out.append(part)
-            out.extend(_fstring_fields(part.format_spec or ()))
-    return out
 
 
 @dataclass
@@ -516,12 +452,12 @@ def _is_minified(module: cst.Module) -> bool:
 
 
 def _imports(module: cst.Module, top: str) -> bool:
-    for node in _walk(module):
+    for node in walk(module):
         if isinstance(node, cst.Import):
             for alias in node.names:
-                if _dotted(alias.name).split(".")[0] == top:
+                if dotted(alias.name).split(".")[0] == top:
                     return True
-        if isinstance(node, cst.ImportFrom) and node.module is not None and _dotted(node.module).split(".")[0] == top:
+        if isinstance(node, cst.ImportFrom) and node.module is not None and dotted(node.module).split(".")[0] == top:
             return True
     return False
 
@@ -572,7 +508,7 @@ def _survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], result: 
     info.reshape_only = _reshape_only_param(next_batch, info.next_batch_params)
     info.in_place = _in_place_mutation(related)
     info.writes_arrays = _array_writes(related)
-    info.cuda_in_next_batch = any(m.matches(node, _CUDA_MOVE) for node in _walk(next_batch))
+    info.cuda_in_next_batch = any(m.matches(node, _CUDA_MOVE) for node in walk(next_batch))
     return info
 
 
@@ -588,7 +524,7 @@ def _in_place_mutation(classes: list[cst.ClassDef]) -> str | None:
     """
     self_attr = m.Attribute(value=m.Name("self"))
     for cls in classes:
-        for node in _walk(cls):
+        for node in walk(cls):
             if isinstance(node, (cst.AssignTarget, cst.AugAssign)):
                 target = node.target
                 if m.matches(target, m.Subscript(value=self_attr | m.Subscript())):
@@ -617,7 +553,7 @@ def _array_writes(classes: list[cst.ClassDef]) -> str | None:
     self_attr = m.Attribute(value=m.Name("self"))
     containers = _container_attrs(classes)
     for cls in classes:
-        for node in _walk(cls):
+        for node in walk(cls):
             if isinstance(node, (cst.AssignTarget, cst.AugAssign)):
                 target = node.target
                 while m.matches(target, m.Subscript(value=m.Subscript())):
@@ -640,7 +576,7 @@ def _container_attrs(classes: list[cst.ClassDef]) -> set[str]:
     literal = m.List() | m.Dict() | m.Set() | m.ListComp() | m.DictComp() | m.SetComp()
     bound: dict[str, bool] = {}
     for cls in classes:
-        for node in _walk(cls):
+        for node in walk(cls):
             if isinstance(node, cst.Assign):
                 targets = [t.target for t in node.targets]
             elif isinstance(node, cst.AnnAssign):
@@ -670,10 +606,10 @@ def _global_rng(called: str) -> str | None:
 
 def _unsafe_reason(related: list[cst.ClassDef], info: LoaderClass) -> str | None:
     for c in related:
-        for node in _walk(c):
+        for node in walk(c):
             if not isinstance(node, cst.Call):
                 continue
-            name = _dotted(node.func)
+            name = dotted(node.func)
             parts = name.split(".")
             rng = _global_rng(name)
             if rng is not None:
@@ -693,12 +629,12 @@ def _device_attr_uses(cls: cst.ClassDef, attr: str) -> str | None:
     """Describe a use of `self.<attr>` other than its assignment and `.to(self.<attr>, …)`."""
     device_ref = m.Attribute(value=m.Name("self"), attr=m.Name(attr))
     allowed: set[int] = set()
-    for node in _walk(cls):
+    for node in walk(cls):
         if m.matches(node, m.Call(func=m.Attribute(attr=m.Name("to")), args=[m.Arg(value=device_ref, keyword=None), m.ZeroOrMore()])):
             allowed.add(id(node.args[0].value))
         if m.matches(node, m.AssignTarget(target=device_ref)):
             allowed.add(id(node.target))
-    for node in _walk(cls):
+    for node in walk(cls):
         if m.matches(node, device_ref) and id(node) not in allowed:
             return f"self.{attr}"
     return None
@@ -719,19 +655,19 @@ def _h2d_calls(next_batch: cst.FunctionDef, attr: str) -> list[cst.Call]:
             m.Arg(keyword=m.Name("non_blocking"), value=m.Name("True")),
         ],
     )
-    return [n for n in _walk(next_batch) if m.matches(n, pattern)]
+    return [n for n in walk(next_batch) if m.matches(n, pattern)]
 
 
 def _reshape_only_param(fn: cst.FunctionDef, params: list[str]) -> int | None:
     """Index of a parameter used only as `n` in `<v> = <expr>.reshape(-1, n)` whose `v`s are all that is returned."""
-    returns = [n for n in _walk(fn) if isinstance(n, cst.Return)]
+    returns = [n for n in walk(fn) if isinstance(n, cst.Return)]
     if len(returns) != 1 or returns[0].value is None:
         return None
     elements = _returned_names(returns[0].value)
     if elements is None:
         return None
     for index, param in enumerate(params):
-        refs = [n for n in _walk(fn.body) if m.matches(n, m.Name(param))]
+        refs = [n for n in walk(fn.body) if m.matches(n, m.Name(param))]
         reshaped_into = set()
         ok = bool(refs)
         for ref in refs:
@@ -760,7 +696,7 @@ def _returned_names(value: cst.BaseExpression) -> list[str] | None:
 
 def _reshape_assignment(fn: cst.FunctionDef, ref: cst.Name) -> str | None:
     """If `ref` is `n` in a statement `v = <expr>.reshape(-1, n)` of `fn`, return `v`."""
-    for node in _walk(fn.body):
+    for node in walk(fn.body):
         if not isinstance(node, cst.Assign) or len(node.targets) != 1 or not isinstance(node.targets[0].target, cst.Name):
             continue
         call = node.value
@@ -868,10 +804,10 @@ def _inside_training_generators(result: Survey) -> None:
 def _generator_unsafe(function: cst.FunctionDef) -> str | None:
     """Why running `function` on another thread could change what it yields, else None."""
     name = function.name.value
-    for node in _walk(function):
+    for node in walk(function):
         if not isinstance(node, cst.Call):
             continue
-        called = _dotted(node.func)
+        called = dotted(node.func)
         parts = called.split(".")
         if parts[-1] in THREAD_NAMES or parts[-1] == "load_async":
             return f"{name} already loads data in the background ({called}); not wrapped again"
@@ -914,7 +850,7 @@ def _is_run_constant(expr: cst.BaseExpression, scope: _Scope, collector: _SiteCo
         if kind == "assign" and value is not None:
             return _is_run_constant(value, owner, collector, depth + 1)
         return False
-    if isinstance(expr, cst.Call) and _dotted(expr.func) in CONSTANT_CALLS:
+    if isinstance(expr, cst.Call) and dotted(expr.func) in CONSTANT_CALLS:
         return all(_is_run_constant(a.value, scope, collector, depth + 1) for a in expr.args)
     if m.matches(expr, m.Subscript(value=m.Attribute(value=m.Name("os"), attr=m.Name("environ")))):
         return True
@@ -936,7 +872,7 @@ CONSTANT_CALLS = {
 def _find_hyperparameters(module: cst.Module, result: Survey) -> Hyperparameters | None:
     for stmt in module.body:
         if isinstance(stmt, cst.ClassDef) and stmt.name.value in ("Hyperparameters", "Hyperparams", "HParams", "Config", "Args"):
-            dataclass = any(_dotted(d.decorator if not isinstance(d.decorator, cst.Call) else d.decorator.func).endswith("dataclass") for d in stmt.decorators)
+            dataclass = any(dotted(d.decorator if not isinstance(d.decorator, cst.Call) else d.decorator.func).endswith("dataclass") for d in stmt.decorators)
             body = stmt.body
             style = "dataclass" if dataclass else ("oneline" if isinstance(body, cst.SimpleStatementSuite) or _single_line_body(body) else "class")
             return Hyperparameters(
@@ -944,46 +880,12 @@ def _find_hyperparameters(module: cst.Module, result: Survey) -> Hyperparameters
                 node=stmt,
                 line=result.line_of(stmt),
                 style=style,
-                sample=_env_sample(stmt),
             )
     return None
 
 
 def _single_line_body(body: cst.BaseSuite) -> bool:
     return isinstance(body, cst.IndentedBlock) and len(body.body) == 1 and isinstance(body.body[0], cst.SimpleStatementLine) and len(body.body[0].body) > 3
-
-
-def _env_sample(cls: cst.ClassDef) -> cst.BaseSmallStatement | None:
-    """The first class-body statement in the script's env idiom whose default is an int.
-
-    `seed = int(os.environ.get("SEED", 1337))`, `seed: int = ...`, or a helper such
-    as `seed = _e("SEED", 1337, int)`: an assignment whose value holds a call with the
-    upper-cased name as a string literal and an integer literal right after it.
-    """
-    body = cls.body.body if isinstance(cls.body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else []
-    for stmt in body:
-        smalls = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt] if isinstance(stmt, cst.BaseSmallStatement) else []
-        for small in smalls:
-            if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
-                name, value = small.targets[0].target.value, small.value
-            elif isinstance(small, cst.AnnAssign) and small.value is not None and isinstance(small.target, cst.Name):
-                name, value = small.target.value, small.value
-            else:
-                continue
-            if env_idiom_call(value, name) is not None:
-                return small
-    return None
-
-
-def env_idiom_call(value: cst.BaseExpression, name: str) -> cst.Call | None:
-    """The call inside `value` shaped `f("NAME", <int>, …)` for attribute `name`, or None."""
-    for node in _walk(value):
-        if not isinstance(node, cst.Call) or len(node.args) < 2:
-            continue
-        first, second = node.args[0].value, node.args[1].value
-        if isinstance(first, cst.SimpleString) and isinstance(second, cst.Integer) and first.evaluated_value == name.upper():
-            return node
-    return None
 
 
 # ----------------------------------------------------------------------------- logging
@@ -998,65 +900,7 @@ def _find_log_function(collector: _SiteCollector) -> tuple[str, cst.CSTNode] | N
     return None
 
 
-# ----------------------------------------------------------------------------- MLP
-
-
-def _find_squares(collector: _SiteCollector, result: Survey) -> list[SquareSite]:
-    sites = []
-    for fn in collector.functions:
-        if fn.name.value != "forward":
-            continue
-        act_names = _names_assigned_from_activation(fn)
-        for node in _walk(fn.body):
-            if not m.matches(node, m.Call(func=m.Attribute(attr=m.Name("square")), args=[])):
-                continue
-            receiver = node.func.value
-            kind = None
-            if _is_activation(receiver):
-                kind = _activation_kind(receiver)
-            elif isinstance(receiver, cst.Name) and receiver.value in act_names:
-                kind = act_names[receiver.value]
-            if kind is not None:
-                collector.top_of[node] = collector.top_of[fn]
-                sites.append(SquareSite(node=node, function=fn, line=result.line_of(node), kind=kind))
-    return sites
-
-
-def _is_activation(expr: cst.BaseExpression) -> bool:
-    return isinstance(expr, cst.Call) and _dotted(expr.func).split(".")[-1] in ACTIVATIONS
-
-
-def _activation_kind(call: cst.Call) -> str:
-    name = _dotted(call.func).split(".")[-1]
-    inner = call.args[0].value if call.args else None
-    if inner is not None and _dotted(getattr(inner, "func", cst.Name("x"))).endswith("linear"):
-        return "banked"
-    return {"relu": "relu2", "leaky_relu": "leaky_relu2"}.get(name, "act2")
-
-
-def _names_assigned_from_activation(fn: cst.FunctionDef) -> dict[str, str]:
-    found = {}
-    for node in _walk(fn.body):
-        if isinstance(node, cst.Assign) and len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
-            if _is_activation(node.value):
-                found[node.targets[0].target.value] = _activation_kind(node.value)
-            else:
-                found.pop(node.targets[0].target.value, None)
-    return found
-
-
 # ----------------------------------------------------------------------------- helpers
-
-
-_walk = cst_walk.walk
-
-
-def _dotted(node: cst.BaseExpression) -> str:
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        return f"{_dotted(node.value)}.{node.attr.value}"
-    return ""
 
 
 def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
@@ -1074,7 +918,7 @@ def _params(fn: cst.FunctionDef | None) -> list[str]:
 
 
 def _attr_assigned_from(fn: cst.FunctionDef, param: str) -> str | None:
-    for node in _walk(fn.body):
+    for node in walk(fn.body):
         if isinstance(node, cst.Assign) and m.matches(node.value, m.Name(param)):
             for t in node.targets:
                 if m.matches(t.target, m.Attribute(value=m.Name("self"))):
@@ -1084,9 +928,9 @@ def _attr_assigned_from(fn: cst.FunctionDef, param: str) -> str | None:
 
 def _called_names(cls: cst.ClassDef) -> set[str]:
     names = set()
-    for node in _walk(cls):
+    for node in walk(cls):
         if isinstance(node, cst.Call):
-            dotted = _dotted(node.func)
-            if dotted:
-                names.add(dotted.split(".")[-1])
+            name = dotted(node.func)
+            if name:
+                names.add(name.split(".")[-1])
     return names

@@ -2,7 +2,7 @@
 
 Every file under the input directory whose name matches `--glob` (default `train*.py`)
 is patched in its own process (`--jobs`, default the number of CPUs) exactly as
-`patch-prefetch FILE -o OUT --json` would, into the same relative path under
+`patch-prefetch FILE -o OUT` would (`patcher.patch_file.patch_file`), into the same relative path under
 `--out-dir`. A failure in one file (bad input, a failed check, a crash) is a row in the
 summary, not the end of the run. A worker process that dies (a signal, an exit) or
 passes `--file-timeout` is killed and replaced; that file's row says what happened and
@@ -12,8 +12,6 @@ nothing to patch), 1 when one or more failed, 2 for bad usage.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import multiprocessing
 import os
@@ -24,9 +22,14 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from patcher.check import use_forked_smoke
+from patcher.import_smoke import use_forked_smoke
+from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
+from patcher.progress import file_bar, wanted
+from patcher.source import SourceError
 
-STATUS_BY_CODE = {0: "written", 2: "bad input", 3: "nothing to patch", 4: "check failed"}
+# The single-file command's exit code for each status (a row keeps it).
+EXIT_CODES = {WRITTEN: 0, ALREADY_PATCHED: 0, NOTHING_TO_PATCH: 3, CHECK_FAILED: 4}
+EXIT_BAD_INPUT = 2
 FAILED_STATUSES = ("bad input", "check failed", "crash", "timed out")
 DEFAULT_FILE_TIMEOUT_S = 600.0
 
@@ -74,51 +77,30 @@ def find_scripts(root: Path, pattern: str, out_dir: Path) -> list[Path]:
     return found
 
 
-def patch_one(source: str, target: str, relative: str, options: list[str]) -> Row:
-    """Run the single-file command on `source` -> `target`; never raises."""
-    from patcher.cli import main
-
+def patch_one(source: str, target: str, relative: str, options: FileOptions) -> Row:
+    """Patch `source` -> `target` as the single-file command would (`patch_file`); never raises."""
     Path(target).parent.mkdir(parents=True, exist_ok=True)
-    out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([source, "-o", target, "--json", *options])
+        done = patch_file(Path(source), Path(target), options)
+    except (SourceError, UsageError) as error:
+        return Row(relative, "bad input", EXIT_BAD_INPUT, error=str(error))
     except Exception as error:  # a bug in the tool: reported for this file, the rest go on
         return Row(relative, "crash", None, error=f"{type(error).__name__}: {error}")
-    report = _last_json(out.getvalue())
-    if report is None:
-        lines = err.getvalue().strip().splitlines()
-        message = lines[-1].removeprefix("patch-prefetch: error: ") if lines else None
-        return Row(relative, STATUS_BY_CODE.get(code, "crash"), code, error=message)
-    status = "already patched" if report.get("already_patched") else STATUS_BY_CODE.get(code, "crash")
-    check = report.get("check")
-    artifact = report.get("artifact")
-    error_lines = err.getvalue().strip().splitlines()
-    over = error_lines[-1].removeprefix("patch-prefetch: error: ") if artifact and artifact["over"] and error_lines else None
+    report, check = done.report, done.check
     return Row(
         relative,
-        status,
-        code,
-        applied=list(report.get("applied", [])),
-        skipped=[f"{s['feature']}: {s['reason']}" for s in report.get("skipped", [])],
+        ALREADY_PATCHED if done.patch.already_patched else done.status,
+        EXIT_CODES[done.status],
+        applied=list(report["applied"]),
+        skipped=[f"{s['feature']}: {s['reason']}" for s in report["skipped"]],
         bytes_before=report["code_bytes"]["before"],
-        bytes_after=report["code_bytes"]["after"] if report.get("written") else None,
-        check=None if check is None else ("ok" if check.get("ok") else "FAILED"),
-        error=over,
-        seconds=report.get("seconds"),
+        bytes_after=report["code_bytes"]["after"] if report["written"] else None,
+        check=None if check is None else ("ok" if check.ok else "FAILED"),
+        error=done.over_cap,
+        seconds=report["seconds"],
         counted_as=report["code_bytes"].get("counted_as"),
-        artifact=artifact,
+        artifact=report.get("artifact"),
     )
-
-
-def _last_json(text: str) -> dict | None:
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except ValueError:
-                return None
-    return None
 
 
 def patch_tree(
@@ -126,24 +108,26 @@ def patch_tree(
     out_dir: Path,
     pattern: str = "train*.py",
     jobs: int | None = None,
-    options: list[str] | None = None,
+    options: FileOptions = FileOptions(byte_breakdown=False),
     file_timeout: float = DEFAULT_FILE_TIMEOUT_S,
+    progress: bool = False,
 ) -> list[Row]:
     """Patch every matching script under `root` into `out_dir` (same relative paths).
 
-    Returns one Row per file, in path order. options: extra single-file arguments
-    (`--only`, `--skip`, `--no-check`, `--python`, `--no-rewrap`, `--timeout`,
-    `--no-import`). file_timeout: seconds one file may take in its worker; past it the
+    Returns one Row per file, in path order. options: how each file is patched (the
+    single-file command's options). file_timeout: seconds one file may take in its worker; past it the
     worker is killed (status "timed out"). A worker that dies gives its file the status
     "crash" with the signal or exit code; the other files are patched all the same.
+    progress: show files done of total, the file in hand and the elapsed time on stderr.
     """
     scripts = find_scripts(root, pattern, out_dir)
-    tasks = [(str(p), str(out_dir / p.relative_to(root)), str(p.relative_to(root)), list(options or [])) for p in scripts]
+    tasks = [(str(p), str(out_dir / p.relative_to(root)), str(p.relative_to(root)), options) for p in scripts]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks) or 1))
     # Largest files first, so that no long one is left running alone at the end.
     pending = sorted(tasks, key=lambda task: -os.path.getsize(task[0]))
-    preload = not {"--no-check", "--no-import"} & set(options or [])
-    done = _Pool(jobs, file_timeout, preload).run(pending)
+    preload = options.check and options.run_import
+    with file_bar(len(tasks), progress) as bar:
+        done = _Pool(jobs, file_timeout, preload, bar).run(pending)
     return [done[task[2]] for task in tasks]
 
 
@@ -169,8 +153,9 @@ class _Pool:
     its own file: it is reaped (or killed) and replaced, and the row says why.
     """
 
-    def __init__(self, jobs: int, file_timeout: float, preload: bool = True):
+    def __init__(self, jobs: int, file_timeout: float, preload: bool = True, bar=None):
         self.jobs = jobs
+        self.bar = bar  # a progress bar (tqdm), or None
         self.preload = preload
         self.file_timeout = file_timeout
         self.context = multiprocessing.get_context("fork" if hasattr(os, "fork") else "spawn")
@@ -185,7 +170,11 @@ class _Pool:
             while pending or self.busy:
                 while pending and len(self.busy) < self.jobs:
                     self._start(pending.pop(0))
+                before = len(done)
                 self._collect(done)
+                if self.bar is not None:
+                    self.bar.update(len(done) - before)
+                    self.bar.set_postfix_str(", ".join(task[2] for _, task, _ in self.busy.values()))
         finally:
             self._stop_all()
         return done
@@ -206,7 +195,10 @@ class _Pool:
         now = time.monotonic()
         first_deadline = min(started + self.file_timeout for _, _, started in self.busy.values())
         sentinels = {process.sentinel: conn for conn, (process, _, _) in self.busy.items()}
-        ready = wait(list(self.busy) + list(sentinels), timeout=max(0.0, first_deadline - now))
+        timeout = max(0.0, first_deadline - now)
+        if self.bar is not None:
+            timeout = min(timeout, 1.0)  # wake up to move the bar's clock
+        ready = wait(list(self.busy) + list(sentinels), timeout=timeout)
         for item in ready:
             conn = item if item in self.busy else sentinels.get(item)
             if conn is None or conn not in self.busy:
@@ -295,10 +287,10 @@ def print_table(rows: list[Row], stream) -> None:
     print(f"{len(rows)} files: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + (f"; {failed} failed" if failed else ""), file=stream)
 
 
-def run(args, options: list[str]) -> int:
+def run(args, options: FileOptions) -> int:
     """The tree mode of the command line (`args.input` is a directory)."""
     root, out_dir = Path(args.input), Path(args.out_dir)
-    rows = patch_tree(root, out_dir, args.glob, args.jobs, options, getattr(args, "file_timeout", DEFAULT_FILE_TIMEOUT_S))
+    rows = patch_tree(root, out_dir, args.glob, args.jobs, options, getattr(args, "file_timeout", DEFAULT_FILE_TIMEOUT_S), progress=wanted(args.json))
     if args.json:
         print(json.dumps({"root": str(root), "out_dir": str(out_dir), "files": [dict(asdict(r), failed=r.failed) for r in rows]}))
     else:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from patcher import cst_walk
-from patcher.survey import Survey, _dotted
+from patcher.cst_walk import dotted, dotted_reads, walk_own
+from patcher.survey import Survey
 
 # Calls a slice bound may make: pure functions of their arguments.
 PURE_CALLS = {"min", "max", "int", "abs", "len"}
@@ -92,17 +92,7 @@ def find_val_loops(survey: Survey) -> list[ValLoop]:
     reported too, with the reason, at the innermost loop holding it. Surveyed once per
     `Survey` (the three validation transforms ask the same question of the same module).
     """
-    cached = _VAL_LOOPS.get(id(survey))
-    if cached is not None and cached[0] is survey:
-        return list(cached[1])
-    found = _find_val_loops(survey)
-    _VAL_LOOPS.clear()  # one module at a time
-    _VAL_LOOPS[id(survey)] = (survey, found)
-    return list(found)
-
-
-# id(survey) -> (survey, its loops): the survey is kept so that its id is not reused.
-_VAL_LOOPS: dict[int, tuple[Survey, list[ValLoop]]] = {}
+    return list(survey.shared("val_loops", lambda: _find_val_loops(survey)))
 
 
 def _find_val_loops(survey: Survey) -> list[ValLoop]:
@@ -111,7 +101,7 @@ def _find_val_loops(survey: Survey) -> list[ValLoop]:
         if "eval" not in function.name.value:
             continue
         loops = _own_loops(function)
-        inner = {id(n) for loop in loops for n in _walk_own(loop.body) if isinstance(n, cst.For)}
+        inner = {id(n) for loop in loops for n in walk_own(loop.body) if isinstance(n, cst.For)}
         for loop in loops:
             site = _survey_loop(survey, function, loop)
             if site is not None:
@@ -122,7 +112,7 @@ def _find_val_loops(survey: Survey) -> list[ValLoop]:
 
 def _own_loops(function: cst.FunctionDef) -> list[cst.For]:
     """The `for` loops of `function` in source order, not those of functions defined inside it."""
-    return [n for n in _walk_own(function.body) if isinstance(n, cst.For)]
+    return [n for n in walk_own(function.body) if isinstance(n, cst.For)]
 
 
 def _direct_smalls(block: cst.BaseSuite) -> list[tuple[cst.BaseSmallStatement, cst.CSTNode]]:
@@ -144,8 +134,8 @@ def _survey_loop(survey: Survey, function: cst.FunctionDef, loop: cst.For) -> Va
     smalls = _direct_smalls(loop.body)
     assigns = [s for s, _ in smalls if _slice_assign(s)]
     if not assigns:
-        in_inner_loops = {id(n) for inner in _walk_own(loop.body) if isinstance(inner, cst.For) for n in _walk_own(inner)}
-        nested = [n for n in _walk_own(loop.body) if m.matches(n, SLICE_TO) and id(n) not in in_inner_loops]
+        in_inner_loops = {id(n) for inner in walk_own(loop.body) if isinstance(inner, cst.For) for n in walk_own(inner)}
+        nested = [n for n in walk_own(loop.body) if m.matches(n, SLICE_TO) and id(n) not in in_inner_loops]
         if not nested:
             return None  # no slice here, or it belongs to an inner loop (reported there)
         site = ValLoop(function.name.value, function, loop, survey.line_of(loop))
@@ -169,21 +159,10 @@ def _survey_loop(survey: Survey, function: cst.FunctionDef, loop: cst.For) -> Va
     return site
 
 
-def _walk_own(node: cst.CSTNode):
-    """Nodes under `node`, not entering function, class or lambda definitions."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        yield current
-        if isinstance(current, (cst.FunctionDef, cst.ClassDef, cst.Lambda)) and current is not node:
-            continue
-        stack.extend(reversed(cst_walk.children(current)))
-
-
 def _assigned_in(node: cst.CSTNode) -> dict[str, int]:
     """How many times each name is bound under `node` (assignments, loop and with targets, walrus, del)."""
     counts: dict[str, int] = {}
-    for n in _walk_own(node):
+    for n in walk_own(node):
         targets = []
         if isinstance(n, cst.Assign):
             targets = [t.target for t in n.targets]
@@ -209,19 +188,8 @@ def _bound_names(target: cst.BaseExpression) -> list[str]:
     if isinstance(target, cst.StarredElement):
         return _bound_names(target.value)
     if isinstance(target, (cst.Attribute, cst.Subscript)):
-        return [_dotted(target) or "<subscript>"]
+        return [dotted(target) or "<subscript>"]
     return []
-
-
-def _names_read(expr: cst.CSTNode) -> list[str]:
-    """Names an expression reads: plain names and dotted attribute chains (`args.train_seq_len`)."""
-    out = []
-    for n in _walk_own(expr):
-        if isinstance(n, cst.Name):
-            out.append(n.value)
-        if isinstance(n, cst.Attribute) and _dotted(n):
-            out.append(_dotted(n))
-    return out
 
 
 def _purity(site: ValLoop, smalls, module: cst.Module) -> str | None:
@@ -236,7 +204,7 @@ def _purity(site: ValLoop, smalls, module: cst.Module) -> str | None:
     for arg in site.to_call.args:
         if arg.keyword is None or arg.keyword.value not in TO_KEYWORDS:
             return f"`.to({module.code_for_node(arg)})` {where}: only device=, dtype=, non_blocking= keywords are rebuilt"
-        for name in _names_read(arg.value):
+        for name in dotted_reads(arg.value):
             if assigned.get(name):
                 return f"`.to(...)` argument `{name}` {where} changes inside the loop"
     if not any(a.keyword.value == "device" for a in site.to_call.args):
@@ -245,19 +213,19 @@ def _purity(site: ValLoop, smalls, module: cst.Module) -> str | None:
     for small in before:
         if m.matches(small, m.Assign(targets=[m.AssignTarget(m.Name())])):
             definitions[small.targets[0].target.value] = small
-    needed, wanted = [], list(_names_read(site.window))
+    needed, wanted = [], list(dotted_reads(site.window))
     while wanted:
         name = wanted.pop()
         if name == site.target or name in [n.targets[0].target.value for n in needed]:
             continue
         if name in definitions and assigned.get(name) == 1:
             small = definitions[name]
-            for call in (n for n in _walk_own(small.value) if isinstance(n, cst.Call)):
-                called = _dotted(call.func)
+            for call in (n for n in walk_own(small.value) if isinstance(n, cst.Call)):
+                called = dotted(call.func)
                 if called not in PURE_CALLS:
                     return f"slice bound `{name}` {where} calls `{module.code_for_node(call.func)}`; only {', '.join(sorted(PURE_CALLS))} are known to be pure"
             needed.append(small)
-            wanted.extend(_names_read(small.value))
+            wanted.extend(dotted_reads(small.value))
         elif assigned.get(name):
             return f"slice bound `{name}` {where} is assigned in the loop other than once before the slice"
     order = {id(s): i for i, s in enumerate(before)}
@@ -286,9 +254,9 @@ def _byte_count(site: ValLoop, survey: Survey) -> tuple[ByteCount | None, str | 
     """The byte-counting statements of the loop, checked to read the batch's own tokens."""
     module = survey.module
     where = f"in {site.function}"
-    blocks = [n for n in _walk_own(site.loop.body) if isinstance(n, (cst.IndentedBlock, cst.SimpleStatementSuite))]
-    inner_loops = [n for n in _walk_own(site.loop.body) if isinstance(n, cst.For)]
-    inner = {id(b) for loop in inner_loops for b in _walk_own(loop.body)}
+    blocks = [n for n in walk_own(site.loop.body) if isinstance(n, (cst.IndentedBlock, cst.SimpleStatementSuite))]
+    inner_loops = [n for n in walk_own(site.loop.body) if isinstance(n, cst.For)]
+    inner = {id(b) for loop in inner_loops for b in walk_own(loop.body)}
     for block in blocks:
         if id(block) in inner:
             continue
@@ -303,7 +271,7 @@ def _byte_count(site: ValLoop, survey: Survey) -> tuple[ByteCount | None, str | 
             why = _ids_from_window(site, tgt, prev, where) or _accumulator_is_tensor(site.function_node, acc, where)
             if why is None and _assigned_in(site.function_node).get(tb, 0) != 2:
                 why = f"`{tb}` {where} is assigned outside the byte counting"
-            if why is None and sum(1 for n in _names_read(site.function_node.body) if n == tb) != 3:
+            if why is None and sum(1 for n in dotted_reads(site.function_node.body) if n == tb) != 3:
                 why = f"`{tb}` {where} is read outside the byte counting"
             if why is not None:
                 return None, why
@@ -339,7 +307,7 @@ def _single_value(function_body: cst.CSTNode, name: str, augmented: bool = False
     """The value of the one assignment of `name` (plain or in a parallel tuple assignment),
     else None; with `augmented`, `name += ...` statements besides it are allowed."""
     values = []
-    for n in _walk_own(function_body):
+    for n in walk_own(function_body):
         if isinstance(n, cst.Assign) and len(n.targets) == 1:
             t = n.targets[0].target
             if isinstance(t, cst.Name) and t.value == name:
@@ -350,7 +318,7 @@ def _single_value(function_body: cst.CSTNode, name: str, augmented: bool = False
                         values.append(ve.value)
     if len(values) != 1:
         return None
-    augments = sum(1 for n in _walk_own(function_body) if m.matches(n, m.AugAssign(target=m.Name(name))))
+    augments = sum(1 for n in walk_own(function_body) if m.matches(n, m.AugAssign(target=m.Name(name))))
     bound = _assigned_in(function_body).get(name, 0)
     return values[0] if bound == 1 or (augmented and bound == 1 + augments) else None
 

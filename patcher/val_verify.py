@@ -20,7 +20,8 @@ import torch
 
 from patcher.harness import HarnessError, evaluate_script_code
 from patcher.survey import Survey, survey
-from patcher.val_survey import ValLoop, _names_read, _walk_own, find_val_loops
+from patcher.cst_walk import dotted_reads as _names_read, walk_own as _walk_own
+from patcher.val_survey import ValLoop, find_val_loops
 
 BATCH_NAMES = ("x", "y")
 

@@ -26,7 +26,7 @@ import libcst.matchers as m
 import numpy as np
 import torch
 
-from patcher.check import definitions_only
+from patcher.import_smoke import definitions_only
 from patcher.harness import (
     HarnessError,
     IteratorRecipe,
@@ -44,7 +44,7 @@ from patcher.patch import features_from, patch_source
 from patcher.shards import DOC_LEN_RANGE, write_shards
 from patcher.source import read_script
 from patcher.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
-from patcher.transforms.base import TOGGLES
+from patcher.features import TOGGLES
 
 EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
 

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import pytest
 
-import patcher.check as check
+import patcher.compile_check as compile_check
+import patcher.import_smoke as import_smoke_mod
+import patcher.interpreters as interpreters
+import patcher.self_contained as self_contained
 from patcher.check import CheckResult, check_file, compile_source, find_python, import_smoke
 from patcher.source import SourceError
 
@@ -28,10 +31,8 @@ from patcher.source import SourceError
 PEP701 = 'import os\nd = {"k": 1}\nmsg = f"value {d["k"]}"\n'
 PEP701_LINE, PEP701_COL = 3, 7  # the f-string starts at column 7 of line 3
 
-PY310, PY310_VERSION = find_python("3.10")
-PY312, _ = find_python("3.12")
-needs_310 = pytest.mark.skipif(PY310 is None, reason="no real Python 3.10 installed (pyenv or PATH)")
-needs_312 = pytest.mark.skipif(PY312 is None, reason="no real Python 3.12 installed (pyenv or PATH)")
+needs_310 = pytest.mark.usefixtures("python310")  # tests/conftest.py: skipped when none is installed
+needs_312 = pytest.mark.usefixtures("python312")
 
 
 def _src(text: str) -> str:
@@ -44,7 +45,7 @@ def _line_of(source: str, needle: str) -> int:
 
 
 def _no_python(monkeypatch) -> None:
-    monkeypatch.setattr(check, "find_python", lambda target="3.10": (None, ""))
+    monkeypatch.setattr(compile_check, "find_python", lambda target="3.10": (None, ""))
 
 
 # --------------------------------------------------------------------------- find_python
@@ -53,7 +54,7 @@ def _no_python(monkeypatch) -> None:
 @needs_310
 def test_find_python_finds_310_through_pyenv_without_path(monkeypatch):
     """With no python3.10 on PATH the pyenv versions folder still supplies one."""
-    root = check._pyenv_root()
+    root = interpreters._pyenv_root()
     if not list((Path(root) / "versions").glob("3.10*/bin/python3.10")):
         pytest.skip(f"no Python 3.10 under pyenv root {root}")
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -85,10 +86,10 @@ def test_find_python_gives_none_for_what_does_not_exist(target):
 
 
 @needs_310
-def test_compile_on_real_310_names_the_pep701_fstring_and_its_position():
+def test_compile_on_real_310_names_the_pep701_fstring_and_its_position(python310):
     result = compile_source(PEP701, "t.py", "3.10")
     assert result.real and not result.ok
-    assert result.python.startswith("3.10.") and PY310 in result.python
+    assert result.python.startswith("3.10.") and python310 in result.python
     assert (result.line, result.col) == (PEP701_LINE, PEP701_COL)
     assert "PEP 701" in result.error and "3.12" in result.error
     assert "py310_fstrings" in result.error
@@ -137,7 +138,7 @@ def test_fallback_without_interpreter_still_flags_pep701(monkeypatch):
 def test_fallback_scan_catches_pep701_when_the_running_parser_accepts_it(monkeypatch):
     """On a 3.12+ running Python ast.parse(feature_version=(3, 10)) passes PEP 701 f-strings."""
     _no_python(monkeypatch)
-    monkeypatch.setattr(check, "ast", types.SimpleNamespace(parse=lambda *args, **kwargs: None))
+    monkeypatch.setattr(compile_check, "ast", types.SimpleNamespace(parse=lambda *args, **kwargs: None))
     result = compile_source(PEP701, "t.py", "3.10")
     assert not result.ok and not result.real
     assert (result.line, result.col) == (PEP701_LINE, PEP701_COL)
@@ -288,9 +289,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("forked", [False, True], ids=["fresh-interpreter", "forked-from-warm-process"])
 def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch, forked):
-    import patcher.check
+    import patcher.import_smoke
 
-    monkeypatch.setattr(patcher.check, "_FORKED_SMOKE", forked)
+    monkeypatch.setattr(patcher.import_smoke, "_FORKED_SMOKE", forked)
     pid_file = tmp_path / "pid"
     monkeypatch.setenv("SMOKE_PID_FILE", str(pid_file))
     code = _src(
@@ -326,12 +327,12 @@ def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch, forked
 def test_forked_smoke_reports_like_a_fresh_interpreter(monkeypatch):
     # Tree mode forks the import smoke from a worker that has torch imported; the
     # result (ok, error with its line, stubbed modules) must be the same.
-    import patcher.check
+    import patcher.import_smoke
 
     code = "import flash_attn_interface\nimport torch\nX = 1\nraise ValueError('boom')\nif __name__ == '__main__':\n    pass\n"
     results = []
     for forked in (False, True):
-        monkeypatch.setattr(patcher.check, "_FORKED_SMOKE", forked)
+        monkeypatch.setattr(patcher.import_smoke, "_FORKED_SMOKE", forked)
         r = import_smoke(code, "train_gpt.py", timeout=60)
         results.append((r.ok, r.error, r.line, r.stubbed))
     assert results[0] == results[1]
@@ -429,11 +430,11 @@ def _wrap(payload: str) -> str:
 
 
 @needs_310
-def test_wrapped_script_wrapper_compiles_but_payload_fails_on_310(tmp_path):
+def test_wrapped_script_wrapper_compiles_but_payload_fails_on_310(tmp_path, python310):
     """py_compile on the file passes on 3.10; the payload inside does not."""
     path = tmp_path / "train_gpt.py"
     path.write_text(_wrap(PEP701))
-    py_compile = subprocess.run([PY310, "-m", "py_compile", str(path)], capture_output=True)
+    py_compile = subprocess.run([python310, "-m", "py_compile", str(path)], capture_output=True)
     assert py_compile.returncode == 0  # what existing checkers see
 
     result = check_file(path, "3.10", run_import=False)
@@ -571,7 +572,7 @@ def test_check_of_a_150kb_script_is_fast(tmp_path):
 def test_definitions_keep_a_run_name_built_from_a_uuid():
     # modded-nanogpt: `run_id = f"... {str(uuid.uuid4())[0:5]}"` at the top, then
     # `run_id: str = run_id` as a dataclass default; dropping the first breaks the class.
-    from patcher.check import definitions_only
+    from patcher.import_smoke import definitions_only
 
     source = (
         "import uuid\nfrom dataclasses import dataclass\n"
@@ -602,7 +603,7 @@ def test_check_uses_the_tree_it_is_handed_instead_of_parsing_again(tmp_path, mon
     def no_parse(source):
         raise AssertionError("parsed again")
 
-    monkeypatch.setattr(check_mod, "_parse_text", no_parse)
+    monkeypatch.setattr(compile_check, "_parse_text", no_parse)
     result = check_mod.check_file(path, run_import=False, script=script)
     assert any("imports helper" in w for w in result.warnings)
 
@@ -613,7 +614,6 @@ def test_the_patched_tree_gives_what_parsing_the_output_gives(name, tmp_path):
     # tree prints to exactly that code, and every analysis check makes of it agrees.
     import libcst
 
-    import patcher.check as check_mod
     from patcher.patch import patch_source
     from patcher.source import read_script
 
@@ -626,14 +626,9 @@ def test_the_patched_tree_gives_what_parsing_the_output_gives(name, tmp_path):
     tree = tree.with_changes(body=[*result.module.body, *libcst.parse_module("import helper\n").body])
     assert tree.code == source
 
-    def analyses():
-        return (check_mod.definitions_only(source), check_mod._pep701_sites(source), check_mod.self_contained_warnings(source, tmp_path / "train_gpt.py"))
+    def analyses(known):
+        return (import_smoke_mod.definitions_only(source, known), compile_check._pep701_sites(source, known), self_contained.self_contained_warnings(source, tmp_path / "train_gpt.py", known=known))
 
-    check_mod._KNOWN_TREE.clear()
-    fresh = analyses()
-    check_mod._KNOWN_TREE[source] = tree
-    try:
-        assert analyses() == fresh
-    finally:
-        check_mod._KNOWN_TREE.clear()
+    fresh = analyses(compile_check.EMPTY)
+    assert analyses({source: tree}) == fresh
     assert any("imports helper" in w for w in fresh[2])

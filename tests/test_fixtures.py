@@ -133,25 +133,13 @@ def test_fixture_compiles(name):
     compile(source, str(FIXTURES / name), "exec")
 
 
-def _python310() -> str | None:
-    roots = [os.environ.get("PYENV_ROOT", ""), os.path.expanduser("~/.pyenv")]
-    for root in roots:
-        hits = sorted(glob.glob(os.path.join(root, "versions", "3.10*", "bin", "python3.10"))) if root else []
-        if hits:
-            return hits[-1]
-    return None
-
-
-def test_fixtures_compile_on_python310(tmp_path):
-    py310 = _python310()
-    if py310 is None:
-        pytest.skip("no Python 3.10 interpreter under pyenv")
+def test_fixtures_compile_on_python310(python310):
     code = (
         "import sys\n"
         "for p in sys.argv[1:]:\n"
         "    compile(open(p, encoding='utf-8').read(), p, 'exec')\n"
     )
-    result = subprocess.run([py310, "-c", code, *[str(FIXTURES / n) for n in ALL_SCRIPTS]], capture_output=True, text=True)
+    result = subprocess.run([python310, "-c", code, *[str(FIXTURES / n) for n in ALL_SCRIPTS]], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 

@@ -25,9 +25,12 @@ from pathlib import Path
 import pytest
 
 from patcher import source, tree
+from patcher import wrapper as wrapper_codec
 from patcher.check import check_file
 from patcher.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK, build_check_parser, build_parser, main
-from patcher.source import MAX_PIECES, MAX_SOURCE_BYTES, SourceError, decompress_capped, output_problem, read_script
+from patcher.patch_file import FileOptions
+from patcher.source import MAX_PIECES, MAX_SOURCE_BYTES, SourceError, output_problem, read_script
+from patcher.wrapper import decompress_capped
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +197,7 @@ def test_capped_decompression_equals_the_codec(codec):
     else:
         expected = module.decompress(blob, **kwargs)
     assert decompress_capped(name, blob, kwargs, len(expected)) == expected
-    with pytest.raises(source._TooLarge):
+    with pytest.raises(wrapper_codec._TooLarge):
         decompress_capped(name, blob, kwargs, len(expected) - 1)
     with pytest.raises((lzma.LZMAError, zlib.error, OSError, EOFError)):
         decompress_capped(name, blob[: len(blob) // 3], kwargs, 10**6)
@@ -252,7 +255,7 @@ def test_per_file_time_limit_and_dying_workers_in_tree_mode(tmp_path, monkeypatc
         return real(source_path, target, relative, options)
 
     monkeypatch.setattr(tree, "patch_one", fake)
-    rows = {r.file.split("/")[0]: r for r in tree.patch_tree(root, tmp_path / "out", jobs=2, options=["--no-check"], file_timeout=2)}
+    rows = {r.file.split("/")[0]: r for r in tree.patch_tree(root, tmp_path / "out", jobs=2, options=FileOptions(check=False), file_timeout=2)}
     assert rows["a_ok"].status == rows["d_ok"].status == "written"
     assert rows["b_segv"].status == "crash" and "SIGSEGV" in rows["b_segv"].error
     assert rows["c_hang"].status == "timed out" and "2 s" in rows["c_hang"].error

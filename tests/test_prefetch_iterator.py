@@ -193,9 +193,22 @@ def test_rebuilding_the_slot_stops_the_previous_worker(clean):
     assert_item_equal(next(second), next(token_generator()))
 
 
-def test_record_stream_skips_host_values():
-    # Host tensors, arrays and nesting pass through without a CUDA call.
-    _record_stream((torch.zeros(2), [torch.ones(1), {"a": torch.zeros(1)}], 3), stream=None)
+class _CudaLooking(torch.Tensor):
+    """A host tensor that says it is on CUDA, to see which tensors get `record_stream`."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_record_stream_reaches_cuda_tensors_only(monkeypatch):
+    """Nested tuples, lists and dicts are walked; host tensors and other values get no CUDA call."""
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: recorded.append((self, stream)), raising=False)
+    deep = torch.zeros(3).as_subclass(_CudaLooking)
+    _record_stream((torch.zeros(2), [torch.ones(1), {"a": deep, "b": torch.zeros(1)}], 3, None), stream="side")
+    assert len(recorded) == 1
+    assert recorded[0][0] is deep and recorded[0][1] == "side"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -445,8 +445,8 @@ def test_rewrap_false_gives_plain_source(tmp_path):
 
 def test_render_raises_runtime_error_when_round_trip_fails(tmp_path, monkeypatch):
     s = read_script(write(tmp_path, build().text))
-    real = source_mod._encode_payload
-    monkeypatch.setattr(source_mod, "_encode_payload", lambda w, src: real(w, src + "# tampered\n"))
+    real = source_mod.encode_payload
+    monkeypatch.setattr(source_mod, "encode_payload", lambda w, src: real(w, src + "# tampered\n"))
     with pytest.raises(RuntimeError):
         render(s, PATCHED)
 

@@ -23,7 +23,7 @@ import torch
 import templates.step_timing as step_timing_mod
 from patcher.demo import STEP_LINE
 from patcher.patch import features_from, patch_source
-from patcher.transforms.base import FEATURES
+from patcher.features import FEATURES
 from patcher.shards import write_shards
 from patcher.source import read_script, render
 from templates.copy_stream import _h2d, _h2d_timers

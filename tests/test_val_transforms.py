@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from patcher.patch import features_from, patch_source
-from patcher.transforms.base import FEATURES
+from patcher.features import FEATURES
 
 HEADER = '''
 import math
@@ -230,19 +229,12 @@ def test_only_one_feature_and_idempotent():
     assert twice.already_patched and not twice.changed
 
 
-def _python310():
-    root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip()
-    path = Path(root) / "versions" / "3.10.13" / "bin" / "python3.10"
-    return path if path.exists() else None
-
-
-@pytest.mark.skipif(_python310() is None, reason="needs pyenv's Python 3.10.13")
-def test_patched_outputs_compile_on_python310(tmp_path):
+def test_patched_outputs_compile_on_python310(tmp_path, python310):
     files = []
     for name, source in (("readable", HEADER + EVAL), ("minified", MINIFIED), ("sliding", SLIDING)):
         files.append(tmp_path / f"{name}.py")
         files[-1].write_text(patched(source).source)
-    done = subprocess.run([str(_python310()), "-m", "py_compile", *map(str, files)], capture_output=True, text=True)
+    done = subprocess.run([python310, "-m", "py_compile", *map(str, files)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 

@@ -128,7 +128,7 @@ def test_generator_ranks_read_their_own_span(tmp_path):
     # dist.get_rank() inside the generator answers the simulated rank: rank 1's first
     # item is not rank 0's (a harness that ignored ranks would compare rank 0 twice).
     from patcher.harness import IteratorRecipe, SimulatedDist, load_definitions
-    from patcher.check import definitions_only
+    from patcher.import_smoke import definitions_only
 
     source = (FIXTURES / "generator_toplevel.py").read_text()
     module = load_definitions(definitions_only(source), "generator_toplevel.py")

@@ -3,41 +3,75 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import libcst as cst
 
 from patcher.survey import Survey
 
-FEATURES = ["train_prefetch", "copy_stream", "env_toggles", "mlp_fusion", "py310_fstrings", "step_timing", "val_prefetch", "val_bytecount", "val_progress"]
-# Diagnostics only add code until a toggle is set, so a default patch leaves them out
-# (every added byte counts against the artifact cap): `--with FEATURE` or `--diagnostics`.
-DIAGNOSTICS = ["step_timing", "val_bytecount", "val_progress"]
-DEFAULT_FEATURES = [f for f in FEATURES if f not in DIAGNOSTICS]
 
-# Toggle name -> (attribute in the Hyperparameters idiom, default)
-TOGGLES = {
-    "TRAIN_PREFETCH": ("train_prefetch", 1),
-    "TRAIN_PREFETCH_QUEUE": ("train_prefetch_queue", 2),
-    "TRAIN_COPY_STREAM": ("train_copy_stream", 1),
-    "TRAINING_TIMING_BREAKDOWN": ("training_timing_breakdown", 0),
-    "TRAINING_TIMING_EVERY": ("training_timing_every", 200),
-    "VAL_PREFETCH": ("val_prefetch", 1),
-    "VAL_COPY_STREAM": ("val_copy_stream", 1),
-    "VAL_BYTECOUNT_DEVICE": ("val_bytecount_device", "cuda"),  # a string toggle
-    "VAL_PROGRESS_LOG_EVERY": ("val_progress_log_every", 0),
-    "TRAIN_PREFETCH_WORKERS": ("train_prefetch_workers", 1),
-    "TRAIN_PREFETCH_NUMPY": ("train_prefetch_numpy", 1),
-}
+@dataclass(frozen=True)
+class Toggle:
+    """One run-time switch a feature's injected code reads.
+
+    name: the environment variable (`TRAIN_PREFETCH`); its attribute in the
+    Hyperparameters idiom is the lower-cased name. default: its value when unset; its
+    type is the toggle's type (an int is read through `int(...)`, a str as is). doc:
+    one line saying what it switches. slot: its place among the toggle lines a patch
+    writes (fixed, so the same script patches to the same bytes from version to version).
+    """
+
+    name: str
+    default: int | str
+    doc: str
+    slot: int
+
+    @property
+    def attr(self) -> str:
+        return self.name.lower()
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature as one unit: what its module declares (`UNIT = Feature(...)`).
+
+    name: what `--only`/`--skip`/`--with` take. apply: `(module, ctx) -> (module, notes)`.
+    order: its place in the pipeline (lower runs first; later features see the edits of
+    earlier ones). toggles: the switches its code reads. runtime: the templates it may
+    inject, each with the templates that one uses (injected before it). injected: the
+    module-level name its runtime defines (its presence means the script is already
+    patched). diagnostic: only with `--with`/`--diagnostics`. analyse: `survey -> facts`,
+    the feature's own reading of the script, run on the unpatched module before any
+    transform; the result is `ctx.facts[name]`.
+    """
+
+    name: str
+    apply: Callable
+    order: int
+    toggles: tuple[Toggle, ...] = ()
+    runtime: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    injected: str | None = None
+    diagnostic: bool = False
+    analyse: Callable[[Survey], object] | None = None
 
 
 @dataclass
 class Note:
-    """One line of the report: a feature applied, or skipped with the reason and line."""
+    """One line of the report: a feature applied, or skipped with the reason and line.
+
+    unfixable: a skipped site the target Python cannot run and the tool cannot rewrite
+    (a PEP 701 form quoting cannot fix): nothing is written for such a script.
+    """
 
     feature: str
     applied: bool
     reason: str | None = None
     line: int | None = None
+    unfixable: bool = False
 
     def as_dict(self) -> dict:
         return {"feature": self.feature, "reason": self.reason, "line": self.line}
@@ -47,15 +81,19 @@ class Note:
 class Context:
     """Shared state of one patch run.
 
-    enabled: features the user asked for. templates: runtime templates the applied
-    transforms need. toggles_used: toggle names referenced by the new code. keep:
-    runtime names kept although the script does not use them (benchmarks).
+    enabled: features the user asked for. toggles: every feature's toggles by name.
+    facts: each enabled feature's own analysis (`Feature.analyse`) by feature name.
+    templates: runtime templates the applied transforms need. toggles_used: toggle
+    names referenced by the new code. keep: runtime names kept although the script
+    does not use them (benchmarks).
     producer_toggles: add the producer tuning toggles (`TRAIN_PREFETCH_WORKERS`,
     `TRAIN_PREFETCH_NUMPY`) where the loader family has them.
     """
 
     survey: Survey
     enabled: set[str]
+    toggles: Mapping[str, Toggle] = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)
     templates: list[str] = field(default_factory=list)
     toggles_used: list[str] = field(default_factory=list)
     current: dict = field(default_factory=dict)
@@ -73,12 +111,12 @@ class Context:
         `Hyperparameters.train_prefetch` where the script has such a class, the module
         constant `TRAIN_PREFETCH` otherwise, the default itself when `env_toggles` is off.
         """
-        attr, default = TOGGLES[env_name]
+        toggle = self.toggles[env_name]
         if self.toggle_home == "literal":
-            return repr(default)
+            return repr(toggle.default)
         if env_name not in self.toggles_used:
             self.toggles_used.append(env_name)
-        return f"{self.survey.hyperparameters.name}.{attr}" if self.toggle_home == "class" else env_name
+        return f"{self.survey.hyperparameters.name}.{toggle.attr}" if self.toggle_home == "class" else env_name
 
     @property
     def toggle_home(self) -> str:
@@ -86,8 +124,8 @@ class Context:
         "module" (module constants), or "literal" (env_toggles off: defaults inline)."""
         if "env_toggles" not in self.enabled:
             return "literal"
-        hp = self.survey.hyperparameters
-        return "class" if hp is not None and hp.sample is not None else "module"
+        has_env_line = self.facts.get("env_toggles") is not None  # the env_toggles analysis: a line to copy
+        return "class" if self.survey.hyperparameters is not None and has_env_line else "module"
 
     def resolve(self, node: cst.CSTNode) -> cst.CSTNode:
         """The present version of a node of the surveyed module (edits rebuild ancestors)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from patcher.transforms.base import Context, Note, replace_nodes
+from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "copy_stream"
 
@@ -53,3 +53,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         ctx.need("copy_stream")
         module = replace_nodes(module, replacements, ctx)
     return module, notes
+
+
+# after train_prefetch: its notes say which copies the prefetch thread makes
+UNIT = Feature(FEATURE, apply, order=20, toggles=(Toggle("TRAIN_COPY_STREAM", 1, "host-to-device copies of training batches on a dedicated CUDA stream", slot=2),), runtime={"copy_stream": ()}, injected="_h2d")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.survey import env_idiom_call
-from patcher.transforms.base import TOGGLES, Context, Note, ReplaceNodes, Tracking, edit_tops, insert_before, small_statement
+from patcher.cst_walk import walk
+from patcher.survey import Survey
+from patcher.transforms.base import Context, Feature, Note, ReplaceNodes, Toggle, Tracking, edit_tops, insert_before, small_statement
 
 FEATURE = "env_toggles"
 
@@ -28,12 +29,12 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     if not ctx.toggles_used:
         return module, [Note(FEATURE, False, "no injected behaviour to switch")]
     survey = ctx.survey
-    names = [n for n in TOGGLES if n in ctx.toggles_used]
-    hp = survey.hyperparameters
+    names = [n for n in ctx.toggles if n in ctx.toggles_used]
+    hp, sample = survey.hyperparameters, ctx.facts[FEATURE]
     notes = []
     if ctx.toggle_home == "class":
-        new = [_like(hp.sample, name) for name in names]
-        module = edit_tops(module, ctx, {hp.node}, _AppendAfter(hp.sample, new, ctx.minified))
+        new = [_like(sample, ctx.toggles[name]) for name in names]
+        module = edit_tops(module, ctx, {hp.node}, _AppendAfter(sample, new, ctx.minified))
         notes.append(Note(FEATURE, True, f"{', '.join(names)} added to {hp.name}", hp.line))
     else:
         ctx.constants = [small_statement(_constant_code(name, ctx)) for name in names]
@@ -44,9 +45,53 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     return module, notes
 
 
-def _like(sample: cst.BaseSmallStatement, env_name: str) -> cst.BaseSmallStatement:
-    """A copy of `sample` (`x = int(os.environ.get("X", 3))`, `x = _e("X", 3, int)`, …) for `env_name`."""
-    attr, default = TOGGLES[env_name]
+def env_sample(survey: Survey) -> cst.BaseSmallStatement | None:
+    """The Hyperparameters class's first statement in the script's env idiom whose default
+    is an int, which new toggles copy; None without such a class or line."""
+    hp = survey.hyperparameters
+    return _env_sample(hp.node) if hp is not None else None
+
+
+# After every feature that reads a toggle: defines the toggles they used.
+UNIT = Feature(name=FEATURE, apply=apply, order=90, analyse=env_sample)
+
+
+def _env_sample(cls: cst.ClassDef) -> cst.BaseSmallStatement | None:
+    """The first class-body statement in the script's env idiom whose default is an int.
+
+    `seed = int(os.environ.get("SEED", 1337))`, `seed: int = ...`, or a helper such
+    as `seed = _e("SEED", 1337, int)`: an assignment whose value holds a call with the
+    upper-cased name as a string literal and an integer literal right after it.
+    """
+    body = cls.body.body if isinstance(cls.body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else []
+    for stmt in body:
+        smalls = stmt.body if isinstance(stmt, cst.SimpleStatementLine) else [stmt] if isinstance(stmt, cst.BaseSmallStatement) else []
+        for small in smalls:
+            if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
+                name, value = small.targets[0].target.value, small.value
+            elif isinstance(small, cst.AnnAssign) and small.value is not None and isinstance(small.target, cst.Name):
+                name, value = small.target.value, small.value
+            else:
+                continue
+            if env_idiom_call(value, name) is not None:
+                return small
+    return None
+
+
+def env_idiom_call(value: cst.BaseExpression, name: str) -> cst.Call | None:
+    """The call inside `value` shaped `f("NAME", <int>, …)` for attribute `name`, or None."""
+    for node in walk(value):
+        if not isinstance(node, cst.Call) or len(node.args) < 2:
+            continue
+        first, second = node.args[0].value, node.args[1].value
+        if isinstance(first, cst.SimpleString) and isinstance(second, cst.Integer) and first.evaluated_value == name.upper():
+            return node
+    return None
+
+
+def _like(sample: cst.BaseSmallStatement, toggle: Toggle) -> cst.BaseSmallStatement:
+    """A copy of `sample` (`x = int(os.environ.get("X", 3))`, `x = _e("X", 3, int)`, …) for `toggle`."""
+    env_name, attr, default = toggle.name, toggle.attr, toggle.default
     old_name = sample.targets[0].target.value if isinstance(sample, cst.Assign) else sample.target.value
     call = env_idiom_call(sample.value, old_name)
     quote = call.args[0].value.quote
@@ -79,7 +124,7 @@ def _like_text(sample, call: cst.Call, env_name: str, attr: str, default: str, q
 
 
 def _constant_code(env_name: str, ctx: Context) -> str:
-    _, default = TOGGLES[env_name]
+    default = ctx.toggles[env_name].default
     if isinstance(default, str):
         return ctx.code(f'{env_name} = os.environ.get("{env_name}", "{default}")', f'{env_name}=os.environ.get("{env_name}","{default}")')
     return ctx.code(f'{env_name} = int(os.environ.get("{env_name}", {default}))', f'{env_name}=int(os.environ.get("{env_name}",{default}))')
@@ -130,7 +175,7 @@ def _log_line(module: cst.Module, ctx: Context, names: list[str]):
         scope = scope.parent
     if scope is None:
         return module, Note(FEATURE, False, f"{log_name} is not visible where the loader is built; toggles not logged", first.line)
-    fields = " ".join(f"{TOGGLES[n][0]}:{{{ctx.toggle(n)}}}" for n in names)
+    fields = " ".join(f"{ctx.toggles[n].attr}:{{{ctx.toggle(n)}}}" for n in names)
     statement = small_statement(f'{log_name}(f"patch_prefetch {fields}")')
     module = insert_before(module, first.node, [statement], ctx)
     return module, Note(FEATURE, True, f"toggles logged through {log_name} before line {first.line}", first.line)

@@ -13,22 +13,27 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.survey import _walk
-from patcher.transforms.base import Context, Note, ReplaceNodes, Tracking, edit_tops, small_statement
+from dataclasses import dataclass
+
+from patcher.cst_walk import dotted, walk
+from patcher.survey import Survey
+from patcher.transforms.base import Context, Feature, Note, ReplaceNodes, Tracking, edit_tops, small_statement
 
 FEATURE = "mlp_fusion"
 
+ACTIVATIONS = {"relu", "leaky_relu", "gelu", "silu", "relu6", "elu", "mish", "softplus"}
 CAST = m.Call(func=m.Attribute(attr=m.Name("to")), args=[m.Arg(value=m.Attribute(attr=m.Name("dtype")), keyword=None)])
 
 
 def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     """Rewrite every surveyed `.square()` of an activation in a `forward`."""
     survey = ctx.survey
-    if not survey.squares:
+    squares = ctx.facts[FEATURE]
+    if not squares:
         return module, [Note(FEATURE, False, "no `act(x).square()` in an MLP forward")]
     notes = []
     by_statement: dict[cst.CSTNode, list] = {}
-    for site in survey.squares:
+    for site in squares:
         statement = _small_statement_of(site.function, site.node)
         if statement is None:
             notes.append(Note(FEATURE, False, "square() inside a compound expression statement", site.line))
@@ -46,19 +51,78 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     return module, notes
 
 
+@dataclass
+class SquareSite:
+    """A `.square()` of an activation in an MLP forward: kind "relu2" | "leaky_relu2" | "banked" | "act2"."""
+
+    node: cst.Call
+    function: cst.FunctionDef
+    line: int
+    kind: str
+
+
+def find_squares(survey: Survey) -> list[SquareSite]:
+    """Every `act(x).square()` (or `x.square()` of a name assigned from an activation) in a `forward`."""
+    collector = survey.collector
+    sites = []
+    for fn in collector.functions:
+        if fn.name.value != "forward":
+            continue
+        act_names = _names_assigned_from_activation(fn)
+        for node in walk(fn.body):
+            if not m.matches(node, m.Call(func=m.Attribute(attr=m.Name("square")), args=[])):
+                continue
+            receiver = node.func.value
+            kind = None
+            if _is_activation(receiver):
+                kind = _activation_kind(receiver)
+            elif isinstance(receiver, cst.Name) and receiver.value in act_names:
+                kind = act_names[receiver.value]
+            if kind is not None:
+                collector.top_of[node] = collector.top_of[fn]
+                sites.append(SquareSite(node=node, function=fn, line=survey.line_of(node), kind=kind))
+    return sites
+
+
+UNIT = Feature(name=FEATURE, apply=apply, order=30, analyse=find_squares)
+
+
+def _is_activation(expr: cst.BaseExpression) -> bool:
+    return isinstance(expr, cst.Call) and dotted(expr.func).split(".")[-1] in ACTIVATIONS
+
+
+def _activation_kind(call: cst.Call) -> str:
+    name = dotted(call.func).split(".")[-1]
+    inner = call.args[0].value if call.args else None
+    if inner is not None and dotted(getattr(inner, "func", cst.Name("x"))).endswith("linear"):
+        return "banked"
+    return {"relu": "relu2", "leaky_relu": "leaky_relu2"}.get(name, "act2")
+
+
+def _names_assigned_from_activation(fn: cst.FunctionDef) -> dict[str, str]:
+    found = {}
+    for node in walk(fn.body):
+        if isinstance(node, cst.Assign) and len(node.targets) == 1 and isinstance(node.targets[0].target, cst.Name):
+            if _is_activation(node.value):
+                found[node.targets[0].target.value] = _activation_kind(node.value)
+            else:
+                found.pop(node.targets[0].target.value, None)
+    return found
+
+
 def _small_statement_of(function: cst.FunctionDef, node: cst.CSTNode):
     """The Assign/Return/Expr small statement of `function` that holds `node`, if simple."""
-    for stmt in _walk(function.body):
+    for stmt in walk(function.body):
         if isinstance(stmt, (cst.Assign, cst.Return, cst.Expr, cst.AugAssign)):
-            if any(n is node for n in _walk(stmt)):
-                if any(isinstance(n, (cst.Lambda, cst.ListComp, cst.GeneratorExp, cst.IfExp)) for n in _walk(stmt)):
+            if any(n is node for n in walk(stmt)):
+                if any(isinstance(n, (cst.Lambda, cst.ListComp, cst.GeneratorExp, cst.IfExp)) for n in walk(stmt)):
                     return None
                 return stmt
     return None
 
 
 def _names_in(function: cst.FunctionDef) -> set[str]:
-    return {n.value for n in _walk(function) if isinstance(n, cst.Name)}
+    return {n.value for n in walk(function) if isinstance(n, cst.Name)}
 
 
 def _fresh(base: str, taken: set[str]) -> str:
@@ -78,7 +142,7 @@ def _plan(statement, sites, taken, ctx: Context):
     mul = ctx.code(" * ", "*")
     for site in sites:
         receiver = site.node.func.value
-        for cast in (n for n in _walk(statement) if m.matches(n, CAST)):
+        for cast in (n for n in walk(statement) if m.matches(n, CAST)):
             if cast in replace:
                 continue
             name = _fresh(_cast_name(cast), taken)

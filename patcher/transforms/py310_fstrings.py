@@ -16,9 +16,10 @@ quoting; they are reported with their line and the output is not written.
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 
-from patcher.survey import pep701_kind
-from patcher.transforms.base import Context, Note, replace_nodes
+from patcher.survey import Survey
+from patcher.transforms.base import Context, Feature, Note, replace_nodes
 
 FEATURE = "py310_fstrings"
 
@@ -35,8 +36,8 @@ class Unfixable(Exception):
 
 
 def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
-    """Rewrite each surveyed PEP 701 f-string (`survey.pep701_fstrings`)."""
-    sites = ctx.survey.pep701_fstrings
+    """Rewrite each PEP 701 f-string `find_pep701_fstrings` found."""
+    sites = ctx.facts[FEATURE]
     if not sites:
         return module, [Note(FEATURE, False, "no Python 3.12-only f-string")]
     replacements, notes = {}, []
@@ -45,11 +46,58 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         try:
             replacements[node] = rewrite(node, ctx.survey.module)
         except Unfixable as error:
-            notes.append(Note(FEATURE, False, f"cannot rewrite for Python 3.10: {error}", line))
+            notes.append(Note(FEATURE, False, f"cannot rewrite for Python 3.10: {error}", line, unfixable=True))
             continue
         notes.append(Note(FEATURE, True, "nested same-quote f-string (PEP 701) requoted for Python 3.10", line))
     module = replace_nodes(module, replacements, ctx)
     return module, notes
+
+
+def find_pep701_fstrings(survey: Survey) -> list[cst.FormattedString]:
+    """The outermost f-strings that only Python 3.12+ parses (an inner one counts when its outer one is fine)."""
+    module = survey.module
+    found: list[cst.FormattedString] = []
+    for node, outer in survey.collector.fstrings:
+        if not any(o in found for o in outer) and pep701_kind(node, module) is not None:
+            found.append(node)
+    return found
+
+
+def pep701_kind(node: cst.FormattedString, module: cst.Module) -> str | None:
+    """Which Python 3.12-only form (PEP 701) a replacement field of `node` uses, or None.
+
+    "quote": the f-string's own quote reused inside a field (`f"{", ".join(xs)}"`);
+    "backslash", "comment", "newline" (in a single-quoted f-string): the other forms
+    Python 3.10 and 3.11 reject, reported before "quote" when both occur. Fields
+    nested in format specs count too.
+    """
+    quote = node.start.lstrip("fFrRbBuU")
+    codes = [(part, module.code_for_node(part)) for part in _fstring_fields(node.parts)]
+    # The forms quoting cannot fix first, so that a rewrite never hides one of them.
+    for part, code in codes:
+        if "\\" in code:
+            return "backslash"
+        if m.findall(part, m.Comment()):
+            return "comment"
+        if len(quote) == 1 and ("\n" in code or "\r" in code):
+            return "newline"
+    if any(quote in code for _, code in codes):
+        return "quote"
+    return None
+
+
+def _fstring_fields(parts) -> list[cst.FormattedStringExpression]:
+    """Replacement fields of an f-string, including those nested in format specs."""
+    out = []
+    for part in parts:
+        if isinstance(part, cst.FormattedStringExpression):
+            out.append(part)
+            out.extend(_fstring_fields(part.format_spec or ()))
+    return out
+
+
+# Last: requotes the f-strings of the script as the other features left them.
+UNIT = Feature(name=FEATURE, apply=apply, order=100, analyse=find_pep701_fstrings)
 
 
 def rewrite(node: cst.FormattedString, module: cst.Module) -> cst.FormattedString:

@@ -28,7 +28,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher import cst_walk
-from patcher.transforms.base import Context, Note, ReplaceNodes, edit_tops, replace_nodes
+from patcher.transforms.base import Context, Feature, Note, ReplaceNodes, Toggle, edit_tops, replace_nodes
 
 FEATURE = "step_timing"
 LOOPS = (cst.For, cst.While)
@@ -82,6 +82,13 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     where = ", ".join(f"{phase} line {lines[phase]}" for phase in ("batch", "forward", "backward", "optimizer", "val") if phase in lines)
     extra = "" if step.val else "; no eval_val(...) in the loop, val_ms stays 0"
     return module, [Note(FEATURE, True, f"training loop at line {survey.line_of(step.loop)} timed per step ({where}), logged through {log_name}{extra}", survey.line_of(step.loop))]
+
+
+# order 40: times the calls the training-loader rewrites left in the loop
+UNIT = Feature(FEATURE, apply, order=40, diagnostic=True, injected="_step_timer", runtime={"step_timing": ("copy_stream",)}, toggles=(
+    Toggle("TRAINING_TIMING_BREAKDOWN", 0, "log the time of each training-step phase (batch, forward, backward, optimizer)", slot=3),
+    Toggle("TRAINING_TIMING_EVERY", 200, "steps between two timing lines", slot=4),
+))
 
 
 def find_training_step(survey) -> tuple[TrainingStep | None, str | None, int | None]:

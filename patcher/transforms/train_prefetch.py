@@ -44,7 +44,7 @@ import libcst.matchers as m
 
 from patcher.assembly import Recognition, recognise_shuffled
 from patcher.cst_walk import walk
-from patcher.transforms.base import Context, Note, replace_nodes
+from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
 
@@ -286,3 +286,20 @@ def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
             names = ", ".join(f"`{a}`" for a in changing)
             return f"next_batch gets per-step argument {names} and moves batches to the GPU itself; only constant arguments run ahead", call.line
     return None, None
+
+
+TOGGLES = (
+    Toggle("TRAIN_PREFETCH", 1, "build training batches ahead on a background thread", slot=0),
+    Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", slot=1),
+    Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", slot=9),
+    Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", slot=10),
+)
+RUNTIME = {
+    "staging": (),
+    "prefetch_lean": ("copy_stream", "staging"),
+    "prefetch_loader": ("copy_stream", "staging"),
+    "prefetch_iterator": ("prefetch_loader",),
+    "ordered_handoff": ("prefetch_loader",),
+    "shuffled_assembly": (),
+}
+UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, injected="_make_train_loader")

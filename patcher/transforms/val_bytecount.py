@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from patcher.transforms.base import Context, Note, Tracking, edit_tops
+from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
 from patcher.val_survey import find_val_loops
 
 FEATURE = "val_bytecount"
@@ -50,6 +50,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         tops = {survey.top_level_of(site.loop) for site, _ in plans.values()}
         module = edit_tops(module, ctx, tops, _SplitBlocks(plans))
     return module, notes
+
+
+# before val_prefetch, which rebuilds the loops whose statements this edits
+UNIT = Feature(FEATURE, apply, order=50, toggles=(Toggle("VAL_BYTECOUNT_DEVICE", "cuda", "where validation counts target bytes: cuda, or cpu from the host slice", slot=7),), runtime={"val_bytecount": ()}, injected="_val_byte_count", diagnostic=True)
 
 
 def _host_branch(site, module: cst.Module, ctx: Context) -> cst.If:

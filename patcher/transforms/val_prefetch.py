@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import libcst as cst
 
-from patcher.transforms.base import Context, Note, Tracking, edit_tops
-from patcher.val_survey import ValLoop, _walk_own, find_val_loops
+from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
+from patcher.cst_walk import walk_own
+from patcher.val_survey import ValLoop, find_val_loops
 
 FEATURE = "val_prefetch"
 BATCH_NAME = "_val_batch"
@@ -50,7 +51,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         if site.reason is not None:
             notes.append(Note(FEATURE, False, site.reason, site.line))
             continue
-        names = taken.setdefault(id(site.function_node), {n.value for n in _walk_own(site.function_node) if isinstance(n, cst.Name)})
+        names = taken.setdefault(id(site.function_node), {n.value for n in walk_own(site.function_node) if isinstance(n, cst.Name)})
         slice_name = _free_name("_val_slice", names)
         names.add(slice_name)
         plans[site.loop] = _Plan(site, slice_name, _iterable(site, slice_name, ctx, module), _slice_function(site, slice_name, ctx))
@@ -60,6 +61,12 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         tops = {survey.top_level_of(loop) for loop in plans}
         module = edit_tops(module, ctx, tops, _RewriteLoops(plans))
     return module, notes
+
+
+UNIT = Feature(FEATURE, apply, order=60, runtime={"prefetch_val": ("copy_stream",)}, injected="_val_prefetch", toggles=(
+    Toggle("VAL_PREFETCH", 1, "build the next validation batch ahead into pinned memory", slot=5),
+    Toggle("VAL_COPY_STREAM", 1, "host-to-device copies of validation batches on a dedicated CUDA stream", slot=6),
+))
 
 
 class _Plan:

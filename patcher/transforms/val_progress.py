@@ -16,7 +16,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.transforms.base import Context, Note, Tracking, edit_tops
+from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
 from patcher.val_survey import find_val_loops
 
 FEATURE = "val_progress"
@@ -42,6 +42,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         ctx.need("val_progress")
         module = edit_tops(module, ctx, {survey.top_level_of(loop) for loop in plans}, _WrapIterable(plans))
     return module, notes
+
+
+# wraps the iterable val_prefetch built
+UNIT = Feature(FEATURE, apply, order=70, toggles=(Toggle("VAL_PROGRESS_LOG_EVERY", 0, "validation batches between two progress lines (0: none)", slot=8),), runtime={"val_progress": ()}, injected="_val_progress", diagnostic=True)
 
 
 class _WrapIterable(Tracking):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import ast
-import glob
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from patch_tables import assert_patch
 
 from patcher.cli import EXIT_BAD_INPUT, main
 from patcher.patch import features_from, patch_source
@@ -16,24 +15,13 @@ from patcher.patch import features_from, patch_source
 ONLY = features_from(["py310_fstrings"], None)
 
 
-def _interpreter(version: str) -> str | None:
-    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    found = sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))
-    return found[-1] if found else None
-
-
-PY310, PY312 = _interpreter("3.10"), _interpreter("3.12")
-needs_310 = pytest.mark.skipif(PY310 is None, reason="no real CPython 3.10 (pyenv) on this machine")
-needs_312 = pytest.mark.skipif(PY312 is None, reason="no real CPython 3.12 (pyenv) on this machine")
-
-
 def compiles_with(python: str, source: str) -> bool:
     done = subprocess.run([python, "-c", "import sys; compile(sys.stdin.read(), 'x', 'exec')"], input=source, text=True, capture_output=True)
     return done.returncode == 0
 
 
-def ast_dump_312(source: str) -> str:
-    done = subprocess.run([PY312, "-c", "import ast, sys; print(ast.dump(ast.parse(sys.stdin.read())))"], input=source, text=True, capture_output=True, check=True)
+def ast_dump_312(python312: str, source: str) -> str:
+    done = subprocess.run([python312, "-c", "import ast, sys; print(ast.dump(ast.parse(sys.stdin.read())))"], input=source, text=True, capture_output=True, check=True)
     return done.stdout
 
 
@@ -48,20 +36,15 @@ REWRITES = [
 
 @pytest.mark.parametrize("before, after", REWRITES)
 def test_rewrites(before, after):
-    result = patch_source(before, ONLY)
-    assert result.source == after
+    result = assert_patch(before, after, only="py310_fstrings")
     assert result.applied == ["py310_fstrings"]
 
 
 @pytest.mark.parametrize("before, after", REWRITES)
-@needs_310
-@needs_312
-def test_rewrites_compile_on_real_310_with_the_same_ast(before, after):
-    if before == after:
-        pytest.skip("not a rewrite case")
-    assert not compiles_with(PY310, before)
-    assert compiles_with(PY310, after)
-    assert ast_dump_312(before) == ast_dump_312(after)
+def test_rewrites_compile_on_real_310_with_the_same_ast(before, after, python310, python312):
+    assert not compiles_with(python310, before)
+    assert compiles_with(python310, after)
+    assert ast_dump_312(python312, before) == ast_dump_312(python312, after)
 
 
 @pytest.mark.parametrize(
@@ -74,9 +57,7 @@ def test_rewrites_compile_on_real_310_with_the_same_ast(before, after):
     ],
 )
 def test_noop(source):
-    result = patch_source(source, ONLY)
-    assert result.source == source
-    assert not result.applied
+    assert_patch(source, None, only="py310_fstrings")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,441 @@
+"""Does it import? `import_smoke` loads the code in a child process under a module name
+other than `__main__`, registered in `sys.modules` first (the dataclass trap), with
+missing GPU-only packages stubbed; a script that trains at top level is cut before its
+first run-time statement (`importable_part`, `definitions_only`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from patcher import cst_walk
+from patcher.cst_walk import dotted
+from patcher.compile_check import EMPTY, last_line, parse_known
+
+
+_BOM = "\ufeff"
+
+
+@dataclass
+class ImportResult:
+    """Outcome of the import smoke test.
+
+    ok: the module body ran to the end (or to `stopped_at`) without an exception.
+    stubbed: full names of the missing modules replaced by stubs, in import order
+    (e.g. ["flash_attn_interface", "some_pkg", "some_pkg.sub"]). stopped_at: 1-based
+    line of the first top-level statement not imported (a script that trains at top
+    level, with no `if __name__ == "__main__":`), None when the whole module ran.
+    error: one line, "ExcType: message (line N in func)", or why it could not run.
+    seconds: wall time of the child process. line: line of the error in the script
+    (payload lines for a wrapped script), None when unknown or ok.
+    """
+
+    ok: bool
+    stubbed: list[str] = field(default_factory=list)
+    stopped_at: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    line: int | None = None
+    note: str | None = None
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds, note."""
+        return {
+            "note": self.note,
+            "ok": self.ok,
+            "stubbed": list(self.stubbed),
+            "stopped_at": self.stopped_at,
+            "error": self.error,
+            "line": self.line,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+# --------------------------------------------------------------------------- import smoke
+
+# Runs in a child interpreter (the running one, which has torch). argv: script, module name.
+_IMPORT_RUNNER = "import sys; from patcher.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2])"
+
+# Tree mode: fork the import smoke from a process that has torch imported already
+# (saves the interpreter start and the ~1 s torch import per file).
+_FORKED_SMOKE = False
+
+
+def use_forked_smoke() -> None:
+    """Import torch here and fork later import smokes from this process (Linux, tree mode).
+
+    Only for processes that do nothing else with torch: a fork copies the parent's
+    state, and a parent with CUDA or OpenMP threads running must not fork.
+    """
+    global _FORKED_SMOKE
+    if hasattr(os, "fork"):
+        # Imported once, before the forks: torch, and the compiler stack that scripts
+        # touch at import (`torch._dynamo.config`, `torch._inductor.config`), ~1.5 s each time.
+        for name in ("torch", "torch._dynamo", "torch._inductor.compile_fx"):
+            try:
+                importlib.import_module(name)
+            except Exception:
+                pass
+        _FORKED_SMOKE = True
+
+
+def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mapping[str, cst.Module] = EMPTY) -> ImportResult:
+    """Import `source` in a child process of the running Python and report what happened.
+
+    source: the code (the payload for a wrapped script). filename: its name; the code
+    is written to a fresh temporary directory as `<stem>.py` and run there (the working
+    directory), under the module name `_smoke_<stem>`, never `__main__`, registered in
+    `sys.modules` before it executes. Missing packages imported by the script are stubbed
+    (`stubbed`). Without an `if __name__ == "__main__":` guard only the leading
+    definitions run (`stopped_at`). timeout: seconds before the child, its process
+    group and every process it started (even in a new session) are killed; the result
+    then says "timed out after N s". Processes the script starts and leaves running are
+    killed when the import ends. Never raises for problems in the script. known: as
+    for `_parse`.
+    """
+    source = source[1:] if source.startswith(_BOM) else source
+    body, stopped_at = importable_part(source, known)
+    stem = _safe_stem(filename)
+    with tempfile.TemporaryDirectory(prefix="patch-prefetch-smoke-") as tmp:
+        script = os.path.join(tmp, stem + ".py")
+        with open(script, "w", encoding="utf-8", newline="") as f:
+            f.write(body)
+        run = _fork_child if _FORKED_SMOKE else _run_child
+        result = run(script, f"_smoke_{stem}", tmp, timeout)
+    result.stopped_at = stopped_at
+    return result
+
+
+def _safe_stem(filename: str) -> str:
+    stem = Path(str(filename)).stem
+    stem = "".join(c if c.isalnum() or c == "_" else "_" for c in stem)
+    return stem if stem and not stem[0].isdigit() else f"script_{stem}"
+
+
+def _run_child(script: str, module_name: str, cwd: str, timeout: float) -> ImportResult:
+    """Run the import runner on `script`; kill its process group after `timeout` seconds."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _IMPORT_RUNNER, script, module_name],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return ImportResult(False, error=f"timed out after {timeout:g} s", seconds=time.monotonic() - start)
+    except BaseException:  # Ctrl-C: the child and what it started go too
+        _kill_group(proc)
+        raise
+    return _import_result(out, time.monotonic() - start, f"import child exited with code {proc.returncode} and no result: {last_line(err)}")
+
+
+def _import_result(out: bytes, seconds: float, no_result: str) -> ImportResult:
+    """The ImportResult in the child's last JSON line; `no_result` is the error without one."""
+    reply = _last_json(out)
+    if reply is None:
+        return ImportResult(False, error=no_result, seconds=seconds)
+    return ImportResult(
+        ok=bool(reply.get("ok")),
+        stubbed=list(reply.get("stubbed") or []),
+        error=reply.get("error"),
+        seconds=seconds,
+        line=reply.get("line"),
+    )
+
+
+def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> ImportResult:
+    """`_run_child`, forked from this process instead of a fresh interpreter."""
+    from patcher import smoke_child
+
+    start = time.monotonic()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own session, output discarded, one JSON line back
+        try:
+            os.close(read_end)
+            os.setsid()
+            smoke_child.become_subreaper()
+            os.chdir(cwd)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            smoke_child.report(smoke_child.smoke_import(script, module_name), write_end)
+        finally:
+            os._exit(1)
+    os.close(write_end)
+    data = b""
+    try:
+        while True:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                _kill_tree(pid)
+                os.waitpid(pid, 0)
+                return ImportResult(False, error=f"timed out after {timeout:g} s", seconds=time.monotonic() - start)
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            data += chunk
+    except BaseException:  # Ctrl-C: the child and what it started go too
+        _kill_tree(pid)
+        os.waitpid(pid, 0)
+        raise
+    finally:
+        os.close(read_end)
+    _, status = os.waitpid(pid, 0)
+    return _import_result(data, time.monotonic() - start, f"import child exited with status {status} and no result")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL the child `pid`, its process group and every process descended from it.
+
+    The child is stopped first, so that it starts nothing new, and is a subreaper
+    (`smoke_child.become_subreaper`), so processes that left its group with `setsid`
+    are still found among its descendants.
+    """
+    from patcher.smoke_child import kill_descendants
+
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except OSError:
+        pass
+    kill_descendants(pid)
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child, its process group and its descendants (`_kill_tree`), then reap it."""
+    _kill_tree(proc.pid)
+    try:
+        proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _last_json(out: bytes) -> dict | None:
+    lines = [ln for ln in out.decode("utf-8", "replace").splitlines() if ln.strip()]
+    if not lines:
+        return None
+    try:
+        reply = json.loads(lines[-1])
+    except ValueError:
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+# --------------------------------------------------------------------------- top-level training
+
+# Calls that are cheap and side-effect free enough to run while importing definitions.
+_CHEAP_CALLS = frozenset(
+    {
+        "os.environ.get", "environ.get", "os.getenv", "getenv",
+        "int", "float", "str", "bool", "bytes", "tuple", "list", "dict", "set", "frozenset",
+        "len", "min", "max", "abs", "round", "range", "object",
+        "Path", "pathlib.Path", "os.path.join", "os.path.dirname", "os.path.basename",
+        "os.path.abspath", "os.path.expanduser",
+        "TypeVar", "typing.TypeVar", "namedtuple", "collections.namedtuple", "NamedTuple",
+        "field", "dataclasses.field", "re.compile", "logging.getLogger",
+        # run names built at the top of modded-nanogpt scripts: run_id = f"... {uuid.uuid4()}"
+        "uuid.uuid4", "uuid.uuid1", "time.time", "repr",
+    }
+)
+
+
+def importable_part(source: str, known: Mapping[str, cst.Module] = EMPTY) -> tuple[str, int | None]:
+    """(code to import, line where it was cut or None).
+
+    A script with an `if __name__ == "__main__":` guard, or one that libcst cannot
+    parse, is returned whole. Otherwise the code is cut before the first top-level
+    statement that is not an import, definition, docstring, cheap assignment,
+    `if TYPE_CHECKING:` or try-import block, or that calls `torch.cuda.*` or
+    `init_process_group` while defining (decorators, defaults, class bodies).
+    The kept text is byte-identical, so line numbers do not move. known: as for `_parse`.
+    """
+    module = parse_known(source, known)
+    if module is None or _has_main_guard(module):
+        return source, None
+    body = list(module.body)
+    cut = next((i for i, stmt in enumerate(body) if not _is_definition(stmt)), None)
+    if cut is None:
+        return source, None
+    prefix = module.with_changes(body=body[: cut + 1])
+    positions = MetadataWrapper(prefix, unsafe_skip_copy=True).resolve(PositionProvider)
+    stop = body[cut]
+    first = stop.decorators[0] if getattr(stop, "decorators", None) else stop
+    line = positions[first].start.line
+    return module.with_changes(body=body[:cut], footer=()).code, line
+
+
+def definitions_only(source: str, known: Mapping[str, cst.Module] = EMPTY) -> str:
+    """`source` without its top-level training code: every top-level statement that
+    `importable_part` would keep (imports, definitions, cheap assignments), from the
+    whole file, not only before the first one it cuts at. A script with a
+    `__main__` guard, or one libcst cannot parse, is returned whole. For `verify`,
+    which needs the functions a top-level script defines after its first run-time
+    statement (`args = Hyperparameters()`), and evaluates such statements itself.
+    known: as for `_parse`.
+    """
+    module = parse_known(source, known)
+    if module is None or _has_main_guard(module):
+        return source
+    return module.with_changes(body=[stmt for stmt in module.body if _is_definition(stmt)]).code
+
+
+_MAIN_GUARD = m.If(
+    test=m.Comparison(
+        left=m.Name("__name__"),
+        comparisons=[m.ComparisonTarget(operator=m.Equal(), comparator=m.SimpleString())],
+    )
+    | m.Comparison(
+        left=m.SimpleString(),
+        comparisons=[m.ComparisonTarget(operator=m.Equal(), comparator=m.Name("__name__"))],
+    )
+)
+
+
+def _has_main_guard(module: cst.Module) -> bool:
+    """True when a top-level `if __name__ == "__main__":` exists (either operand order)."""
+    for stmt in module.body:
+        if m.matches(stmt, _MAIN_GUARD):
+            strings = m.findall(stmt.test, m.SimpleString())
+            if any(s.evaluated_value == "__main__" for s in strings):
+                return True
+    return False
+
+
+def _is_definition(stmt: cst.CSTNode) -> bool:
+    """True for a top-level statement that only defines things and is safe to run on import."""
+    if _starts_gpu_or_dist(stmt):
+        return False
+    if isinstance(stmt, cst.SimpleStatementLine):
+        return all(_is_cheap_small(s) for s in stmt.body)
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+        return True
+    if isinstance(stmt, cst.If):
+        return _is_type_checking_block(stmt)
+    if isinstance(stmt, cst.Try):
+        return _is_try_import(stmt)
+    return False
+
+
+def _is_cheap_small(stmt: cst.BaseSmallStatement) -> bool:
+    if isinstance(stmt, (cst.Import, cst.ImportFrom, cst.Pass)):
+        return True
+    if isinstance(stmt, cst.Expr):  # a docstring, nothing else
+        return isinstance(stmt.value, (cst.SimpleString, cst.ConcatenatedString))
+    if isinstance(stmt, cst.Assign):
+        targets_ok = all(not m.findall(t.target, m.Call()) for t in stmt.targets)
+        return targets_ok and _is_cheap_expr(stmt.value)
+    if isinstance(stmt, (cst.AnnAssign, cst.AugAssign)):
+        value_ok = stmt.value is None or _is_cheap_expr(stmt.value)
+        return value_ok and not m.findall(stmt.target, m.Call())
+    return False
+
+
+def _is_cheap_expr(node: cst.CSTNode) -> bool:
+    """Literals, names, attributes, containers and arithmetic of those, and allowlisted calls."""
+    if isinstance(node, (cst.Integer, cst.Float, cst.Imaginary, cst.SimpleString, cst.Name, cst.Ellipsis)):
+        return True
+    if isinstance(node, cst.Lambda):
+        return True  # defines, runs nothing
+    if isinstance(node, cst.Call):
+        name = dotted(node.func, partial=False)
+        return name in _CHEAP_CALLS and all(_is_cheap_expr(a.value) for a in node.args)
+    cheap_kinds = (
+        cst.Attribute, cst.ConcatenatedString, cst.FormattedString, cst.FormattedStringExpression,
+        cst.Tuple, cst.List, cst.Set, cst.Dict, cst.UnaryOperation, cst.BinaryOperation,
+        cst.BooleanOperation, cst.Comparison, cst.IfExp, cst.Subscript,
+    )
+    if not isinstance(node, cheap_kinds):
+        return False
+    return all(_is_cheap_expr(child) for child in _value_children(node))
+
+
+def _value_children(node: cst.CSTNode) -> list[cst.CSTNode]:
+    """The sub-expressions of `node` that get evaluated (not operators or whitespace)."""
+    out: list[cst.CSTNode] = []
+    for child in cst_walk.children(node):
+        if isinstance(child, cst.BaseExpression):
+            out.append(child)
+        elif isinstance(child, (cst.BaseElement, cst.BaseDictElement, cst.SubscriptElement, cst.ComparisonTarget)):
+            out.extend(_value_children(child))
+        elif isinstance(child, (cst.Index, cst.Slice, cst.FormattedStringExpression)):
+            out.extend(_value_children(child))
+    return out
+
+
+def _is_type_checking_block(stmt: cst.If) -> bool:
+    is_tc = m.matches(stmt.test, m.Name("TYPE_CHECKING") | m.Attribute(attr=m.Name("TYPE_CHECKING")))
+    return is_tc and _only_imports(stmt.body.body) and (stmt.orelse is None or _only_imports(stmt.orelse.body.body))
+
+
+def _is_try_import(stmt: cst.Try) -> bool:
+    """`try: import x ... except ImportError: x = None` and the like."""
+    body = stmt.body.body
+    has_import = any(
+        isinstance(s, cst.SimpleStatementLine) and any(isinstance(x, (cst.Import, cst.ImportFrom)) for x in s.body)
+        for s in body
+    )
+    blocks = [body] + [h.body.body for h in stmt.handlers]
+    blocks += [b.body.body for b in (stmt.orelse, stmt.finalbody) if b is not None]
+    return has_import and all(_only_imports(b) for b in blocks)
+
+
+def _only_imports(stmts) -> bool:
+    """Only imports, `pass` and cheap assignments."""
+    return all(isinstance(s, cst.SimpleStatementLine) and all(_is_cheap_small(x) for x in s.body) for s in stmts)
+
+
+class _ImportTimeCalls(cst.CSTVisitor):
+    """Dotted names of calls made when a statement runs (not inside function bodies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        for decorator in node.decorators:
+            decorator.visit(self)
+        node.params.visit(self)
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        return False
+
+    def visit_Call(self, node: cst.Call) -> None:
+        name = dotted(node.func, partial=False)
+        if name:
+            self.names.append(name)
+
+
+def _starts_gpu_or_dist(stmt: cst.CSTNode) -> bool:
+    """Calls `torch.cuda.*` or `init_process_group` while the statement runs."""
+    calls = _ImportTimeCalls()
+    cst_walk.visit(stmt, calls)
+    return any(n.startswith(("torch.cuda.", "cuda.")) or n.rsplit(".", 1)[-1] == "init_process_group" for n in calls.names)

@@ -1,0 +1,203 @@
+"""One script on disk: read, patch, write, count and check it; what the command does for one file.
+
+`patch_file` is shared by the single-file command (patcher/cli.py), which prints its
+result, and tree mode (patcher/tree.py), which makes a row of it. It raises
+`SourceError` (bad input, unwritable output: one line naming the file) and
+`UsageError`; everything else it reports in the `FileResult`.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
+from patcher.features import DEFAULT_FEATURES
+from patcher.patch import PatchResult, patch_source
+from patcher.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
+
+WRITTEN, ALREADY_PATCHED, NOTHING_TO_PATCH, CHECK_FAILED = "written", "already patched", "nothing to patch", "check failed"
+
+
+class UsageError(Exception):
+    """Bad command-line usage (exit code 2), such as a missing output path."""
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """How to patch one file.
+
+    enabled: feature names. rewrap: re-wrap a wrapped input's payload. check: check
+    what was written (compile on `python`, import smoke unless not `run_import`, within
+    `timeout` seconds). byte_breakdown: count what each feature adds. in_place: the
+    output is the input (a `.orig` backup is kept). producer_toggles: also add
+    `TRAIN_PREFETCH_WORKERS` and `TRAIN_PREFETCH_NUMPY` where the loader family has them.
+    """
+
+    enabled: frozenset[str] = frozenset(DEFAULT_FEATURES)
+    rewrap: bool = True
+    check: bool = True
+    run_import: bool = True
+    python: str = "3.10"
+    timeout: float = 60.0
+    byte_breakdown: bool = True
+    in_place: bool = False
+    producer_toggles: bool = False
+
+
+@dataclass
+class FileResult:
+    """What `patch_file` did to one file.
+
+    status: "written" | "already patched" | "nothing to patch" | "check failed".
+    report: the JSON report of the command (input, output, written, applied, skipped,
+    notes, code_bytes, wrapped, artifact, seconds, check). patch: the `PatchResult`.
+    check: the `CheckResult` of what was written, None when not checked. budget: the
+    artifact budget from a submission.json beside the input, None without one.
+    original / patched: the unwrapped source before and after (for a diff).
+    over_cap: the one-line error when the patched artifact is over the cap, else None.
+    """
+
+    status: str
+    report: dict
+    patch: PatchResult
+    original: str
+    patched: str
+    check: object | None = None
+    budget: Budget | None = None
+    over_cap: str | None = field(default=None)
+
+
+def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> FileResult:
+    """Patch the script at `in_path` into `out_path` ("-": stdout). Returns a `FileResult`.
+
+    Raises SourceError for bad input or an output that cannot be written (nothing is
+    written then) and for a site the tool cannot rewrite for the target Python.
+    """
+    started = time.perf_counter()
+    in_path = Path(in_path)
+    script = read_script(in_path)
+    if options.in_place and (problem := output_problem(in_path)) is not None:
+        raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
+    result = patch_source(script.source, set(options.enabled), module=script.module, producer_toggles=options.producer_toggles)
+    for note in result.skipped:
+        if note.unfixable:
+            if script.wrapped:
+                raise SourceError(in_path, f"payload line {note.line}: {note.reason}; nothing written")
+            raise SourceError(in_path, f"{note.reason}; nothing written", note.line)
+    wrote = False
+    text = script.raw
+    patched = keep_style(script, result.source)  # the input's line endings and BOM
+    if result.changed:
+        _compile_like_input(script, patched)
+        text = render(script, patched, rewrap=options.rewrap)
+    elif result.already_patched and not options.rewrap:
+        text = script.source
+    if result.changed or (result.already_patched and not options.in_place):
+        wrote = _write(text, out_path, options.in_place)
+    report = {
+        "input": str(in_path),
+        "output": None if out_path is None else ("-" if out_path == "-" else str(out_path)),
+        "written": wrote,
+        "already_patched": result.already_patched,
+        "applied": result.applied,
+        "skipped": [n.as_dict() for n in result.skipped],
+        "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
+        "code_bytes": _counted_bytes(script, result, set(options.enabled), breakdown=options.byte_breakdown),
+        "wrapped": script.wrapped,
+    }
+    budget = _budget(in_path, report["code_bytes"])
+    if budget is not None:
+        report["artifact"] = budget.as_dict()
+    report["seconds"] = round(time.perf_counter() - started, 3)
+    check = None
+    if wrote and options.check:
+        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options)
+        report["check"] = check.as_dict()
+    over_cap = f"{in_path}: {_over_cap_line(budget, report['code_bytes'])}" if budget is not None and budget.over else None
+    if over_cap is not None or (check is not None and not check.ok):
+        status = CHECK_FAILED
+    elif result.already_patched:
+        status = ALREADY_PATCHED
+    else:
+        status = WRITTEN if result.changed else NOTHING_TO_PATCH
+    return FileResult(status, report, result, script.source, patched, check, budget, over_cap)
+
+
+def _written_script(script: Script, result, text: str, patched: str) -> Script:
+    """The written file as a Script: `text` on disk, its code (`patched`), its wrapper
+    if any, and the patched tree (`result.module` prints to exactly `result.source`)."""
+    if text == script.raw:
+        return script
+    module = result.module if patched == result.source else None
+    if script.wrapped and text != patched:
+        return Script(script.path, text, patched, script.wrapper, module)  # re-wrapped; render checked the round trip
+    return Script(script.path, text, text, module=module if text == patched else None)
+
+
+def _check_written(text: str, written: Script, out_path, in_path: Path, options: FileOptions):
+    """Run `check` on what was written (a temporary copy for stdout)."""
+    from patcher.check import check_file
+
+    kwargs = dict(target=options.python, timeout=options.timeout, run_import=options.run_import)
+    if out_path != "-":
+        return check_file(out_path, script=replace(written, path=Path(out_path)), **kwargs)
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / in_path.name
+        copy.write_text(text)
+        return check_file(copy, script=replace(written, path=copy), **kwargs)
+
+
+def _compile_like_input(script, patched: str) -> None:
+    """Compile the patched source with the running Python when the input compiled with it."""
+    bom = "\ufeff"
+    try:
+        compile(script.source.removeprefix(bom), str(script.path), "exec")
+    except SyntaxError:
+        return  # the input needs a newer Python; the output is no worse (see `check`)
+    try:
+        compile(patched.removeprefix(bom), str(script.path), "exec")
+    except SyntaxError as error:  # a bug in a transform, not the user's input
+        raise RuntimeError(f"patched source does not compile: line {error.lineno}: {error.msg}") from error
+
+
+def _write(text: str, out_path, in_place: bool) -> bool:
+    if out_path == "-":
+        sys.stdout.write(text)
+        return True
+    try:
+        write_atomic(out_path, text, backup_suffix=".orig" if in_place else None)
+    except FileExistsError:
+        backup = f"{out_path}.orig"
+        raise SourceError(out_path, f"backup {backup} already exists; not overwritten (move it away to patch in place again); nothing written") from None
+    except OSError as error:
+        raise SourceError(out_path, f"cannot write output: {error.strerror or error}") from None
+    return True
+
+
+def _counted_bytes(script: Script, result, enabled: set[str], breakdown: bool) -> dict:
+    """The report's `code_bytes`: counted as the record counts them (see patcher.code_size)."""
+    module = result.survey.module if result.survey is not None else script.module
+    counting = counting_of(module, script.wrapped) if module is not None else Counting("raw")
+    try:
+        return count_patch(script, result, enabled, counting, breakdown)
+    except CountError as error:
+        raise SourceError(script.path, f"cannot count code bytes: {error}") from None
+
+
+def _budget(in_path: Path, counted: dict) -> Budget | None:
+    """The artifact budget from a submission.json beside the input, or None."""
+    reported = read_artifact_bytes(in_path)
+    if reported is None:
+        return None
+    return Budget(ARTIFACT_CAP, reported, reported + counted["after"] - counted["before"])
+
+
+def _over_cap_line(budget: Budget, counted: dict) -> str:
+    costs = ", ".join(f"{name} {added:+d}" for name, added in counted["by_feature"].items())
+    costs = f": {costs}" if costs else " (per feature: run it without --no-byte-breakdown)"
+    already = f", already {budget.before - budget.cap} over before the patch" if budget.before > budget.cap else ""
+    return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}{already}; the patch adds {counted['after'] - counted['before']:+d}{costs})"

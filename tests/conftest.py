@@ -1,0 +1,31 @@
+"""Shared test fixtures: the real interpreters some tests compile with.
+
+`find_python` (patcher.interpreters) is the one finder: `pythonX.Y` on PATH, then pyenv's
+versions folder. It runs when a test first asks for the fixture, never at import,
+and a test whose interpreter is missing is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from patcher.interpreters import find_python
+
+
+def _interpreter(version: str) -> str:
+    path, _ = find_python(version)
+    if path is None:
+        pytest.skip(f"no real Python {version} installed (PATH or pyenv)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def python310() -> str:
+    """Path of a real CPython 3.10; skips the test when none is installed."""
+    return _interpreter("3.10")
+
+
+@pytest.fixture(scope="session")
+def python312() -> str:
+    """Path of a real CPython 3.12; skips the test when none is installed."""
+    return _interpreter("3.12")

@@ -306,17 +306,9 @@ def test_parallel_assignment_names_are_run_constants():
 
 
 def test_runtime_in_a_minified_script_takes_its_tabs_and_no_docstrings():
-    minified = (
-        "import os,torch\n"
-        "class Hyperparameters():seed=int(os.environ.get('SEED',1));n=2\n"
-        "class L:\n"
-        "\tdef __init__(self,h,device):self.device=device;self.i=0\n"
-        "\tdef next_batch(self,a,b):self.i+=1;x=torch.full((a,),self.i);return x.to(self.device,non_blocking=True),x.to(self.device,non_blocking=True)\n"
-        "def main(h,device):\n"
-        "\ttrain_loader=L(h,device)\n"
-        "\tfor i in range(3):x,y=train_loader.next_batch(h.n,h.n)\n"
-    )
-    result = patch_source(minified)  # the script's own lines: test_feature_env_toggles.py
+    from test_feature_env_toggles import MINIFIED
+
+    result = patch_source(MINIFIED)  # the script's own lines: test_feature_env_toggles.py
     assert "\n\tdef shutdown(self):" in result.runtime  # runtime indented with the script's tabs
     assert '"""' not in result.source.split("# patch-prefetch ", 1)[1].split("class Hyperparameters", 1)[0]  # no docstrings
     compile(result.source, "minified", "exec")

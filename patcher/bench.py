@@ -52,7 +52,6 @@ original's, and `producer_ratio_workers_vs_1` is N workers against one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -64,7 +63,7 @@ import numpy as np
 import torch
 
 from patcher.features import TOGGLES
-from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
+from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions, swapped
 from patcher.patch import patch_source
 from patcher.progress import running_clock, wanted
 from patcher.shards import write_shards
@@ -121,7 +120,7 @@ def run_bench(
     tuned_site = patched_constructions(tuned.source, recipe)[0]
     workers = max(1, int(workers))
     variants = _producer_variants(tuned_site, workers)
-    with _shard_dir(data_dir) as directory, host_only_pinning([]), _torch_threads(torch_threads):
+    with _shard_dir(data_dir) as directory, host_only_pinning([]), swapped(torch.get_num_threads, torch.set_num_threads, torch_threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
         modules = load_module(original_source, str(script)), load_module(result.source, str(script)), load_module(tuned.source, str(script))
         # Rank 0 of the record's own configuration, 8 GPUs: in the TokenStream family every
@@ -189,17 +188,6 @@ def _producer_report(report: dict, rates: dict, variants: dict, workers: int) ->
         report[f"producer_ratio_{name}"] = round(rate / original, 3) if rate and original else None
     one = rates.get("numpy", rates["python"])
     report["producer_ratio_workers_vs_1"] = round(rates["workers"] / one, 3) if "workers" in rates and one else None
-
-
-@contextlib.contextmanager
-def _torch_threads(count: int):
-    """torch's intra-op thread count set to `count` inside, restored after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _set_toggles(namespace: dict, values: dict) -> None:

@@ -237,6 +237,21 @@ def patched_constructions(source: str, recipe: LoaderRecipe) -> list[str]:
 
 
 @contextlib.contextmanager
+def swapped(read, write, value):
+    """`write(value)` inside, the value `read()` gave before written back after.
+
+    E.g. `swapped(os.getcwd, os.chdir, path)`, `swapped(torch.get_num_threads,
+    torch.set_num_threads, 1)`.
+    """
+    previous = read()
+    write(value)
+    try:
+        yield
+    finally:
+        write(previous)
+
+
+@contextlib.contextmanager
 def host_only_pinning(notes: list[str]):
     """Without CUDA, pinning raises; make `pin_memory()` the identity and drop `pin_memory=True` (values are the same)."""
     if torch.cuda.is_available():

@@ -35,6 +35,7 @@ from patcher.harness import (
     cuda_as_host,
     hparams_factory,
     host_only_pinning,
+    swapped,
     load_definitions,
     load_module,
     patched_constructions,
@@ -304,8 +305,9 @@ def _compare_phases(rank: int, phases, build, draw, what: str) -> Difference | N
 def _verify_iterator(recipe: IteratorRecipe, paths, sources, batches, world_size, seed, warmup, notes, started) -> VerifyResult:
     """`verify` for a data generator: both scripts imported definitions-only (a top-level
     script does not train), each rank's generator built by the script's own expression
-    with `dist` answering the simulated rank, and `batches` items compared in order."""
-    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as tmp, host_only_pinning(notes), cuda_as_host(notes), _working_dir(tmp), _launch_env(paths[0], world_size):
+    with `dist` answering the simulated rank, and `batches` items compared in order.
+    Runs in a scratch working directory: scripts glob data paths relative to it."""
+    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as tmp, host_only_pinning(notes), cuda_as_host(notes), swapped(os.getcwd, os.chdir, tmp), _launch_env(paths[0], world_size):
         modules = [_load_definitions(source, path) for source, path in zip(sources, paths)]
         for module in modules:
             module.__dict__.setdefault("device", torch.device("cpu"))
@@ -348,17 +350,6 @@ def _launch_env(script, world_size: int):
             else:
                 os.environ[key] = value
         sys.argv = saved_argv
-
-
-@contextlib.contextmanager
-def _working_dir(path):
-    """chdir into `path` inside (scripts glob data paths relative to the working directory)."""
-    previous = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
 
 
 def _largest_int_argument(recipe: IteratorRecipe, code: str, module) -> int:

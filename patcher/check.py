@@ -125,9 +125,11 @@ class ImportResult:
     seconds: float = 0.0
     line: int | None = None
     note: str | None = None
+    # the path the script was imported as (its `__file__` and `sys.argv[0]`): where it stands
+    as_path: str | None = None
 
     def as_dict(self) -> dict:
-        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds, note."""
+        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds, note, as_path."""
         return {
             "note": self.note,
             "ok": self.ok,
@@ -136,6 +138,7 @@ class ImportResult:
             "error": self.error,
             "line": self.line,
             "seconds": round(self.seconds, 3),
+            "as_path": self.as_path,
         }
 
 
@@ -472,7 +475,7 @@ def _fix_hint(node: cst.FormattedString, module: cst.Module, kind: str) -> str:
 # --------------------------------------------------------------------------- import smoke
 
 # Runs in a child interpreter (the running one, which has torch). argv: script, module name.
-_IMPORT_RUNNER = "import sys; from patcher.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2])"
+_IMPORT_RUNNER = "import sys; from patcher.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2], sys.argv[3])"
 
 # Tree mode: fork the import smoke from a process that has torch imported already
 # (saves the interpreter start and the ~1 s torch import per file).
@@ -497,7 +500,7 @@ def use_forked_smoke() -> None:
         _FORKED_SMOKE = True
 
 
-def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportResult:
+def import_smoke(source: str, filename: str, timeout: float = 60.0, as_path: str | os.PathLike | None = None) -> ImportResult:
     """Import `source` in a child process of the running Python and report what happened.
 
     source: the code (the payload for a wrapped script). filename: its name; the code
@@ -508,8 +511,13 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportRes
     definitions run (`stopped_at`). timeout: seconds before the child, its process
     group and every process it started (even in a new session) are killed; the result
     then says "timed out after N s". Processes the script starts and leaves running are
-    killed when the import ends. Never raises for problems in the script.
+    killed when the import ends. as_path: where the script stands (default `filename`):
+    its `__file__` and `sys.argv[0]` during the import, absolute, so that a script that
+    finds its data from its own location (`Path(__file__).resolve().parents[3]`) sees
+    the place it is meant to run from, not the temporary copy (`as_path` of the result).
+    Never raises for problems in the script.
     """
+    as_path = os.path.abspath(str(filename if as_path is None else as_path))
     source = source[1:] if source.startswith(_BOM) else source
     body, stopped_at = importable_part(source)
     stem = _safe_stem(filename)
@@ -518,8 +526,9 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0) -> ImportRes
         with open(script, "w", encoding="utf-8", newline="") as f:
             f.write(body)
         run = _fork_child if _FORKED_SMOKE else _run_child
-        result = run(script, f"_smoke_{stem}", tmp, timeout)
+        result = run(script, f"_smoke_{stem}", tmp, timeout, as_path)
     result.stopped_at = stopped_at
+    result.as_path = as_path
     return result
 
 
@@ -529,12 +538,12 @@ def _safe_stem(filename: str) -> str:
     return stem if stem and not stem[0].isdigit() else f"script_{stem}"
 
 
-def _run_child(script: str, module_name: str, cwd: str, timeout: float) -> ImportResult:
+def _run_child(script: str, module_name: str, cwd: str, timeout: float, as_path: str) -> ImportResult:
     """Run the import runner on `script`; kill its process group after `timeout` seconds."""
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _IMPORT_RUNNER, script, module_name],
+        [sys.executable, "-c", _IMPORT_RUNNER, script, module_name, as_path],
         cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -567,7 +576,7 @@ def _import_result(out: bytes, seconds: float, no_result: str) -> ImportResult:
     )
 
 
-def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> ImportResult:
+def _fork_child(script: str, module_name: str, cwd: str, timeout: float, as_path: str) -> ImportResult:
     """`_run_child`, forked from this process instead of a fresh interpreter."""
     from patcher import smoke_child
 
@@ -583,7 +592,7 @@ def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> Impo
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-            smoke_child.report(smoke_child.smoke_import(script, module_name), write_end)
+            smoke_child.report(smoke_child.smoke_import(script, module_name, as_path), write_end)
         finally:
             os._exit(1)
     os.close(write_end)
@@ -860,6 +869,7 @@ def check_file(
     timeout: float = 60.0,
     run_import: bool = True,
     script: Script | None = None,
+    as_path: str | os.PathLike | None = None,
 ) -> CheckResult:
     """Check one training script: compile on `target`, import smoke, one-file warnings.
 
@@ -872,7 +882,9 @@ def check_file(
     empty, binary, unparsable, corrupt wrapper, exec(open(other).read()) only).
     script: the file as already read (`patcher.source.Script`, e.g. what the main job
     just wrote and round-tripped), so that it is not read and unwrapped again; its
-    `module`, when set, is used instead of parsing `source` again.
+    `module`, when set, is used instead of parsing `source` again. as_path: where the
+    script is meant to stand (the input of a patch); the import smoke runs it with that
+    `__file__`. Default: `path` itself.
     """
     script = read_script(path) if script is None else script
     _KNOWN_TREE.clear()
@@ -885,7 +897,7 @@ def check_file(
     if script.wrapped:
         wrapper = compile_source(script.raw, name, target)
         wrapper.where = "file"
-    imports = _import_if_compiles(script.source, name, timeout) if run_import else None
+    imports = _import_if_compiles(script.source, name, timeout, path if as_path is None else as_path) if run_import else None
     return CheckResult(
         file=name,
         compile=compiled,
@@ -908,7 +920,7 @@ def _requoted(source: str) -> str | None:
     return fixed
 
 
-def _import_if_compiles(source: str, filename: str, timeout: float) -> ImportResult:
+def _import_if_compiles(source: str, filename: str, timeout: float, as_path=None) -> ImportResult:
     """import_smoke, unless the running Python cannot compile `source` (then say so)."""
     code = source[1:] if source.startswith(_BOM) else source
     try:
@@ -919,7 +931,7 @@ def _import_if_compiles(source: str, filename: str, timeout: float) -> ImportRes
         requoted = _requoted(code)
         if requoted is not None:
             # Same AST with PEP 701 f-strings requoted: import that, and say so.
-            result = import_smoke(requoted, filename, timeout)
+            result = import_smoke(requoted, filename, timeout, as_path)
             result.note = f"imported with its Python 3.12-only f-strings requoted (same AST); the running Python {platform.python_version()} cannot compile them"
             return result
         why = (
@@ -929,7 +941,7 @@ def _import_if_compiles(source: str, filename: str, timeout: float) -> ImportRes
         return ImportResult(False, error=why, line=e.lineno)
     except (ValueError, MemoryError, RecursionError) as e:
         return ImportResult(False, error=f"not imported: cannot compile ({type(e).__name__}: {e})")
-    return import_smoke(source, filename, timeout)
+    return import_smoke(source, filename, timeout, as_path)
 
 
 # --------------------------------------------------------------------------- self-contained

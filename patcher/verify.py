@@ -155,7 +155,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             raise CannotVerify(f"{original}: {why}") from None
         iterator.sent += [code for code in sends or [] if code not in iterator.sent]
         batches = DEFAULT_GENERATOR_ITEMS if batches is None else batches
-        with _toggles_cleared():
+        if True:  # the environment's toggles apply, as in a run
             return _verify_iterator(iterator, (original, patched), (original_source, patched_source), batches, world_size, seed, warmup, notes, started, as_path)
     try:
         patched_sites = patched_constructions(patched_source, recipe, original_source)
@@ -163,7 +163,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
         raise CannotVerify(f"{patched}: {error}") from None
     batches = DEFAULT_BATCHES if batches is None else batches
     top_level = definitions_only(original_source) != original_source
-    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, _launch_env(as_path, world_size), _toggles_cleared():
+    with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, _launch_env(as_path, world_size):
 
         def load_one(source: str, rank: int, env: dict | None = None):
             # A script that trains at top level: its definitions, as rank `rank` would run them.

@@ -104,7 +104,8 @@ def run_bench(
     if main_thread not in MAIN_THREAD_MODES:
         raise BenchError(f"--main-thread must be one of {', '.join(MAIN_THREAD_MODES)}, not {main_thread!r}")
     original_source = read_script(script).source
-    result = patch_source(original_source, keep=frozenset({"wait_full"}))  # the producer-rate rounds wait for a full queue
+    # The producer-rate rounds wait for a full queue and compare the producer variants.
+    result = patch_source(original_source, keep=frozenset({"wait_full"}), producer_toggles=True)
     if "train_prefetch" not in result.applied:
         reasons = "; ".join(n.reason for n in result.skipped if n.feature == "train_prefetch") or "no training loader"
         raise BenchError(f"{script}: nothing to benchmark: {reasons}")
@@ -412,15 +413,32 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
             t0 = time.perf_counter()
             kept = [loader.next_batch(*args) for _ in range(batches)]
             return len(kept) / (time.perf_counter() - t0)
-        loader._depth = batches  # the worker starts at the first call, with this depth
+        if hasattr(loader, "ready"):  # templates/prefetch_lean.py: room for `batches`, the worker starts at the first call
+            for _ in range(batches - loader.room.qsize()):
+                loader.room.put(None)
+            wait_full = lambda timeout: _wait_queued(loader.ready, batches, timeout)
+        else:
+            loader._depth = batches  # the worker starts at the first call, with this depth
         loader.next_batch(*args)  # cold start: worker start and its first batch
         t0 = time.perf_counter()
-        loader._worker.queue.room()
-        if not loader._worker.queue.wait_full(timeout=60.0):
+        if not hasattr(loader, "ready"):
+            loader._worker.queue.room()
+            wait_full = loader._worker.queue.wait_full
+        if not wait_full(timeout=60.0):
             raise BenchError("the prefetch worker did not fill its queue within 60 s")
         return batches / (time.perf_counter() - t0)
     finally:
         _close(loader)
+
+
+def _wait_queued(ready, count: int, timeout: float) -> bool:
+    """Poll (every ms) until the queue `ready` holds `count` items; False after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while ready.qsize() < count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _close(loader) -> None:

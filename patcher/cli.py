@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip", action="append", metavar="FEATURE", choices=FEATURES, help="do not apply this feature")
     parser.add_argument("--with", dest="extra", action="append", metavar="FEATURE", choices=FEATURES, help=f"also apply this feature; the diagnostics ({', '.join(DIAGNOSTICS)}) only add code until a toggle is set, so a default patch leaves them out")
     parser.add_argument("--diagnostics", action="store_true", help=f"also apply every diagnostic feature ({', '.join(DIAGNOSTICS)})")
+    parser.add_argument("--producer-toggles", action="store_true", help="also add the producer tuning toggles TRAIN_PREFETCH_WORKERS and TRAIN_PREFETCH_NUMPY where the loader family has them (ShuffledSequenceLoader); a default patch leaves them out, since they cost code bytes")
     parser.add_argument("--no-rewrap", action="store_true", help="write a wrapped input's patched payload as plain source")
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
@@ -179,7 +180,7 @@ def _run(args) -> int:
         enabled = features_from(args.only, args.skip, args.extra, args.diagnostics)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    result = patch_source(script.source, enabled, module=script.module)
+    result = patch_source(script.source, enabled, module=script.module, producer_toggles=args.producer_toggles)
     for note in result.skipped:
         if note.feature == "py310_fstrings" and note.reason.startswith("cannot rewrite"):
             where = " payload" if script.wrapped else ""
@@ -252,6 +253,7 @@ def _run_tree(args) -> int:
         raise UsageError(str(error)) from None
     options = [f"--only={f}" for f in args.only or []] + [f"--skip={f}" for f in args.skip or []]
     options += [f"--with={f}" for f in args.extra or []] + ["--diagnostics"] * args.diagnostics
+    options += ["--producer-toggles"] * args.producer_toggles
     options += ["--no-check"] * args.no_check + ["--no-rewrap"] * args.no_rewrap + [f"--python={args.python}", "--no-byte-breakdown"]
     options += ["--no-import"] * args.no_import + [f"--timeout={args.timeout}"]
     return tree.run(args, options)

@@ -213,6 +213,6 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
         if feature == order[-1]:
             now = after
         else:
-            now = counted(patch_source(script.source, so_far, module=result.survey.module, surveyed=result.survey).source)
+            now = counted(patch_source(script.source, so_far, module=result.survey.module, surveyed=result.survey, producer_toggles=result.producer_toggles).source)
         by_feature[feature], previous = now - previous, now
     return {"before": before, "after": after, "counted_as": counting.how, "by_feature": by_feature}

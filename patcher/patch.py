@@ -30,6 +30,7 @@ class PatchResult:
     notes: one `Note` per feature decision. already_patched: the input carries
     this tool's runtime already, so nothing was changed. module: the patched tree
     (`module.code == source`), so that checking the output need not parse it again.
+    producer_toggles: the option it was patched with (a re-patch repeats it).
     """
 
     source: str
@@ -37,6 +38,7 @@ class PatchResult:
     already_patched: bool = False
     survey: Survey | None = None
     module: cst.Module | None = field(default=None, repr=False)
+    producer_toggles: bool = False
 
     @property
     def applied(self) -> list[str]:
@@ -72,13 +74,15 @@ def features_from(only: list[str] | None, skip: list[str] | None, extra: list[st
     return enabled - set(skip or [])
 
 
-def patch_source(source: str, enabled: set[str] | None = None, module: cst.Module | None = None, surveyed: Survey | None = None, keep: frozenset[str] = frozenset()) -> PatchResult:
+def patch_source(source: str, enabled: set[str] | None = None, module: cst.Module | None = None, surveyed: Survey | None = None, keep: frozenset[str] = frozenset(), producer_toggles: bool = False) -> PatchResult:
     """Patch one script's source. Returns a `PatchResult`.
 
     enabled: feature names (default: `DEFAULT_FEATURES`, the command's default).
     module: `source` already parsed; surveyed: `module`'s survey (read-only, so one
     survey serves several patches of the same module); keep: runtime names to inject
-    although the script never uses them (methods a benchmark drives).
+    although the script never uses them (methods a benchmark drives);
+    producer_toggles: add `TRAIN_PREFETCH_WORKERS` and `TRAIN_PREFETCH_NUMPY` where the
+    loader family has them (`--producer-toggles`; costs code bytes).
     Raises libcst.ParserSyntaxError when `source` is not valid Python.
     """
     enabled = set(DEFAULT_FEATURES) if enabled is None else enabled
@@ -87,7 +91,7 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     if surveyed.already_patched:
         names = ", ".join(sorted(surveyed.already_patched))
         return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)
-    ctx = Context(surveyed, enabled, keep=set(keep))
+    ctx = Context(surveyed, enabled, keep=set(keep), producer_toggles=producer_toggles)
     notes: list[Note] = []
     for transform in TRANSFORMS:
         if transform.FEATURE not in enabled:
@@ -96,7 +100,7 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
         notes.extend(new_notes)
     if ctx.templates or ctx.constants:
         module = _insert_runtime(module, ctx)
-    return PatchResult(module.code, notes, False, surveyed, module)
+    return PatchResult(module.code, notes, False, surveyed, module, producer_toggles)
 
 
 def _insert_runtime(module: cst.Module, ctx: Context) -> cst.Module:

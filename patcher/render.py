@@ -31,6 +31,7 @@ TEMPLATE_DIR = Path(templates.__file__).parent
 DEPENDENCIES = {
     "copy_stream": [],
     "prefetch_loader": ["copy_stream"],
+    "prefetch_lean": ["copy_stream"],
     "prefetch_iterator": ["prefetch_loader"],
     "prefetch_val": ["copy_stream"],
     "val_bytecount": [],

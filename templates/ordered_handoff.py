@@ -9,7 +9,7 @@ carry no copy of it.
 import threading
 import time
 
-from templates.prefetch_loader import _EMPTY, _ORDERED_WORKER, _POLL_S, _Built, _signal, _snapshot, _stage, _Worker
+from templates.prefetch_loader import _EMPTY, _ORDERED_WORKER, _POLL_S, _Built, _snapshot, _stage, _Worker
 
 
 class _OrderedHandoff:
@@ -19,9 +19,10 @@ class _OrderedHandoff:
     and not taken) and `deliver`s it under its number; the consumer takes item 0, 1,
     2, ... (`get`), waiting when the next one is still being built, and frees a slot
     with `room()` when it chooses, which wakes at most one producer. Items wait in a
-    dict; delivering and taking are single dict operations under the GIL. Signals as in
-    `_Handoff`: the consumer states how many items in a row it waits for (`_want`)
-    before it looks, and a producer signals only such a consumer.
+    dict; delivering and taking are single dict operations under the GIL. Signals are
+    locks used as binary semaphores (released = "look again"): the consumer states how
+    many items in a row it waits for (`_want`) before it looks, and a producer signals
+    only such a consumer, so none is missed and a stale one costs one extra look.
     """
 
     _NOBODY = float("inf")
@@ -99,6 +100,13 @@ class _OrderedHandoff:
         return self._ready() >= self.depth
 
 
+def _signal(lock):
+    try:
+        lock.release()
+    except RuntimeError:
+        pass  # already signalled
+
+
 class _OrderedWorker(_Worker):
     """`workers` daemon threads: under `plan_lock`, number and plan a batch
     (`assembly.plan` or `next_batch`, the loader advancing in call order); outside it,
@@ -129,7 +137,9 @@ class _OrderedWorker(_Worker):
                     item = error
             if item is None:
                 try:
-                    item = _Built(before, self.assembly.gather(plan, self.pin) if self.assembly is not None else _stage(plan, self.pin, self.host_copy))
+                    item = self.assembly.gather(plan, self.pin) if self.assembly is not None else _stage(plan, self.pin, self.host_copy)
+                    if self.rollback:
+                        item = _Built(before, item)
                 except BaseException as error:
                     self.failed = True
                     item = error

@@ -242,7 +242,7 @@ class _CallsAhead:
             self._sync()
         if self._ahead is None:
             if self._stale:
-                self._replay()
+                self._rewind()
             self._args = args
             self._ahead = _PrefetchIterator(_repeated_calls(self._loader, args), self._depth, self._copy_stream)
         batch = next(self._ahead)
@@ -261,9 +261,9 @@ class _CallsAhead:
     def _sync(self):
         self.shutdown()
         if self._stale:
-            self._replay()
+            self._rewind()
 
-    def _replay(self):
+    def _rewind(self):
         self._loader = self._make_loader()
         for method, args, kwargs in self._history:
             getattr(self._loader, method)(*args, **kwargs)

@@ -38,9 +38,9 @@ behind it is cut; a `_CUT_HOOKS` name is filled only by the named template.
 """
 
 import atexit
-import collections
 import contextlib
 import copy
+import queue
 import threading
 import time
 import warnings
@@ -58,7 +58,7 @@ _POLL_S = 0.1
 # [_OrderedWorker] where templates/ordered_handoff.py is injected (several workers).
 _ORDERED_WORKER = []
 # Options of `_make_train_loader`, and the value of one that no call site passes.
-_CUT_OPTIONS = {"reshape_arg": None, "rollback": False, "host_copy": True, "workers": 1, "assembly": None, "attrs": False}
+_CUT_OPTIONS = {"reshape_arg": None, "rollback": False, "host_copy": True, "workers": 1, "assembly": None, "attrs": False, "replay": False}
 _CUT_HOOKS = {"_ORDERED_WORKER": "ordered_handoff"}
 
 
@@ -87,7 +87,7 @@ def _start_worker(worker):
         thread.start()
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True, workers=1, assembly=None, attrs=False):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True, workers=1, assembly=None, attrs=False, replay=False):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -106,15 +106,20 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     worker) or `_ShuffledAssembly` (`TRAIN_PREFETCH_NUMPY`): `plan(loader, args)`
     advances the loader as `next_batch(*args)`; `gather(plan, pin)` builds its batch;
     attrs: the script reads the loader's attributes (`train_loader.stream`), which
-    first settle it where the caller is (`_SettlingLoader`); without it such reads
-    raise AttributeError.
+    first settle it where the caller is (`_SettlingLoader`, needs `replay=True`);
+    without it such reads raise AttributeError; replay: keep the arguments of every batch
+    handed out, so that the loader can be rebuilt and replayed to the caller's
+    position when arguments change unexpectedly or after a shutdown; without it
+    (arguments the survey proved constant) either raises RuntimeError.
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
     _free_slot(slot)
     if not prefetch:
         return make_loader(device)
-    loader = _live_prefetchers[slot] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, workers=workers, assembly=assembly)
+    if attrs and not replay:
+        raise ValueError("prefetch: attrs=True needs replay=True")
+    loader = _live_prefetchers[slot] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, workers=workers, assembly=assembly, replay=replay)
     return loader
 
 
@@ -133,8 +138,8 @@ class _PrefetchLoader:
     A worker's exception is re-raised in the caller with the worker's traceback.
     """
 
-    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, workers=1, assembly=None):
-        self._make_loader, self._copy_stream, self._reshape_arg, self._rollback, self._host_copy, self._assembly = make_loader, copy_stream, reshape_arg, rollback, host_copy, assembly
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, workers=1, assembly=None, replay=False):
+        self._copy_stream, self._reshape_arg, self._rollback, self._host_copy, self._assembly, self._replay = copy_stream, reshape_arg, rollback, host_copy, assembly, replay
         self._workers = max(1, int(workers))
         self._device = torch.device(device)
         self._pin = self._device.type == "cuda" and torch.cuda.is_available()
@@ -143,7 +148,9 @@ class _PrefetchLoader:
         self._loader = make_loader(torch.device("cpu"))
         # The arguments of every batch handed out (for a replay), the worker and the
         # arguments it builds with, and whether the loader built batches nobody took.
-        self._handed_out, self._worker, self._worker_args, self._ahead = [], None, None, False
+        self._worker, self._worker_args, self._ahead = None, None, False
+        if self._replay:
+            self._make_loader, self._handed_out = make_loader, []
 
     def next_batch(self, *args):
         # The common case, a batch built with these arguments waiting in the queue, runs
@@ -153,10 +160,13 @@ class _PrefetchLoader:
             self._follow(args)
             worker = self._worker
         item = worker.queue.get(_POLL_S)
-        if item.__class__ is not _Built:
+        if item is _EMPTY or isinstance(item, BaseException):
             item = self._checked(item)
-        self._handed_out.append(args)
-        batch = item.batch if self._on_host and args == self._worker_args else self._to_device(item.batch, args)
+        if self._rollback:
+            item = item.batch
+        if self._replay:
+            self._handed_out.append(args)
+        batch = item if self._on_host and args == self._worker_args else self._to_device(item, args)
         # Last: the woken worker competes for the GIL, and a torch call above (which
         # releases it) would otherwise let the worker's Python run inside this call.
         worker.queue.room()
@@ -174,10 +184,14 @@ class _PrefetchLoader:
                 self.shutdown()
                 self._loader, self._ahead = head.before, False
             else:
+                if not self._replay:
+                    raise RuntimeError(f"prefetch: next_batch arguments changed to {args}")
                 warnings.warn(f"prefetch: next_batch arguments changed to {args}: replaying {len(self._handed_out)} batches", RuntimeWarning, stacklevel=3)
                 self.shutdown()
         if self._ahead:
-            self._replay()
+            if not self._replay:
+                raise RuntimeError("prefetch: next_batch after shutdown")
+            self._rewind()
         if self._workers > 1 and not _ORDERED_WORKER:
             raise RuntimeError("prefetch: several workers need _OrderedWorker (templates/ordered_handoff.py)")
         self._worker, self._worker_args = (_ORDERED_WORKER[0] if self._workers > 1 else _Worker)(self._loader, args, self._depth, self._pin, rollback=self._rollback, host_copy=self._host_copy, workers=self._workers, assembly=self._assembly), args
@@ -187,7 +201,7 @@ class _PrefetchLoader:
         """Stop the worker and drop queued batches; returns within about `_POLL_S` s.
 
         The loader has then run ahead of the caller; a later `next_batch` replays it
-        to the caller's position first.
+        to the caller's position first (with `replay`, else it raises RuntimeError).
         """
         worker, self._worker = self._worker, None
         if worker is not None:
@@ -206,7 +220,7 @@ class _PrefetchLoader:
             return args
         return args[: self._reshape_arg] + args[self._reshape_arg + 1 :]
 
-    def _replay(self):
+    def _rewind(self):
         self._loader = self._make_loader(torch.device("cpu"))
         for old_args in self._handed_out:
             if self._assembly is not None:
@@ -216,7 +230,7 @@ class _PrefetchLoader:
         self._ahead = False
 
     def _checked(self, item):
-        """`item` from the queue (`_EMPTY`: none yet, wait for it) as a `_Built`; a worker's error is re-raised."""
+        """`item` from the queue (`_EMPTY`: none yet, wait for it), a worker's error re-raised."""
         if item is _EMPTY:
             item = _next_built(self._worker)
         if isinstance(item, BaseException):
@@ -255,7 +269,7 @@ class _SettlingLoader(_PrefetchLoader):
             raise AttributeError(name)
         if not self._settled:
             self.shutdown()
-            self._replay()
+            self._rewind()
             self._settled = True
         return getattr(self._loader, name)
 
@@ -285,7 +299,11 @@ class _Worker:
         try:
             while not self.stop.is_set():
                 # Arguments run left to right: the snapshot is the loader from before the batch.
-                built = _Built(_snapshot(self.loader) if self.rollback else None, self.assembly.gather(self.assembly.plan(self.loader, self.args), self.pin) if self.assembly is not None else _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy))
+                if self.rollback:
+                    before = _snapshot(self.loader)
+                built = self.assembly.gather(self.assembly.plan(self.loader, self.args), self.pin) if self.assembly is not None else _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy)
+                if self.rollback:
+                    built = _Built(before, built)
                 self.queue.put_until(built, self.stop)
                 built = None  # not held while the next batch is built
         except BaseException as error:  # handed to the caller, which re-raises it
@@ -308,29 +326,27 @@ _EMPTY = object()
 class _Handoff:
     """Bounded FIFO of built batches, one producer (the worker), one consumer (the caller).
 
-    Why not `queue.Queue`: its `get` takes a Condition and wakes the producer inside
-    the call, and every `put` signals the consumer. Here taking a batch is a deque pop
-    that never releases the GIL; the caller wakes the producer with `room()` when it
-    chooses (after its own torch calls), and the producer signals only a consumer that
-    waits (`_want`: how many items it waits for). The signals are locks used as binary
-    semaphores: released = "look again"; a stale one costs one extra look, and none is
-    missed since each side states what it waits for before it looks, then blocks.
+    Two `queue.SimpleQueue`s: the items, and the free places ("room", one token per
+    place). Both are implemented in C, so taking a waiting batch is one C call that
+    never releases the GIL, and a side that blocks waits inside C without running
+    Python. The consumer gives a place back with `room()` when it chooses (after its
+    own torch calls), which is what wakes a producer waiting for room; a `put` wakes
+    a consumer only if one is blocked in `get`. Why not `queue.Queue`: its `get` and
+    `put` run Python under a Condition and notify the other side on every call.
     """
 
     def __init__(self, depth):
-        self.depth, self._items, self._want = depth, collections.deque(), float("inf")
-        self._room, self._filled = threading.Lock(), threading.Lock()
-        self._room.acquire()
-        self._filled.acquire()
+        self.depth, self._items, self._room = depth, queue.SimpleQueue(), queue.SimpleQueue()
+        for _ in range(depth):
+            self._room.put(None)
 
     def put(self, item, timeout):
         """Append `item` once there is room; False if there was none within `timeout` s."""
-        while len(self._items) >= self.depth:
-            if not self._room.acquire(timeout=timeout):
-                return False
-        self._items.append(item)
-        if len(self._items) >= self._want:
-            _signal(self._filled)
+        try:
+            self._room.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        self._items.put(item)
         return True
 
     def put_until(self, item, stop):
@@ -340,49 +356,39 @@ class _Handoff:
 
     def get(self, timeout):
         """The oldest item, or `_EMPTY` if none came within `timeout` s. Does not wake the producer."""
-        if not self._items and not self._wait_for(1, timeout):
+        try:
+            return self._items.get(timeout=timeout)
+        except queue.Empty:
             return _EMPTY
-        return self._items.popleft()
 
     def wait_full(self, timeout):
-        """Block until `depth` items are queued; False after `timeout` s."""
-        return self._wait_for(self.depth, timeout)
-
-    def _wait_for(self, count, timeout):
+        """Block until `depth` items are queued; False after `timeout` s (polls every ms: benchmarks only)."""
         deadline = time.monotonic() + timeout
-        self._want = count
-        try:
-            while len(self._items) < count:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._filled.acquire(timeout=left):
-                    return len(self._items) >= count
-            return True
-        finally:
-            self._want = float("inf")
+        while self._items.qsize() < self.depth:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
     def room(self):
         """Tell the producer that an item was taken."""
-        _signal(self._room)
+        self._room.put(None)
 
     def clear(self):
-        self._items.clear()
-        _signal(self._room)
+        """Drop the queued items; their places, and one more that wakes a waiting producer, are freed."""
+        while not self._items.empty():
+            self._items.get()
+            self._room.put(None)
+        self._room.put(None)
 
     def qsize(self):
-        return len(self._items)
+        return self._items.qsize()
 
     def empty(self):
-        return not self._items
+        return self._items.empty()
 
     def full(self):
-        return len(self._items) >= self.depth
-
-
-def _signal(lock):
-    try:
-        lock.release()
-    except RuntimeError:
-        pass  # already signalled
+        return self._items.qsize() >= self.depth
 
 
 def _each_tensor(item, fn):

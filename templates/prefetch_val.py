@@ -37,8 +37,8 @@ the statements it needs read only the loop variable and names the loop never
 assigns), so building it early gives the same tensor; the handed-out batch has the
 original's dtype, shape, device and values. On the CPU, or with a source tensor
 that is not on the host, each batch is the script's own `slice.to(**to_kwargs)`,
-still built one ahead; with `prefetch` off, built when its turn comes. An error
-while building batch k+1 reaches the loop after batch k, where the original raises it.
+still built one ahead; with `prefetch` off, built when its turn comes. An error while building batch k+1 reaches the loop after batch k, where the original
+raises it.
 """
 
 import torch
@@ -54,70 +54,53 @@ def _val_prefetch(starts, make_slice, to_kwargs, prefetch=True, copy_stream=True
     to_kwargs: the keyword arguments of the script's `.to(...)` (device, dtype,
     non_blocking); prefetch: bool (`VAL_PREFETCH`); copy_stream: bool
     (`VAL_COPY_STREAM`).
-    Iterating yields `(start, make_slice(start).to(**to_kwargs))` for each start, in
-    order (e.g. `int64 [n + 1]` on the device). `len()` is the number of starts. An
-    exception raised by `make_slice` reaches the loop at its batch.
+    Yields `(start, make_slice(start).to(**to_kwargs))` for each start, in order
+    (e.g. `int64 [n + 1]` on the device). An exception raised by `make_slice` reaches
+    the loop at its batch. With `prefetch` off, each batch is the script's own
+    `.to(...)`, built when its turn comes; without CUDA, the same, one ahead.
     """
-    return _ValBatches(starts, make_slice, to_kwargs, prefetch, copy_stream)
-
-
-class _ValBatches:
-    """What `_val_prefetch` returns: an iterable of `(start, batch)` with a length."""
-
-    def __init__(self, starts, make_slice, to_kwargs, prefetch=True, copy_stream=True):
-        self.starts, self.make_slice, self.to_kwargs, self.prefetch, self.copy_stream = starts, make_slice, dict(to_kwargs), prefetch, copy_stream
-
-    def __len__(self):
-        return len(self.starts)
-
-    def __iter__(self):
-        if not self.prefetch:
-            return ((start, self.make_slice(start).to(**self.to_kwargs)) for start in self.starts)
-        return self._ahead()
-
-    def _ahead(self):
-        device = torch.device(self.to_kwargs.get("device") or "cpu")
-        cuda = device.type == "cuda" and torch.cuda.is_available()
-        if cuda and device.index is None:
+    if not prefetch:
+        yield from ((start, make_slice(start).to(**to_kwargs)) for start in starts)
+        return
+    device = torch.device(to_kwargs.get("device") or "cpu")
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    if cuda:
+        if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        pending = error = None  # pending: (start, copy in flight) of the batch handed out next
-        for start in self.starts:
-            try:
-                copied = self._copy(self.make_slice(start), device, cuda)
-            except Exception as failed:
-                error = failed
-                break
+        # Without the copy stream the copy is queued on the compute stream: the event
+        # and record_stream below are then no-ops, and the pinned source frees the host.
+        stream = _copy_stream_of(device) if copy_stream else torch.cuda.current_stream(device)
+    pending = None  # (start, copy in flight, its event) of the batch handed out next
+    for start in starts:
+        try:
+            piece = make_slice(start)
+        except Exception:
             if pending:
-                yield pending[0], self._take(pending[1])
-            pending = start, copied
+                yield _val_take(*pending, to_kwargs.get("dtype"))
+            raise
+        if cuda and piece.device.type == "cpu":
+            host = piece.pin_memory()
+            with torch.cuda.stream(stream):
+                out = host.to(device, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            built = start, out, ready
+        else:
+            built = start, piece.to(**to_kwargs), None  # the script's own `.to(...)`
         if pending:
-            yield pending[0], self._take(pending[1])
-        if error:
-            raise error
+            yield _val_take(*pending, to_kwargs.get("dtype"))
+        pending = built
+    if pending:
+        yield _val_take(*pending, to_kwargs.get("dtype"))
 
-    def _copy(self, piece, device, cuda):
-        """Start one batch's H2D; returns (tensor, CUDA event or None, staged: bool)."""
-        if not cuda or piece.device.type != "cpu":
-            return piece.to(**self.to_kwargs), None, False  # the script's own `.to(...)`
-        host = piece.pin_memory()
-        if not self.copy_stream:
-            return host.to(device, non_blocking=True), None, True
-        stream = _copy_stream_of(device)
-        with torch.cuda.stream(stream):
-            out = host.to(device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        return out, ready, True
 
-    def _take(self, copied):
-        """The batch as the script's `.to(...)` returns it, usable on the current stream."""
-        out, ready, staged = copied
-        if not staged:
-            return out
-        if ready is not None:
-            compute = torch.cuda.current_stream(out.device)
-            compute.wait_event(ready)
-            # The block was allocated on the copy stream; keep it alive for the compute stream.
-            out.record_stream(compute)
-        dtype = self.to_kwargs.get("dtype")
-        return out if dtype is None else out.to(dtype=dtype)
+def _val_take(start, out, ready, dtype):
+    """`(start, batch)` as the script's `.to(...)` returns it, usable on the current stream."""
+    if ready is not None:
+        compute = torch.cuda.current_stream(out.device)
+        compute.wait_event(ready)
+        # The block was allocated on the copy stream; keep it alive for the compute stream.
+        out.record_stream(compute)
+        if dtype is not None:
+            out = out.to(dtype=dtype)
+    return start, out

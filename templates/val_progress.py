@@ -11,12 +11,13 @@ was asked for; the GPU may still be running queued work.
 import time
 
 
-def _val_progress(batches, log, every, label="val"):
+def _val_progress(batches, log, every, label="val", total=None):
     """Yield the items of `batches` unchanged, logging progress every `every` items.
 
     Takes: batches: any iterable (its `len()`, when it has one, is the total); log:
     `str -> None`, the script's log function; every: int, batches between lines (0 or
-    less: never); label: str, the line's first word (the evaluation function's name).
+    less: never); label: str, the line's first word (the evaluation function's name);
+    total: the number of batches, for iterables without a `len()` (prefetched ones).
     Yields: the items of `batches`. Logs `"{label} batch:{done}/{total} elapsed_ms:{ms}"`
     (ms: int, host wall time) when the next item is asked for after a multiple of
     `every`, and once after the last item.
@@ -24,7 +25,8 @@ def _val_progress(batches, log, every, label="val"):
     if every <= 0:
         yield from batches
         return
-    total = len(batches) if hasattr(batches, "__len__") else "?"
+    if total is None:
+        total = len(batches) if hasattr(batches, "__len__") else "?"
     started = time.perf_counter()
     done = 0
     for item in batches:

@@ -251,7 +251,7 @@ VARIANTS = [
     pytest.param(["prefetch_loader"], {"host_copy": False}, id="host-copy"),
     pytest.param(["prefetch_loader"], {"reshape_arg": 1}, id="reshape"),
     pytest.param(["prefetch_loader"], {"rollback": True}, id="rollback"),
-    pytest.param(["prefetch_loader"], {"attrs": True}, id="attrs"),
+    pytest.param(["prefetch_loader"], {"attrs": True, "replay": True}, id="attrs"),
     pytest.param(["prefetch_loader", "ordered_handoff"], {"workers": 2}, id="ordered-workers"),
 ]
 
@@ -292,6 +292,6 @@ def test_cut_runtime_hands_out_the_loaders_batches(templates, options):
 def test_lean_cut_keeps_no_option_code():
     facts = render.cut_facts(["prefetch_loader"], set())
     code = cst.Module(body=render.runtime_block(["prefetch_loader"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
-    for gone in ("_snapshot", "_SettlingLoader", "_ORDERED_WORKER", "reshape", "assembly", "rollback", "workers=", "self._workers", '"""', "wait_full", "qsize"):
+    for gone in ("_snapshot", "_SettlingLoader", "_ORDERED_WORKER", "reshape", "assembly", "rollback", "workers=", "self._workers", '"""', "wait_full", "qsize", "_handed_out", "_rewind", "warnings", "_Built"):
         assert gone not in code, gone
     compile(code, "<lean>", "exec")

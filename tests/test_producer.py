@@ -191,7 +191,7 @@ def test_prefetched_shuffled_batches_and_rng_state(script, tmp_path, workers, nu
     make = lambda d: script.ShuffledSequenceLoader(h, d)
     want, direct = direct_batches(make, [(16 * 6, 1)] * 25)
     assembly = _ShuffledAssembly("_get_shard_memmap") if numpy_assembly else None
-    wrapper = _make_train_loader(make, CPU, queue_depth=2, workers=workers, assembly=assembly, host_copy=False, attrs=True)
+    wrapper = _make_train_loader(make, CPU, queue_depth=2, workers=workers, assembly=assembly, host_copy=False, attrs=True, replay=True)
     for w in want:
         assert_batch_equal(wrapper.next_batch(16 * 6, 1), w)
     assert len(prefetch_threads()) == workers
@@ -280,7 +280,7 @@ def test_several_python_workers_are_exact(workers, queue_depth, clean_prefetcher
     make = lambda d: FakeTokenLoader(2003, d)
     schedule = [ARGS] * 7 + [(256, 16, 2)] * 6 + [ARGS] * 5
     want, _ = direct_batches(make, schedule)
-    wrapper = _make_train_loader(make, CPU, queue_depth=queue_depth, workers=workers)
+    wrapper = _make_train_loader(make, CPU, queue_depth=queue_depth, workers=workers, replay=True)
     created.append(wrapper)
     with pytest.warns(RuntimeWarning):
         for args, w in zip(schedule, want):
@@ -511,7 +511,7 @@ def test_rejects_altered_shapes(old, new, why):
 
 def test_patch_uses_the_numpy_assembly_only_when_recognised():
     source = FIXTURE.read_text()
-    result = patch_source(source)
+    result = patch_source(source, producer_toggles=True)
     assert "workers=Hyperparameters.train_prefetch_workers" in result.source
     assert "assembly=_ShuffledAssembly('_get_shard_memmap')if Hyperparameters.train_prefetch_numpy else None" in result.source
     assert "def _shuffled_gather(" in result.source
@@ -519,13 +519,25 @@ def test_patch_uses_the_numpy_assembly_only_when_recognised():
     assert "recognised" in note.reason and "TRAIN_PREFETCH_WORKERS" in note.reason
     altered = source.replace("dtype=np.int64))", "dtype=np.int64)).clone()", 1)
     assert altered != source
-    fallback = patch_source(altered)
+    fallback = patch_source(altered, producer_toggles=True)
     assert "workers=Hyperparameters.train_prefetch_workers" in fallback.source
     assert "_ShuffledAssembly" not in fallback.source and "train_prefetch_numpy" not in fallback.source
     assert "_ORDERED_WORKER.append(_OrderedWorker)" in fallback.source  # workers still run in order
     note = next(n for n in fallback.notes if n.feature == "train_prefetch")
     line = next(i for i, text in enumerate(altered.splitlines(), 1) if ".clone()" in text)
     assert "numpy assembly not used" in note.reason and "own next_batch" in note.reason and f"at line {line}" in note.reason
+
+
+def test_default_patch_has_numpy_assembly_but_no_producer_toggles():
+    # Every byte counts against the artifact cap: the tuning toggles, and the ordered
+    # hand-off only several workers need, come with --producer-toggles only.
+    result = patch_source(FIXTURE.read_text())
+    sites = [line for line in result.source.splitlines() if "_make_train_loader(lambda" in line]
+    assert len(sites) == 2 and all("host_copy=False,assembly=_ShuffledAssembly('_get_shard_memmap'))" in line for line in sites)
+    for absent in ("train_prefetch_workers", "train_prefetch_numpy", "TRAIN_PREFETCH_WORKERS", "class _OrderedHandoff", "_ORDERED_WORKER", "workers=", "self._workers"):
+        assert absent not in result.source
+    note = next(n for n in result.notes if n.feature == "train_prefetch")
+    assert "gathered in numpy" in note.reason and "TRAIN_PREFETCH" not in note.reason
 
 
 def test_other_loader_families_get_no_worker_toggle():
@@ -554,7 +566,7 @@ def test_several_workers_without_the_ordered_handoff_say_so(monkeypatch, clean_p
 def write_patched(tmp_path, source=None):
     script = read_script(FIXTURE)
     out = tmp_path / "shuffled_patched.py"
-    out.write_text(render(script, patch_source(source or script.source).source, rewrap=False))
+    out.write_text(render(script, patch_source(source or script.source, producer_toggles=True).source, rewrap=False))
     return out
 
 

@@ -397,7 +397,7 @@ def test_argument_change_resyncs_exactly(args_b, clean_prefetchers):
     make = lambda d: FakeTokenLoader(2003, d)
     arg_list = [ARGS] * 5 + [args_b] * 5
     want, _ = direct_batches(make, arg_list)
-    wrapper = _make_train_loader(make, CPU, queue_depth=3)
+    wrapper = _make_train_loader(make, CPU, queue_depth=3, replay=True)
     created.append(wrapper)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -418,12 +418,29 @@ def test_argument_change_back_and_forth(clean_prefetchers):
     b = (256, 16, 2)
     arg_list = [ARGS] * 3 + [b] * 2 + [ARGS] * 4 + [b]
     want, _ = direct_batches(make, arg_list)
-    wrapper = _make_train_loader(make, CPU, queue_depth=2)
+    wrapper = _make_train_loader(make, CPU, queue_depth=2, replay=True)
     created.append(wrapper)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for a, w in zip(arg_list, want):
             assert_batch_equal(wrapper.next_batch(*a), w)
+
+
+def test_without_replay_a_changed_argument_or_a_use_after_shutdown_raises(clean_prefetchers):
+    # The survey proved the arguments constant, so no replay code is injected: a change
+    # it missed must fail loudly, never hand out a batch built with the old arguments.
+    _, created = clean_prefetchers
+    make = lambda d: FakeTokenLoader(2003, d)
+    want, _ = direct_batches(make, [ARGS] * 2)
+    wrapper = _make_train_loader(make, CPU, queue_depth=2)
+    created.append(wrapper)
+    assert_batch_equal(wrapper.next_batch(*ARGS), want[0])
+    with pytest.raises(RuntimeError, match=r"arguments changed to \(256, 16, 2\)"):
+        wrapper.next_batch(256, 16, 2)
+    assert_batch_equal(wrapper.next_batch(*ARGS), want[1])  # the worker still serves the proved arguments
+    wrapper.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        wrapper.next_batch(*ARGS)
 
 
 # ---------------------------------------------------------------------------
@@ -451,7 +468,7 @@ def test_reshape_arg_other_argument_still_resyncs(clean_prefetchers):
     make = lambda d: FakeTokenLoader(1500, d)
     arg_list = [(512, 16, 2)] * 3 + [(256, 32, 2)] * 3
     want, _ = direct_batches(make, arg_list)
-    wrapper = _make_train_loader(make, CPU, queue_depth=2, reshape_arg=1)
+    wrapper = _make_train_loader(make, CPU, queue_depth=2, reshape_arg=1, replay=True)
     created.append(wrapper)
     with pytest.warns(RuntimeWarning):
         for a, w in zip(arg_list, want):
@@ -480,7 +497,7 @@ def test_getattr_settles_to_direct_state(clean_prefetchers):
     for a in arg_list[:7]:
         direct7.next_batch(*a)
 
-    wrapper = _make_train_loader(make, CPU, queue_depth=depth, attrs=True)
+    wrapper = _make_train_loader(make, CPU, queue_depth=depth, attrs=True, replay=True)
     created.append(wrapper)
     for i in range(7):
         assert_batch_equal(wrapper.next_batch(*ARGS), want[i])
@@ -499,7 +516,7 @@ def test_getattr_settles_to_direct_state(clean_prefetchers):
 
 def test_getattr_private_names_do_not_settle(clean_prefetchers):
     _, created = clean_prefetchers
-    wrapper = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU, attrs=True)
+    wrapper = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU, attrs=True, replay=True)
     created.append(wrapper)
     wrapper.next_batch(*ARGS)
     with pytest.raises(AttributeError):
@@ -524,7 +541,7 @@ def test_getattr_method_call_sees_caller_state(clean_prefetchers):
     _, created = clean_prefetchers
     make = lambda d: FakeTokenLoader(700, d)
     direct = make(CPU)
-    wrapper = _make_train_loader(make, CPU, queue_depth=4, attrs=True)
+    wrapper = _make_train_loader(make, CPU, queue_depth=4, attrs=True, replay=True)
     created.append(wrapper)
     for _ in range(5):
         assert_batch_equal(wrapper.next_batch(*ARGS), direct.next_batch(*ARGS))

@@ -69,7 +69,7 @@ def test_rewrite_readable_loop():
         "        return val_tokens[raw_start:raw_end]\n"
         "    for batch_seq_start, _val_batch in _val_progress(_val_prefetch(range(seq_start, seq_end, local_batch_seqs), _val_slice, "
         "dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=Hyperparameters.val_prefetch, "
-        'copy_stream=Hyperparameters.val_copy_stream), log, Hyperparameters.val_progress_log_every, "eval_val"):\n'
+        'copy_stream=Hyperparameters.val_copy_stream), log, Hyperparameters.val_progress_log_every, "eval_val", total=len(range(seq_start, seq_end, local_batch_seqs))):\n'
     ) in out
     assert "        local = _val_batch\n" in out
     assert (
@@ -99,7 +99,7 @@ def test_rewrite_minified_loop():
     result = patched(MINIFIED)
     out = result.source
     assert "\tdef _val_slice(batch_seq_start):batch_seq_end=min(batch_seq_start+local_batch_seqs,seq_end);raw_start=batch_seq_start*seq_len;raw_end=batch_seq_end*seq_len+1;return val_tokens[raw_start:raw_end]\n" in out
-    assert "\tfor batch_seq_start,_val_batch in _val_progress(_val_prefetch(range(seq_start,seq_end,local_batch_seqs),_val_slice,dict(device=device,dtype=torch.int64,non_blocking=True),prefetch=Hyperparameters.val_prefetch,copy_stream=Hyperparameters.val_copy_stream),log,Hyperparameters.val_progress_log_every,'eval_val'):\n" in out
+    assert "\tfor batch_seq_start,_val_batch in _val_progress(_val_prefetch(range(seq_start,seq_end,local_batch_seqs),_val_slice,dict(device=device,dtype=torch.int64,non_blocking=True),prefetch=Hyperparameters.val_prefetch,copy_stream=Hyperparameters.val_copy_stream),log,Hyperparameters.val_progress_log_every,'eval_val',total=len(range(seq_start,seq_end,local_batch_seqs))):\n" in out
     assert (
         "\t\tmodel(x,y);prev_ids=x.reshape(-1);tgt_ids=y.reshape(-1)\n"
         "\t\tif Hyperparameters.val_bytecount_device=='cpu':val_byte_count+=_val_byte_count(val_tokens[raw_start:raw_end],base_bytes_lut,has_leading_space_lut,is_boundary_token_lut)\n"

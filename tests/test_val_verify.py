@@ -21,9 +21,11 @@ def test_validation_batches_identical(tmp_path, name):
 SHIFTED_SLICE = ("            return val_tokens[raw_start:raw_end]\n", "            return val_tokens[raw_start + 1:raw_end + 1]\n")
 # The runtime hands batch k+1 out as batch k from the third batch on.
 SKIPPED_BATCH = (
-    "                yield pending[0], self._take(pending[1])\n",
-    "                self.handed = getattr(self, 'handed', 0) + 1\n"
-    "                yield pending[0], self._take(copied if self.handed == 3 else pending[1])\n",
+    "        if pending:\n            yield _val_take(*pending, to_kwargs.get(\"dtype\"))\n        pending = built\n",
+    "        if pending:\n"
+    "            _val_take.handed = getattr(_val_take, 'handed', 0) + 1\n"
+    "            yield _val_take(*(built if _val_take.handed == 3 else pending), to_kwargs.get(\"dtype\"))\n"
+    "        pending = built\n",
 )
 
 

@@ -37,21 +37,25 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
-# Anchored where next_batch holds the `_Built` it took, before recording the hand-out.
-_TAKEN = "            item = self._checked(item)\n        self._handed_out.append(args)\n"
+# Anchored where next_batch (templates/prefetch_lean.py) takes a batch from the queue.
+_TAKEN = "        batch = self.ready.get()\n"
 SWAP_TWO = (
     _TAKEN,
-    "            item = self._checked(item)\n"
-    "        if len(self._handed_out) == 3:\n"
-    "            self._held, item = item, self._checked(_EMPTY)\n"
-    "        elif len(self._handed_out) == 4:\n"
-    "            self._handed_out.append(args)\n"
-    "            return self._to_device(self._held.batch, args)\n"
-    "        self._handed_out.append(args)\n",
+    "        batch = self.ready.get()\n"
+    "        self.taken = getattr(self, 'taken', 0) + 1\n"
+    "        if self.taken == 4:\n"
+    "            self.held, batch = batch, self.ready.get()\n"
+    "            self.room.put(None)\n"
+    "        elif self.taken == 5:\n"
+    "            batch = self.held\n",
 )
 DROP_ONE = (
     _TAKEN,
-    "            item = self._checked(item)\n        if len(self._handed_out) == 5:\n            item = self._checked(_EMPTY)\n        self._handed_out.append(args)\n",
+    "        batch = self.ready.get()\n"
+    "        self.taken = getattr(self, 'taken', 0) + 1\n"
+    "        if self.taken == 6:\n"
+    "            self.room.put(None)\n"
+    "            batch = self.ready.get()\n",
 )
 IGNORE_CHANGED_ARG = (
     "item = _each_tensor(item, lambda t, n=args[self._reshape_arg]: t.reshape(-1, n))",

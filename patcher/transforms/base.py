@@ -50,6 +50,8 @@ class Context:
     enabled: features the user asked for. templates: runtime templates the applied
     transforms need. toggles_used: toggle names referenced by the new code. keep:
     runtime names kept although the script does not use them (benchmarks).
+    producer_toggles: add the producer tuning toggles (`TRAIN_PREFETCH_WORKERS`,
+    `TRAIN_PREFETCH_NUMPY`) where the loader family has them.
     """
 
     survey: Survey
@@ -59,6 +61,7 @@ class Context:
     current: dict = field(default_factory=dict)
     constants: list = field(default_factory=list)
     keep: set = field(default_factory=set)
+    producer_toggles: bool = False
 
     @property
     def minified(self) -> bool:

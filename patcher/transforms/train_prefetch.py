@@ -3,7 +3,10 @@
 Every construction of the training loader, `train_loader = Loader(..., device)`,
 becomes `train_loader = _make_train_loader(lambda loader_device: Loader(...,
 loader_device), device, prefetch=…, queue_depth=…, copy_stream=…)`; the runtime is
-`templates/prefetch_loader.py`. The loader class itself is not touched.
+`templates/prefetch_lean.py` where every call passes run constants and the script
+uses the variable for nothing but `.next_batch`, else `templates/prefetch_loader.py`
+(replay, rollback, reshape at hand-out, settling on attribute reads, several workers).
+The loader class itself is not touched.
 
 A data generator (`train_loader = gen(...)`, advanced with `next(train_loader)`)
 becomes `_prefetch_iterator(lambda: gen(...), ...)` (`templates/prefetch_iterator.py`),
@@ -24,12 +27,14 @@ attribute, passes it to a function whose parameter has another name) gets
 `attrs=True`: such reads settle the loader where the caller is. Others get no settling
 code at all (patcher/cut.py cuts what no call site asks for).
 
-The ShuffledSequenceLoader family gets `workers=` (`TRAIN_PREFETCH_WORKERS` threads,
-batches handed out in order) and, when its `next_batch` is exactly the known shape
-(`patcher/assembly.py`), `assembly=_ShuffledAssembly(...)` under `TRAIN_PREFETCH_NUMPY`:
-the batch is planned (the RNG draws, in order) and gathered in numpy
-(`templates/shuffled_assembly.py`). Otherwise the worker calls the script's own
-`next_batch`, and the note says why.
+The ShuffledSequenceLoader family, when its `next_batch` is exactly the known shape
+(`patcher/assembly.py`), gets `assembly=_ShuffledAssembly(...)`: the batch is planned
+(the RNG draws, in order) and gathered in numpy (`templates/shuffled_assembly.py`).
+Otherwise the worker calls the script's own `next_batch`, and the note says why. With
+`producer_toggles` (`--producer-toggles`, and `bench`), the family also gets the
+tuning toggles `TRAIN_PREFETCH_WORKERS` (several threads, batches handed out in order)
+and `TRAIN_PREFETCH_NUMPY` (numpy assembly on or off); a default patch leaves them out,
+since every byte counts against the artifact cap.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         return module, [Note(FEATURE, False, _no_site_reason(survey), _first_line(survey))]
     notes: list[Note] = []
     replacements: dict[cst.CSTNode, cst.CSTNode] = {}
+    # Per-step arguments (reshape, rollback) or attribute reads need the full runtime
+    # (templates/prefetch_loader.py); constant arguments alone get templates/prefetch_lean.py.
+    needs_full = False
     for target in sorted({i.target for i in iterators}):
         group = [i for i in iterators if i.target == target]
         for site in group:
@@ -82,6 +90,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             continue
         recognition = _assembly(cls, ctx)
         attrs = _read_beyond_next_batch(survey.module, target)
+        needs_full = needs_full or reshape_arg is not None or bool(rollback) or attrs
         for site in group:
             replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition, attrs)
         lines = ", ".join(str(c.line) for c in group)
@@ -93,7 +102,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             extra += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
         notes.append(Note(FEATURE, True, f"`{target}` built at line {lines} prefetches{extra}", group[0].line))
     if replacements:
-        ctx.need("prefetch_loader")
+        # `prefetch_iterator` needs the full loader runtime, whose names the lean one shares.
+        full = ctx.producer_toggles or needs_full or "prefetch_iterator" in ctx.templates
+        ctx.need("prefetch_loader" if full else "prefetch_lean")
         module = replace_nodes(module, replacements, ctx)
     return module, notes
 
@@ -204,11 +215,12 @@ def _assembly(cls, ctx: Context) -> Recognition | None:
 def _assembly_note(cls, recognition: Recognition | None, ctx: Context) -> str:
     if recognition is None:
         return ""
-    workers = "TRAIN_PREFETCH_WORKERS threads, batches handed out in order"
+    workers = " (TRAIN_PREFETCH_WORKERS threads, batches handed out in order)" if ctx.producer_toggles else ""
     if recognition.recognised:
-        return f" ({workers}); {cls.name}.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)"
+        numpy_toggle = " (TRAIN_PREFETCH_NUMPY)" if ctx.producer_toggles else ""
+        return f"{workers}; {cls.name}.next_batch recognised: batches planned in its RNG order and gathered in numpy{numpy_toggle}"
     where = f" at line {ctx.survey.line_of(recognition.node)}" if recognition.node is not None else ""
-    return f" ({workers}); numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
+    return f"{workers}; numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
 
 
 def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None, attrs: bool = False) -> cst.Call:
@@ -235,14 +247,17 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
     if site.target != "train_loader":
         parts.append(f"slot={site.target!r}")
     if attrs:
-        parts.append("attrs=True")
-    if recognition is not None:
+        parts.append(ctx.code("attrs=True, replay=True", "attrs=True,replay=True"))
+    if recognition is not None and ctx.producer_toggles:
         ctx.need("ordered_handoff")
         parts.append(f"workers={ctx.toggle('TRAIN_PREFETCH_WORKERS')}")
-        if recognition.recognised:
-            ctx.need("shuffled_assembly")
+    if recognition is not None and recognition.recognised:
+        ctx.need("shuffled_assembly")
+        assembly = f"_ShuffledAssembly({recognition.getter!r})"
+        if ctx.producer_toggles:
             numpy_on = ctx.toggle("TRAIN_PREFETCH_NUMPY")
-            parts.append(ctx.code(f"assembly=_ShuffledAssembly({recognition.getter!r}) if {numpy_on} else None", f"assembly=_ShuffledAssembly({recognition.getter!r})if {numpy_on} else None"))
+            assembly = ctx.code(f"{assembly} if {numpy_on} else None", f"{assembly}if {numpy_on} else None")
+        parts.append(f"assembly={assembly}")
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")
 
 

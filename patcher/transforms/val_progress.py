@@ -14,6 +14,7 @@ loops nested in another loop (test-time training's per-chunk loops: a line per c
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 
 from patcher.transforms.base import Context, Note, Tracking, edit_tops
 from patcher.val_survey import find_val_loops
@@ -60,5 +61,9 @@ class _WrapIterable(Tracking):
         iterable = cst.Module([]).code_for_node(updated_node.iter)
         every = self.ctx.toggle("VAL_PROGRESS_LOG_EVERY")
         quote = self.ctx.code('"', "'")
-        code = f"_val_progress({sep.join([iterable, site.log, every, quote + site.function + quote])})"
+        parts = [iterable, site.log, every, quote + site.function + quote]
+        if m.matches(updated_node.iter, m.Call(func=m.Name("_val_prefetch"))):
+            # Prefetched batches are a generator: the total is the number of starts.
+            parts.append(f"total=len({cst.Module([]).code_for_node(updated_node.iter.args[0].value)})")
+        code = f"_val_progress({sep.join(parts)})"
         return updated_node.with_changes(iter=cst.parse_expression(code))

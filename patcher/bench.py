@@ -52,7 +52,6 @@ original's, and `producer_ratio_workers_vs_1` is N workers against one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -63,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
+from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions, torch_threads
 from patcher.patch import patch_source
 from patcher.shards import write_shards
 from patcher.source import SourceError, read_script
@@ -116,7 +115,7 @@ def run_bench(
     patched_site = patched_constructions(result.source, recipe)[0]
     workers = max(1, int(workers))
     variants = _producer_variants(patched_site, workers)
-    with _shard_dir(data_dir) as directory, host_only_pinning([]), _torch_threads(torch_threads):
+    with _shard_dir(data_dir) as directory, host_only_pinning([]), torch_threads(torch_threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
         modules = load_module(original_source, str(script)), load_module(result.source, str(script))
         # Rank 0 of the record's own configuration, 8 GPUs: in the TokenStream family every
@@ -173,17 +172,6 @@ def _producer_report(report: dict, rates: dict, variants: dict, workers: int) ->
         report[f"producer_ratio_{name}"] = round(rate / original, 3) if rate and original else None
     one = rates.get("numpy", rates["python"])
     report["producer_ratio_workers_vs_1"] = round(rates["workers"] / one, 3) if "workers" in rates and one else None
-
-
-@contextlib.contextmanager
-def _torch_threads(count: int):
-    """torch's intra-op thread count set to `count` inside, restored after."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _set_toggles(namespace: dict, values: dict) -> None:

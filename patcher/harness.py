@@ -13,6 +13,7 @@ run constants the expressions name (e.g. `grad_accum_steps = 8 // world_size`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
@@ -135,7 +136,7 @@ class LoaderRecipe:
     @classmethod
     def from_source(cls, source: str) -> "LoaderRecipe":
         """Raises HarnessError when the script has no training loader with a next_batch call."""
-        surveyed = survey(cst.parse_module(source))
+        surveyed = survey_of(source)
         sites = sorted(surveyed.training_constructions(), key=lambda c: c.line)
         if not sites:
             reasons = "; ".join(sorted({c.reason for c in surveyed.constructions if c.reason})) or "no training loader found"
@@ -340,8 +341,8 @@ def patched_constructions(source: str, recipe: LoaderRecipe, original_source: st
     injected function counts. Raises HarnessError when a construction has no
     counterpart.
     """
-    patched_module = cst.parse_module(source)
-    surveyed = survey(patched_module)
+    surveyed = survey_of(source)
+    patched_module = surveyed.module
     if original_source is None:
         target = recipe.constructions[0].target
         names = {recipe.constructions[0].class_name} | _top_level_names(patched_module)
@@ -410,6 +411,24 @@ def _qualified_name(scope) -> str:
         parts.append(scope.node.name.value)
         scope = scope.parent
     return ".".join(reversed(parts))
+
+
+@functools.lru_cache(maxsize=4)
+def survey_of(source: str) -> Survey:
+    """The survey of `source` (str), parsed and surveyed once per source text: a
+    `Survey` is read-only, so verify's recipes and validation pairs share one."""
+    return survey(cst.parse_module(source))
+
+
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count set to `count` inside (int >= 1), restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @contextlib.contextmanager
@@ -513,14 +532,14 @@ class IteratorRecipe:
     @classmethod
     def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
         """Raises HarnessError when the original has no training generator the patch wrapped."""
-        surveyed = survey(cst.parse_module(original))
+        surveyed = survey_of(original)
         sites = [i for i in surveyed.iterators if i.training]
         if not sites:
             reasons = sorted({i.reason for i in surveyed.iterators if i.reason})
             raise HarnessError("; ".join(reasons) or "no training loader or data generator found")
         target = sites[0].target
         codes = [surveyed.module.code_for_node(i.call) for i in sites if i.target == target]
-        patched_survey = survey(cst.parse_module(patched))
+        patched_survey = survey_of(patched)
         wrapped = [
             patched_survey.module.code_for_node(assign.value)
             for assign, _scope in patched_survey.collector.call_assigns

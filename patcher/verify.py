@@ -40,6 +40,7 @@ from patcher.harness import (
     load_module,
     patched_constructions,
     point_at_shards,
+    torch_threads,
 )
 from patcher.patch import features_from, patch_source
 from patcher.shards import DOC_LEN_RANGE, write_shards
@@ -139,6 +140,14 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
     field). Raises `CannotVerify` (one line) when the loader cannot be driven outside
     the script, and `SourceError` for unreadable input.
     """
+    # One intra-op torch thread, as torchrun gives each rank: comparing and converting
+    # megabyte batches on several OpenMP threads is many times slower on a shared machine.
+    with torch_threads(1):
+        return _verify(original, patched, batches, world_size, seed, warmup, sends, shard_tokens, workers)
+
+
+def _verify(original, patched, batches, world_size, seed, warmup, sends, shard_tokens, workers) -> VerifyResult:
+    """`verify` with its arguments as given (see there)."""
     started = time.perf_counter()
     notes: list[str] = []
     original_source = _importable(read_script(original).source, notes, "original")
@@ -272,23 +281,34 @@ def _compare_val(recipe, patched_source: str, load, plan: "_Plan", seed: int, no
             hparams = plan.hparams_for(rank)
             tokens = val_tokens_for(hparams, plan.world_size, seed)
             sides = ((recipe.survey, site.function_node, site.loop), (patched_survey, patched_function, patched_loop))
+
+            def batches_of(side: int, host_cuda: bool):
+                s, f, loop = sides[side]
+                with cuda_on_host(notes) if host_cuda else contextlib.nullcontext():
+                    return loop_batches(s, f, loop, function_namespace(modules[side], f, s.module.code_for_node, hparams, rank, plan.world_size, tokens, _device_for(host_cuda)))
+
+            phase = f"val:{site.function}"
             try:
-                batches = [
-                    loop_batches(s, f, loop, function_namespace(module, f, s.module.code_for_node, hparams, rank, plan.world_size, tokens))
-                    for module, (s, f, loop) in zip(modules, sides)
-                ]
+                reference, reference_changed = batches_of(0, True)
+                # The patched loop on the CUDA path driven with host memory (pinned staging,
+                # copy stream), and for rank 0 also on a CPU device.
+                runs = [(host_cuda, batches_of(1, host_cuda)) for host_cuda in ((True, False) if rank == 0 else (True,))]
             except Exception as error:  # the script's own code outside its function
                 notes.append(f"validation batches of {site.function} (line {site.line}) not compared: {type(error).__name__}: {error}")
                 break
-            if len(batches[0]) != len(batches[1]):
-                return compared, Difference(rank, f"val:{site.function}", min(map(len, batches)), 0, f"{len(batches[0])} batches vs {len(batches[1])}")
-            for n, (reference, candidate) in enumerate(zip(*batches)):
-                diff = _first_difference(reference, candidate)
-                if diff is not None:
-                    return compared, Difference(rank, f"val:{site.function}", n, diff[0], diff[1])
-            compared += len(batches[0])
+            for host_cuda, (batches, changed) in runs:
+                where = "the CUDA path (host memory)" if host_cuda else "a CPU device"
+                if len(reference) != len(batches):
+                    return compared, Difference(rank, phase, min(len(reference), len(batches)), 0, f"{len(reference)} batches vs {len(batches)}", where)
+                for n, (expected, candidate) in enumerate(zip(reference, batches)):
+                    diff = _first_difference(expected, candidate)
+                    if diff is not None:
+                        return compared, Difference(rank, phase, n, diff[0], diff[1], where)
+                if changed is not None and reference_changed is None:
+                    return compared, Difference(rank, phase, changed, None, "changed after it was handed out, before the next batch was taken", where)
+            compared += len(reference)
         else:
-            notes.append(f"validation loop of {site.function} (line {site.line}): x, y of every batch compared on {plan.world_size} ranks")
+            notes.append(f"validation loop of {site.function} (line {site.line}): x, y of every batch compared on {plan.world_size} ranks, on the CUDA path driven with host memory (rank 0 also on a CPU device)")
     return compared, None
 
 

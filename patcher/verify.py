@@ -10,6 +10,7 @@ of every batch is compared: dtype, shape and bytes, in order.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -418,10 +419,19 @@ def _phases(recipe: LoaderRecipe, plan: _Plan) -> list[tuple[str, int, int]]:
 class _Reference:
     """The original's batches of one rank: `batches[phase][n]`, a private copy of each
     as handed out, and per phase whether the original itself changed a batch it had
-    handed out (a loader that reuses its buffers: then the later re-check is skipped)."""
+    handed out (a loader that reuses its buffers: then the later re-check is skipped);
+    leaked: the kinds of thread (`_thread_kind`) of the original's warm-up loader still
+    running at the end of the phase after its rebuild, with their counts (a script
+    loader's own idle thread pool, which the patched script keeps as well)."""
 
     batches: dict
     reuses: dict
+    leaked: collections.Counter = field(default_factory=collections.Counter)
+
+
+def _thread_kind(thread: threading.Thread) -> str:
+    """A thread's name without its numbers (`ThreadPoolExecutor-2_0` -> `ThreadPoolExecutor-_`)."""
+    return "".join(c for c in thread.name if not c.isdigit())
 
 
 def _device_for(host_cuda: bool):
@@ -432,13 +442,14 @@ def _reference_batches(recipe, module, plan: _Plan, rank: int, notes: list[str])
     """Draw the original's batches of `rank` for every phase (on the CUDA path driven
     with host memory). Raises CannotVerify when the original cannot be built or drawn
     from here (a module it needs is missing, the configuration breaks its rules)."""
-    batches, reuses = {}, {}
+    batches, reuses, leaked = {}, {}, collections.Counter()
     with cuda_on_host(notes) as host_cuda:
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, _device_for(True))
-        loader = None
+        loader, started_with = None, _script_threads()
         try:
-            for phase, index, count in _phases(recipe, plan):
-                _close(loader)
+            for p, (phase, index, count) in enumerate(_phases(recipe, plan)):
+                # The warm-up loader is dropped as the script drops it when it builds the next (not shut down).
+                earlier = _script_threads() - started_with
                 loader = _harness_step(lambda: recipe.build(recipe.constructions[index], ns), f"building the original loader ({recipe.constructions[index].target} = ..., line {recipe.constructions[index].line}) for rank {rank}")
                 drawn, copies, changed = [], [], False
                 for n in range(count):
@@ -449,9 +460,11 @@ def _reference_batches(recipe, module, plan: _Plan, rank: int, notes: list[str])
                     drawn.append(batch)
                     copies.append(_copy_batch(batch))
                 batches[phase], reuses[phase] = copies, changed
+                if p > 0:
+                    leaked.update(_thread_kind(t) for t in earlier if t.is_alive())
         finally:
             _close(loader)
-    return _Reference(batches, reuses)
+    return _Reference(batches, reuses, leaked)
 
 
 def _harness_step(step, what: str):
@@ -497,6 +510,19 @@ def _still_alive(threads: set, grace_s: float) -> list:
     return [t for t in threads if t.is_alive()]
 
 
+def _unexcused(threads: list, excused: collections.Counter) -> list:
+    """The threads of `threads` beyond those of a kind (`_thread_kind`) the original also left running, up to its count."""
+    left = collections.Counter(excused)
+    unexcused = []
+    for thread in threads:
+        kind = _thread_kind(thread)
+        if left[kind] > 0:
+            left[kind] -= 1
+        else:
+            unexcused.append(thread)
+    return unexcused
+
+
 # A replaced loader's worker threads have this long to end (its shutdown waits 1 s).
 REBUILD_GRACE_S = 3.0
 
@@ -525,7 +551,7 @@ def _compare_patched_rank(recipe, patched_sites, module, plan: _Plan, rank: int,
                 earlier = before_build - started_with
                 loader = _harness_step(lambda: recipe.evaluate(patched_sites[index], ns, recipe.constructions[index].binding), f"building the patched loader (line {recipe.constructions[index].line}'s construction) for rank {rank}")
                 if p > 0:
-                    leaked = _still_alive(earlier, REBUILD_GRACE_S)
+                    leaked = _unexcused(_still_alive(earlier, REBUILD_GRACE_S), reference.leaked)
                     if leaked:
                         names = ", ".join(sorted({t.name for t in leaked}))
                         return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) of the loader built before ({names}) still alive after the script rebuilt it")

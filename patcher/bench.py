@@ -62,7 +62,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions, torch_threads
+from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions
+from patcher.harness import torch_threads as _torch_threads
 from patcher.patch import patch_source
 from patcher.shards import write_shards
 from patcher.source import SourceError, read_script
@@ -115,7 +116,7 @@ def run_bench(
     patched_site = patched_constructions(result.source, recipe)[0]
     workers = max(1, int(workers))
     variants = _producer_variants(patched_site, workers)
-    with _shard_dir(data_dir) as directory, host_only_pinning([]), torch_threads(torch_threads):
+    with _shard_dir(data_dir) as directory, host_only_pinning([]), _torch_threads(torch_threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
         modules = load_module(original_source, str(script)), load_module(result.source, str(script))
         # Rank 0 of the record's own configuration, 8 GPUs: in the TokenStream family every

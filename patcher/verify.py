@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from patcher.check import definitions_only
+from patcher.cst_walk import walk
 from patcher.harness import (
     HarnessError,
     IteratorRecipe,
@@ -754,7 +755,8 @@ def _literal_bos_id(recipe: IteratorRecipe) -> int | None:
         for param in function.params.params:
             if "bos" in param.name.value.lower() and m.matches(param.default, m.Integer()):
                 return int(param.default.value)
-    if m.findall(recipe.survey.module, m.Integer(value=str(GPT2_EOT))):
+    eot = str(GPT2_EOT)
+    if any(isinstance(node, cst.Integer) and node.value == eot for node in walk(recipe.survey.module)):
         return GPT2_EOT
     return None
 

@@ -101,6 +101,7 @@ def check_file(
     timeout: float = 60.0,
     run_import: bool = True,
     script: Script | None = None,
+    as_path: str | os.PathLike | None = None,
 ) -> CheckResult:
     """Check one training script: compile on `target`, import smoke, one-file warnings.
 
@@ -113,7 +114,9 @@ def check_file(
     empty, binary, unparsable, corrupt wrapper, exec(open(other).read()) only).
     script: the file as already read (`patcher.source.Script`, e.g. what the main job
     just wrote and round-tripped), so that it is not read and unwrapped again; its
-    `module`, when set, is used instead of parsing `source` again.
+    `module`, when set, is used instead of parsing `source` again. as_path: where the
+    script is meant to stand (the input of a patch); the import smoke runs it with that
+    `__file__`. Default: `path` itself.
     """
     script = read_script(path) if script is None else script
     known = {script.source: script.module} if script.module is not None else EMPTY
@@ -124,7 +127,7 @@ def check_file(
     if script.wrapped:
         wrapper = compile_source(script.raw, name, target)
         wrapper.where = "file"
-    imports = _import_if_compiles(script.source, name, timeout, known) if run_import else None
+    imports = _import_if_compiles(script.source, name, timeout, known, path if as_path is None else as_path) if run_import else None
     return CheckResult(
         file=name,
         compile=compiled,
@@ -147,7 +150,7 @@ def _requoted(source: str) -> str | None:
     return fixed
 
 
-def _import_if_compiles(source: str, filename: str, timeout: float, known: Mapping[str, cst.Module]) -> ImportResult:
+def _import_if_compiles(source: str, filename: str, timeout: float, known: Mapping[str, cst.Module], as_path) -> ImportResult:
     """import_smoke, unless the running Python cannot compile `source` (then say so)."""
     code = source[1:] if source.startswith(_BOM) else source
     try:
@@ -158,7 +161,7 @@ def _import_if_compiles(source: str, filename: str, timeout: float, known: Mappi
         requoted = _requoted(code)
         if requoted is not None:
             # Same AST with PEP 701 f-strings requoted: import that, and say so.
-            result = import_smoke(requoted, filename, timeout)
+            result = import_smoke(requoted, filename, timeout, as_path=as_path)
             result.note = f"imported with its Python 3.12-only f-strings requoted (same AST); the running Python {platform.python_version()} cannot compile them"
             return result
         why = (
@@ -168,4 +171,4 @@ def _import_if_compiles(source: str, filename: str, timeout: float, known: Mappi
         return ImportResult(False, error=why, line=e.lineno)
     except (ValueError, MemoryError, RecursionError) as e:
         return ImportResult(False, error=f"not imported: cannot compile ({type(e).__name__}: {e})")
-    return import_smoke(source, filename, timeout, known)
+    return import_smoke(source, filename, timeout, known, as_path)

@@ -4,7 +4,10 @@ The work is elsewhere (patch, check, verify, bench). Exit codes of the main job:
 0 written (or already patched: said so), 2 bad input or usage, 3 nothing to patch
 (nothing written), 4 written but the check of the output failed.
 `patch-prefetch check FILE…`: 0 every check passed, 1 one failed, 2 bad input.
-`patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 differ, 2 cannot verify.
+`patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 a batch differs or the patched
+loader behaves differently (raises, leaves a replaced worker running; the line names rank,
+phase, batch and field), 2 cannot verify (one line: why, e.g. "needs sentencepiece"; a
+harness failure is never 1).
 `patch-prefetch DIR --out-dir OUT` (tree mode): 0 no file failed, 1 some failed, 2 usage.
 Every command: 130 interrupted (Ctrl-C), 141 stdout closed (quietly).
 """
@@ -95,10 +98,11 @@ def build_verify_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.")
     parser.add_argument("original")
     parser.add_argument("patched")
-    parser.add_argument("--batches", type=int, default=64, help="batches per rank after the rebuild (default 64)")
+    parser.add_argument("--batches", type=int, default=None, help="batches per rank after the rebuild (default 96 for a loader class, 64 items for a data generator)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks to simulate (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic shards")
     parser.add_argument("--shard-tokens", type=int, help="tokens per synthetic train shard for a loader class (default: 4 shards holding about 2/3 of what the run reads); small shards make a ShuffledSequenceLoader reshuffle within the run")
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="producer threads of the several-thread run, where the script has TRAIN_PREFETCH_WORKERS (default 3)")
     parser.add_argument("--send", action="append", default=[], metavar="EXPR", help="a value to pass to a data generator's .send() mid-run, as a Python expression over the script's module-level names (repeatable; the values the script's own .send() calls pass are used when they can be evaluated outside training)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -245,7 +249,8 @@ def _print_check(result, stream, indent: str) -> None:
         status = "ok" if imp.ok else f"FAILED: {imp.error}"
         extra = f"; stubbed: {', '.join(imp.stubbed)}" if imp.stubbed else ""
         extra += f"; stopped before line {imp.stopped_at} (top-level training)" if imp.stopped_at else ""
-        print(f"{pad}import smoke (ran the script's definitions in a child process): {status}{extra}", file=stream)
+        where = f", as if at {imp.as_path}" if imp.as_path else ""
+        print(f"{pad}import smoke (ran the script's definitions in a child process{where}): {status}{extra}", file=stream)
         if imp.note:
             print(f"{pad}  ({imp.note})", file=stream)
     else:
@@ -259,10 +264,17 @@ def _run_verify(args) -> int:
     from patcher.verify import CannotVerify, verify
 
     try:
-        with running_clock(f"verify {args.patched}: {args.batches} batches x {args.world_size} ranks", wanted(args.json)):
-            result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens)
+        batches = "default batches" if args.batches is None else f"{args.batches} batches"
+        with running_clock(f"verify {args.patched}: {batches} x {args.world_size} ranks", wanted(args.json)):
+            result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens, workers=args.workers)
     except CannotVerify as error:
         print(f"patch-prefetch verify: cannot verify: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (SourceError, KeyboardInterrupt, BrokenPipeError):
+        raise
+    except Exception as error:  # the harness's own failure is never "the batches differ"
+        where = _innermost_frame(error)
+        print(f"patch-prefetch verify: cannot verify: the harness failed{where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -274,8 +286,18 @@ def _run_verify(args) -> int:
             print(f"identical: {result.batches_compared} batches{val} over {result.world_size} ranks ({result.seconds:.1f} s)")
         else:
             d = result.difference
-            print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}, field {d.field}: {d.what}")
+            field = "" if d.field is None else f", field {d.field}"
+            how = f" ({d.configuration})" if d.configuration else ""
+            print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}")
     return EXIT_OK if result.identical else EXIT_FAILED
+
+
+def _innermost_frame(error: BaseException) -> str:
+    """" at FILE:LINE" of the innermost frame of `error`'s traceback, or ""."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else ""
 
 
 def _output_path(args, in_path: Path):

@@ -53,9 +53,11 @@ class ImportResult:
     seconds: float = 0.0
     line: int | None = None
     note: str | None = None
+    # the path the script was imported as (its `__file__` and `sys.argv[0]`): where it stands
+    as_path: str | None = None
 
     def as_dict(self) -> dict:
-        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds, note."""
+        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds, note, as_path."""
         return {
             "note": self.note,
             "ok": self.ok,
@@ -64,13 +66,14 @@ class ImportResult:
             "error": self.error,
             "line": self.line,
             "seconds": round(self.seconds, 3),
+            "as_path": self.as_path,
         }
 
 
 # --------------------------------------------------------------------------- import smoke
 
-# Runs in a child interpreter (the running one, which has torch). argv: script, module name.
-_IMPORT_RUNNER = "import sys; from patcher.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2])"
+# Runs in a child interpreter (the running one, which has torch). argv: script, module name, as_path.
+_IMPORT_RUNNER = "import sys; from patcher.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2], sys.argv[3])"
 
 # Tree mode: fork the import smoke from a process that has torch imported already
 # (saves the interpreter start and the ~1 s torch import per file).
@@ -95,7 +98,7 @@ def use_forked_smoke() -> None:
         _FORKED_SMOKE = True
 
 
-def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mapping[str, cst.Module] = EMPTY) -> ImportResult:
+def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mapping[str, cst.Module] = EMPTY, as_path: str | os.PathLike | None = None) -> ImportResult:
     """Import `source` in a child process of the running Python and report what happened.
 
     source: the code (the payload for a wrapped script). filename: its name; the code
@@ -107,8 +110,12 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mappi
     group and every process it started (even in a new session) are killed; the result
     then says "timed out after N s". Processes the script starts and leaves running are
     killed when the import ends. Never raises for problems in the script. known: as
-    for `_parse`.
+    for `_parse`. as_path: where the script stands (default `filename`): its `__file__`
+    and `sys.argv[0]` during the import, absolute, so that a script that finds its data
+    from its own location (`Path(__file__).resolve().parents[3]`) sees the place it is
+    meant to run from, not the temporary copy (`as_path` of the result).
     """
+    as_path = os.path.abspath(str(filename if as_path is None else as_path))
     source = source[1:] if source.startswith(_BOM) else source
     body, stopped_at = importable_part(source, known)
     stem = _safe_stem(filename)
@@ -117,8 +124,9 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mappi
         with open(script, "w", encoding="utf-8", newline="") as f:
             f.write(body)
         run = _fork_child if _FORKED_SMOKE else _run_child
-        result = run(script, f"_smoke_{stem}", tmp, timeout)
+        result = run(script, f"_smoke_{stem}", tmp, timeout, as_path)
     result.stopped_at = stopped_at
+    result.as_path = as_path
     return result
 
 
@@ -128,12 +136,12 @@ def _safe_stem(filename: str) -> str:
     return stem if stem and not stem[0].isdigit() else f"script_{stem}"
 
 
-def _run_child(script: str, module_name: str, cwd: str, timeout: float) -> ImportResult:
+def _run_child(script: str, module_name: str, cwd: str, timeout: float, as_path: str) -> ImportResult:
     """Run the import runner on `script`; kill its process group after `timeout` seconds."""
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _IMPORT_RUNNER, script, module_name],
+        [sys.executable, "-c", _IMPORT_RUNNER, script, module_name, as_path],
         cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -166,7 +174,7 @@ def _import_result(out: bytes, seconds: float, no_result: str) -> ImportResult:
     )
 
 
-def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> ImportResult:
+def _fork_child(script: str, module_name: str, cwd: str, timeout: float, as_path: str) -> ImportResult:
     """`_run_child`, forked from this process instead of a fresh interpreter."""
     from patcher import smoke_child
 
@@ -182,7 +190,7 @@ def _fork_child(script: str, module_name: str, cwd: str, timeout: float) -> Impo
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-            smoke_child.report(smoke_child.smoke_import(script, module_name), write_end)
+            smoke_child.report(smoke_child.smoke_import(script, module_name, as_path), write_end)
         finally:
             os._exit(1)
     os.close(write_end)

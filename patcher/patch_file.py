@@ -142,7 +142,8 @@ def _check_written(text: str, written: Script, out_path, in_path: Path, options:
     """Run `check` on what was written (a temporary copy for stdout)."""
     from patcher.check import check_file
 
-    kwargs = dict(target=options.python, timeout=options.timeout, run_import=options.run_import)
+    # the output is meant to stand where the input stands: imported with the input's `__file__`
+    kwargs = dict(target=options.python, timeout=options.timeout, run_import=options.run_import, as_path=in_path.resolve())
     if out_path != "-":
         return check_file(out_path, script=replace(written, path=Path(out_path)), **kwargs)
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,6 +9,7 @@ before it executes (the dataclass trap), with missing packages stubbed.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -90,19 +91,22 @@ def kill_descendants(pid: int, rounds: int = 20) -> None:
                 pass
 
 
-def smoke_import(script: str, name: str) -> dict:
-    """Import the file `script` as module `name`. Returns {ok, error, line, stubbed}.
+def smoke_import(script: str, name: str, as_path: str | None = None) -> dict:
+    """Import the file `script` as module `name`, with `__file__` and `sys.argv[0]` =
+    `as_path` (default `script`): the place the script stands. Returns {ok, error, line, stubbed}.
 
     Never raises: an exception at import (SystemExit and KeyboardInterrupt included)
     is the result, with the script line it came from.
     """
     finder = StubFinder(script)
     sys.meta_path.append(finder)
-    sys.argv = [script]
+    as_path = as_path or script
+    sys.argv = [as_path]
     sys.dont_write_bytecode = True
     result = {"ok": True, "error": None, "line": None}
     try:
-        spec = importlib.util.spec_from_file_location(name, script)
+        # the code comes from `script`; the module says it stands at `as_path`
+        spec = importlib.util.spec_from_file_location(name, as_path, loader=importlib.machinery.SourceFileLoader(name, script))
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # before exec_module: dataclasses look the module up here
         spec.loader.exec_module(module)
@@ -128,9 +132,9 @@ def report(result: dict, fd: int) -> None:
     os._exit(0)
 
 
-def run_and_report(script: str, name: str) -> None:
+def run_and_report(script: str, name: str, as_path: str | None = None) -> None:
     """Child interpreter entry: the result goes to a private copy of fd 1, so a script
     that replaces sys.stdout or prints at import cannot hide it."""
     become_subreaper()
     out = os.dup(1)
-    report(smoke_import(script, name), out)
+    report(smoke_import(script, name, as_path), out)

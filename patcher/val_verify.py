@@ -18,9 +18,9 @@ import libcst as cst
 import libcst.matchers as m
 import torch
 
-from patcher.harness import HarnessError, evaluate_script_code
-from patcher.survey import Survey, survey
 from patcher.cst_walk import dotted_reads as _names_read, walk_own as _walk_own
+from patcher.harness import HarnessError, evaluate_script_code, survey_of
+from patcher.survey import Survey
 from patcher.val_survey import ValLoop, find_val_loops
 
 BATCH_NAMES = ("x", "y")
@@ -31,7 +31,7 @@ def val_loop_pairs(original: Survey, patched_source: str) -> list[tuple[ValLoop,
 
     Raises HarnessError when the patched script lacks one of them.
     """
-    patched = survey(cst.parse_module(patched_source))
+    patched = survey_of(patched_source)
     functions = {f.name.value: f for f in patched.collector.functions}
     pairs, used = [], {}
     for site in (s for s in find_val_loops(original) if s.reason is None):
@@ -54,13 +54,13 @@ def val_tokens_for(hparams, world_size: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=g, dtype=torch.int32).to(torch.uint16)
 
 
-def function_namespace(module: types.ModuleType, function: cst.FunctionDef, code_of, hparams, rank: int, world_size: int, val_tokens: torch.Tensor) -> dict:
-    """The module's globals plus stand-ins for `function`'s parameters, by name."""
+def function_namespace(module: types.ModuleType, function: cst.FunctionDef, code_of, hparams, rank: int, world_size: int, val_tokens: torch.Tensor, device: torch.device | None = None) -> dict:
+    """The module's globals plus stand-ins for `function`'s parameters, by name (`device`: the CPU unless given)."""
     ns = dict(module.__dict__)
     data = types.SimpleNamespace(val_tokens=val_tokens)
     known = {
         "args": hparams, "h": hparams, "hparams": hparams, "hyperparameters": hparams,
-        "rank": rank, "world_size": world_size, "device": torch.device("cpu"),
+        "rank": rank, "world_size": world_size, "device": device if device is not None else torch.device("cpu"),
         "grad_accum_steps": getattr(hparams, "grad_accum_steps", max(1, 8 // world_size)),
         "val_tokens": val_tokens, "val_data": data,
     }
@@ -76,8 +76,12 @@ def function_namespace(module: types.ModuleType, function: cst.FunctionDef, code
     return ns
 
 
-def loop_batches(surveyed: Survey, function: cst.FunctionDef, loop: cst.For, ns: dict) -> list[tuple]:
-    """Run `loop`'s iterable and its simple statements up to those that bind x and y; (x, y) per batch.
+def loop_batches(surveyed: Survey, function: cst.FunctionDef, loop: cst.For, ns: dict) -> tuple[list[tuple], int | None]:
+    """Run `loop`'s iterable and its simple statements up to those that bind x and y.
+
+    Returns (batches, changed): a private copy of each batch's (x, y) as the loop had it,
+    and the index of the first batch whose tensors changed after that (looked at when
+    the next batch is taken and after the last: a staging buffer reused too early), or None.
 
     First the function's statements before the loop run in `ns`, in order (those that
     fail outside the script, e.g. `model.eval()` with no model, are skipped); this
@@ -107,14 +111,28 @@ def loop_batches(surveyed: Survey, function: cst.FunctionDef, loop: cst.For, ns:
             except Exception:
                 pass  # bound by the loop itself, or not needed for x and y
     target = module.code_for_node(loop.target)
-    batches = []
+    batches, held, changed = [], None, None
     code = compile("\n".join(steps), "<val loop body>", "exec")
     for item in evaluate_script_code(surveyed, module.code_for_node(loop.iter), ns, scope):
+        if held is not None and changed is None and not _same(batches[-1], held):
+            changed = len(batches) - 1
         ns["__item"] = item
         exec(f"{target} = __item", ns)
         exec(code, ns)
-        batches.append(tuple(ns[name] for name in BATCH_NAMES))
-    return batches
+        held = tuple(ns[name] for name in BATCH_NAMES)
+        batches.append(tuple(t.detach().clone() if isinstance(t, torch.Tensor) else t for t in held))
+    if held is not None and changed is None and not _same(batches[-1], held):
+        changed = len(batches) - 1
+    return batches, changed
+
+
+def _same(copies: tuple, live: tuple) -> bool:
+    """True when the live tensors of a batch still hold the bytes of their copies."""
+    for a, b in zip(copies, live):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8), b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)):
+                return False
+    return True
 
 
 def _run_before(block: cst.BaseSuite, loop: cst.For, ns: dict) -> bool:

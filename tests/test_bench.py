@@ -154,7 +154,11 @@ def test_op_bound_report(tmp_path, capsys):
     for side in ("original", "patched"):
         assert report[f"mean_step_ms_{side}"] >= report[f"mean_data_ms_{side}"] > 0
         assert report[f"median_data_ms_{side}"] == pytest.approx(report[f"wait_ms_{side}_p50"], abs=1e-3)
-    expected = (report["mean_step_ms_original"] - report["mean_step_ms_patched"]) / report["mean_data_ms_original"]
-    assert report["recovered_share"] == pytest.approx(expected, abs=1e-2)
+    data_ms = report["mean_data_ms_original"]
+    expected = (report["mean_step_ms_original"] - report["mean_step_ms_patched"]) / data_ms
+    # The report's means are rounded to 4 decimals and the share comes from the unrounded
+    # ones: allow what that rounding can move the share by (it grows as the data time shrinks).
+    rounding = (abs(expected) * 5e-5 + 1e-4) / data_ms + 1e-4
+    assert report["recovered_share"] == pytest.approx(expected, abs=rounding)
     code = main([str(FIXTURES / "tokenstream_readable.py"), "--steps", "6", "--compute-ms", "1", "--shard-tokens", "50000", "--main-thread", "op-bound", "--data-dir", str(tmp_path)])
     assert code == 0 and "recovered as a shorter step" in capsys.readouterr().out

@@ -29,7 +29,7 @@ from patcher import wrapper as wrapper_codec
 from patcher.check import check_file
 from patcher.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK, build_check_parser, build_parser, main
 from patcher.patch_file import FileOptions
-from patcher.source import MAX_PIECES, MAX_SOURCE_BYTES, SourceError, output_problem, read_script
+from patcher.source import MAX_PIECES, MAX_SOURCE_BYTES, output_problem, read_script
 from patcher.wrapper import decompress_capped
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

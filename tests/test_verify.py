@@ -231,7 +231,7 @@ def test_a_hanging_patched_generator_is_reported_not_waited_on(tmp_path, monkeyp
 
     monkeypatch.setattr(patcher.verify, "DRAW_TIMEOUT_S", 1.0)
     original, out = patched(tmp_path, "generator_toplevel", HANG_ON_NEXT)
-    with pytest.raises(CannotVerify, match=r"patched generator hangs here \(rank 0, batch 0\).*no batch after 1 s"):
+    with pytest.raises(CannotVerify, match=r"patched generator hangs here \(rank 0, train item 0\).*no batch after 1 s"):
         verify(original, out, batches=4)
 
 

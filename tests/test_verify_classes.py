@@ -1,0 +1,167 @@
+"""verify on scripts as they stand: each class of "cannot verify" found on real scripts has a
+fixture of ours (fixtures/verify/), and verify's exit codes say what happened."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from patcher.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
+from patcher.harness import LoaderRecipe, patched_constructions
+from patcher.patch import patch_source
+from patcher.source import read_script, render
+from patcher.verify import CannotVerify, verify
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "verify"
+
+
+def patch_to(directory: Path, name: str, extra: str = "") -> tuple[Path, Path]:
+    """(the fixture, its patched output in `directory`, `extra` appended to it)."""
+    original = FIXTURES / f"{name}.py"
+    script = read_script(original)
+    out = Path(directory) / f"{name}_patched.py"
+    out.write_text(render(script, patch_source(script.source).source, rewrap=False) + extra)
+    return original, out
+
+
+def test_names_bound_inside_main_and_under_the_main_guard(tmp_path):
+    # numpy is imported only under `if __name__ == "__main__":`, math inside main()
+    original, out = patch_to(tmp_path, "local_imports")
+    result = verify(original, out, batches=16)
+    assert result.identical, result.difference
+    assert any("gradient accumulation 4" in note for note in result.notes)  # math.gcd(8, 8 // 2), the script's own
+
+
+def test_a_script_that_finds_its_data_from_its_own_path(tmp_path):
+    # parents[3] of a patched copy in a shallow temporary directory does not exist;
+    # verify imports both as if they stood at the original's path
+    with tempfile.TemporaryDirectory(dir="/tmp") as shallow:
+        original, out = patch_to(Path(shallow), "file_anchor")
+        assert len(out.resolve().parents) <= 3
+        result = verify(original, out, batches=8)
+    assert result.identical, result.difference
+    assert any(f"as if at {original.resolve()}" in note for note in result.notes)
+
+
+def test_check_imports_the_output_as_if_it_stood_at_the_input(tmp_path, capsys):
+    with tempfile.TemporaryDirectory(dir="/tmp") as shallow:
+        code = main([str(FIXTURES / "file_anchor.py"), "-o", str(Path(shallow) / "out.py")])
+    out = capsys.readouterr()
+    assert code == EXIT_OK, out.err
+    assert f"as if at {(FIXTURES / 'file_anchor.py').resolve()}" in out.out + out.err
+
+
+def test_check_of_a_file_imports_it_where_it_stands(capsys):
+    code = main(["check", str(FIXTURES / "file_anchor.py")])
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    assert "import smoke" in out and "FAILED" not in out
+
+
+def test_the_scripts_own_gradient_accumulation_keeps_its_divisibility_rule(tmp_path):
+    # grad_accum_steps = 3 in main(): 384 // (2 * 3) = 64 tokens per rank, one sequence;
+    # the records' 8 // world_size would give 48, which the loader rejects
+    original, out = patch_to(tmp_path, "own_configuration")
+    result = verify(original, out, batches=8)
+    assert result.identical, result.difference
+    assert any("gradient accumulation 3" in note for note in result.notes)
+
+
+def test_a_calibration_loader_and_the_runtimes_own_names_do_not_count(tmp_path):
+    original, out = patch_to(tmp_path, "calibration_loader")
+    source = read_script(original).source
+    recipe = LoaderRecipe.from_source(source)
+    assert [c.target for c in recipe.constructions] == ["train_loader", "train_loader"]
+    sites = patched_constructions(out.read_text(), recipe, source)
+    assert len(sites) == 2 and all("DistributedTokenLoader(args.train_files" in s for s in sites)
+    result = verify(original, out, batches=8)
+    assert result.identical, result.difference
+
+
+def test_an_injected_definition_assigning_the_same_variable_is_not_a_construction(tmp_path):
+    original, out = patch_to(tmp_path, "calibration_loader", extra="\n\ndef _injected_helper(args, rank, world_size, device):\n    train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)\n    return train_loader\n")
+    source = read_script(original).source
+    recipe = LoaderRecipe.from_source(source)
+    assert len(patched_constructions(out.read_text(), recipe, source)) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is not None, reason="sentencepiece is installed here")
+def test_a_module_the_loader_imports_lazily_is_cannot_verify_not_a_difference(tmp_path, capsys):
+    original, out = patch_to(tmp_path, "lazy_module")
+    with pytest.raises(CannotVerify, match="needs sentencepiece"):
+        verify(original, out, batches=4)
+    code = main(["verify", str(original), str(out), "--batches", "4"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT
+    assert "cannot verify: needs sentencepiece" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_harness_failure_is_exit_2_in_one_line(tmp_path, capsys, monkeypatch):
+    import patcher.verify
+
+    def broken(*args, **kwargs):
+        raise KeyError("harness bug")
+
+    monkeypatch.setattr(patcher.verify, "_plan", broken)
+    original, out = patch_to(tmp_path, "own_configuration")
+    code = main(["verify", str(original), str(out), "--batches", "4"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT
+    assert "cannot verify: the harness failed" in err and "KeyError" in err and len(err.strip().splitlines()) == 1
+
+
+# Appended to a patched script: its own loader fails on the 7th batch it builds.
+FAIL_ON_SEVENTH = """
+_original_next_batch = DistributedTokenLoader.next_batch
+
+
+def _failing_next_batch(self, *args, _count=[0]):
+    _count[0] += 1
+    if _count[0] == 7:
+        raise RuntimeError("disk gone")
+    return _original_next_batch(self, *args)
+
+
+DistributedTokenLoader.next_batch = _failing_next_batch
+"""
+
+
+def test_a_crash_in_the_patched_loader_names_rank_and_batch(tmp_path, capsys):
+    original, out = patch_to(tmp_path, "own_configuration", extra=FAIL_ON_SEVENTH)
+    result = verify(original, out, batches=16)
+    d = result.difference
+    assert not result.identical and d.rank == 0 and d.field is None
+    assert "raised RuntimeError: disk gone" in d.what
+    code = main(["verify", str(original), str(out), "--batches", "16"])
+    captured = capsys.readouterr()
+    assert code == EXIT_FAILED
+    # which batch meets the 7th call depends on how far the warm-up worker ran ahead
+    assert re.search(r"^DIFFER: rank 0, \w+ batch \d+: the patched loader raised RuntimeError: disk gone", captured.out, re.M), captured.out
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_a_warm_up_worker_left_running_after_the_rebuild_is_caught(tmp_path):
+    # the rebuild no longer stops the loader it replaces
+    original, out = patch_to(tmp_path, "own_configuration")
+    text = out.read_text()
+    if "def _free_slot(" in text:  # the full runtime: nor does dropping the last reference to it
+        out.write_text(text + "\n\ndef _free_slot(slot):\n    _live_prefetchers.pop(slot, None)\n\n\n_PrefetchLoader.__del__ = lambda self: None\n")
+    else:  # the lean runtime: the replaced worker is only ever stopped here
+        assert text.count("        old.shutdown()\n") == 1
+        out.write_text(text.replace("        old.shutdown()\n", "        pass\n"))
+    result = verify(original, out, batches=8)
+    assert not result.identical
+    assert result.difference.phase == "train" and "still alive after the script rebuilt it" in result.difference.what
+
+
+def test_every_rank_reads_across_shard_boundaries_and_wraps(tmp_path):
+    original, out = patch_to(tmp_path, "own_configuration")
+    result = verify(original, out)
+    assert result.identical, result.difference
+    sizing = next(n for n in result.notes if n.startswith("4 shards x"))
+    times = float(sizing.split("the shards read ")[1].split(" times")[0])
+    assert times > 1.0, sizing  # every shard read, the stream wrapped around

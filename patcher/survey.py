@@ -891,9 +891,13 @@ def _single_line_body(body: cst.BaseSuite) -> bool:
 # ----------------------------------------------------------------------------- logging
 
 
+# The names a script's log function goes by, in order of preference.
+LOG_FUNCTIONS = ("log0", "log", "print0", "log_print")
+
+
 def _find_log_function(collector: _SiteCollector) -> tuple[str, cst.CSTNode] | None:
-    """The script's log function and the scope that defines it: `log0` or `log`."""
-    for name in ("log0", "log", "print0", "log_print"):
+    """The script's log function and the scope that defines it: the first of `LOG_FUNCTIONS` defined."""
+    for name in LOG_FUNCTIONS:
         for fn in collector.functions:
             if fn.name.value == name:
                 return name, fn

@@ -23,7 +23,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import dotted, dotted_reads, walk_own
-from patcher.survey import Survey
+from patcher.survey import LOG_FUNCTIONS, Survey
 
 # Calls a slice bound may make: pure functions of their arguments.
 PURE_CALLS = {"min", "max", "int", "abs", "len"}
@@ -203,7 +203,7 @@ def _purity(site: ValLoop, smalls, module: cst.Module) -> str | None:
     where = f"in {site.function}"
     for arg in site.to_call.args:
         if arg.keyword is None or arg.keyword.value not in TO_KEYWORDS:
-            return f"`.to({module.code_for_node(arg)})` {where}: only device=, dtype=, non_blocking= keywords are rebuilt"
+            return f"`.to({module.code_for_node(arg.with_changes(comma=cst.MaybeSentinel.DEFAULT))})` {where}: only device=, dtype=, non_blocking= keywords are rebuilt"
         for name in dotted_reads(arg.value):
             if assigned.get(name):
                 return f"`.to(...)` argument `{name}` {where} changes inside the loop"
@@ -236,7 +236,7 @@ def _purity(site: ValLoop, smalls, module: cst.Module) -> str | None:
 def _visible_log(survey: Survey, function: cst.FunctionDef, site: ValLoop) -> tuple[str | None, str | None]:
     """The script's log function if `function` can call it, else (None, why)."""
     if survey.log_function is None:
-        return None, "no log function (log0, log, print0) in the script"
+        return None, f"no log function ({', '.join(LOG_FUNCTIONS)}) in the script"
     name, log_fn = survey.log_function
     defined_in = survey.collector.scope_of[log_fn].parent
     scope = survey.collector.scope_of.get(function)

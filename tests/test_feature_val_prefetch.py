@@ -143,6 +143,19 @@ def test_with_copy_stream_the_copies_switch_on_their_own_toggle():
     assert result.applied == ["val_prefetch", "env_toggles"]  # copy_stream itself: no training loader here
 
 
+@pytest.mark.parametrize("only, stream", [("val_prefetch", "compute"), (["val_prefetch", "copy_stream"], "copy")], ids=["alone", "with-copy_stream"])
+def test_the_note_names_the_stream_the_copy_runs_on(only, stream):
+    result = assert_patch(HEAD + EVAL, with_toggles(HEAD, PREFETCH_TOGGLE, *([COPY_STREAM_TOGGLE] if stream == "copy" else [])) + prefetched(copy_stream="Hyperparameters.val_copy_stream" if stream == "copy" else "False"), only=only)
+    [note] = [n for n in result.notes if n.feature == "val_prefetch"]
+    assert note.reason.endswith(f"built one batch ahead (pinned), H2D on the {stream} stream")
+
+
+def test_a_positional_device_is_quoted_without_its_comma():
+    result = patch_source(_loop_change(".to(device=device, dtype=torch.int64, non_blocking=True)", ".to(device, dtype=torch.int64)"), {"val_prefetch"})
+    [note] = [n for n in result.notes if n.feature == "val_prefetch"]
+    assert note.reason == "`.to(device)` in eval_val: only device=, dtype=, non_blocking= keywords are rebuilt"
+
+
 def _loop_change(old: str, new: str) -> str:
     assert old in EVAL
     return HEAD + EVAL.replace(old, new, 1)

@@ -167,3 +167,15 @@ def test_noop_beside_every_other_feature(source):
     """Refused with every feature on: the output of every feature but this one."""
     others = set(FEATURES) - {"val_progress"}
     assert patch_source(source, set(FEATURES)).source == patch_source(source, others).source
+
+
+def test_no_log_function_names_every_name_looked_for():
+    result = patch_source(NO_LOG_HEAD + EVAL, {"val_progress", "env_toggles"})
+    [note] = [n for n in result.notes if n.feature == "val_progress"]
+    assert note.reason == "no log function (log0, log, print0, log_print) in the script"
+
+
+def test_a_log_print_function_is_used():
+    result = patch_source(NO_LOG_HEAD.replace("import torch\n", "import torch\n\n\ndef log_print(msg):\n    print(msg)\n") + EVAL, {"val_progress", "env_toggles"})
+    assert "val_progress" in result.applied
+    assert "    for start in _val_progress(range(first, last, batch_seqs), log_print, Hyperparameters.val_progress_log_every, \"eval_val\"):\n" in result.source

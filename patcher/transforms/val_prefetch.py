@@ -55,7 +55,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         slice_name = _free_name("_val_slice", names)
         names.add(slice_name)
         plans[site.loop] = _Plan(site, slice_name, _iterable(site, slice_name, ctx, module), _slice_function(site, slice_name, ctx))
-        notes.append(Note(FEATURE, True, f"{site.function}: `{module.code_for_node(site.window)}` built one batch ahead (pinned), H2D on the copy stream", site.line))
+        h2d = "H2D on the copy stream" if "copy_stream" in ctx.enabled else "H2D on the compute stream"
+        notes.append(Note(FEATURE, True, f"{site.function}: `{module.code_for_node(site.window)}` built one batch ahead (pinned), {h2d}", site.line))
     if plans:
         ctx.need("prefetch_val")
         tops = {survey.top_level_of(loop) for loop in plans}

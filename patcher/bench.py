@@ -169,7 +169,7 @@ def _producer_variants(patched_site: str, workers: int) -> dict:
     """Toggle settings per producer variant the patched construction supports, and
     `"patched"`: the name of the one the wait is measured with."""
     variants = {"python": {"TRAIN_PREFETCH_NUMPY": 0, "TRAIN_PREFETCH_WORKERS": 1}}
-    if "_ShuffledAssembly(" in patched_site:
+    if "assembly=" in patched_site:
         variants["numpy"] = {"TRAIN_PREFETCH_NUMPY": 1, "TRAIN_PREFETCH_WORKERS": 1}
     if "workers=" in patched_site and workers > 1:
         variants["workers"] = {"TRAIN_PREFETCH_NUMPY": 1, "TRAIN_PREFETCH_WORKERS": workers}

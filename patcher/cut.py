@@ -8,7 +8,8 @@ passes an option gets the code without it:
 
 1. **Facts.** An option left out by every call site in the patched script has its
    default value; `fold` replaces each read of it (`rollback`, `self._rollback`) with
-   that constant.
+   that constant. An option every call site passes as a literal other than None is
+   `PASSED`: only its tests against None (`self.assembly is not None`) are folded.
 2. **Folding.** `not`, `is None`, `and`/`or`, conditional expressions and `if`
    statements over constants are evaluated; the branch that cannot run is dropped,
    with parameters, keyword arguments and assignments of the option itself, and the
@@ -30,6 +31,16 @@ import libcst.matchers as m
 
 from patcher.cst_walk import walk
 
+class _Passed:
+    """The fact of an option every call site passes as a literal other than None."""
+
+    def __repr__(self) -> str:
+        return "PASSED"
+
+
+PASSED = _Passed()
+
+
 class CutError(Exception):
     """A template breaks the conventions the cut relies on (a bug in the template)."""
 
@@ -46,7 +57,7 @@ def _literal(value) -> cst.BaseExpression:
     return cst.parse_expression(repr(value))
 
 
-def _constant(node: cst.CSTNode):
+def constant_value(node: cst.CSTNode):
     """(True, value) for a literal True/False/None/int/str node, else (False, None)."""
     if isinstance(node, cst.Name) and node.value in ("True", "False", "None"):
         return True, {"True": True, "False": False, "None": None}[node.value]
@@ -58,7 +69,14 @@ def _constant(node: cst.CSTNode):
 
 
 def _option_of(node: cst.CSTNode, facts: dict) -> str | None:
-    """The option a read refers to: `name`, `self.name` or `self._name`, when it is a fact."""
+    """The option a read refers to: `name`, `self.name` or `self._name`, when its fact
+    is a constant (not `PASSED`)."""
+    option = _any_option_of(node, facts)
+    return None if option is None or facts[option] is PASSED else option
+
+
+def _any_option_of(node: cst.CSTNode, facts: dict) -> str | None:
+    """`_option_of`, `PASSED` facts included."""
     if isinstance(node, cst.Name) and node.value in facts:
         return node.value
     if m.matches(node, m.Attribute(value=m.Name("self"), attr=m.Name())):
@@ -107,16 +125,16 @@ class _Fold(cst.CSTTransformer):
         return _literal(self.facts[option]) if option else updated_node
 
     def leave_Param(self, original_node, updated_node):
-        return cst.RemoveFromParent() if original_node.name.value in self.facts else updated_node
+        return cst.RemoveFromParent() if self.facts.get(original_node.name.value, PASSED) is not PASSED else updated_node
 
     def leave_Parameters(self, original_node, updated_node):
         return _strip_trailing_comma(updated_node)
 
     def leave_Arg(self, original_node, updated_node):
         keyword = original_node.keyword
-        if keyword is None or keyword.value not in self.facts:
+        if keyword is None or self.facts.get(keyword.value, PASSED) is PASSED:
             return updated_node
-        known, value = _constant(updated_node.value)
+        known, value = constant_value(updated_node.value)
         if _option_of(original_node.value, self.facts) != keyword.value and not (known and value == self.facts[keyword.value]):
             raise CutError(f"the template passes {keyword.value}={cst.Module([]).code_for_node(original_node.value)}, not the option's own value")
         return cst.RemoveFromParent()
@@ -142,7 +160,7 @@ class _Fold(cst.CSTTransformer):
             positional = before.keyword is None and not before.star
             if positional and params is None and _option_of(before.value, self.facts):
                 raise CutError(f"{name}(...) is defined with different parameters; pass option {_option_of(before.value, self.facts)} by keyword")
-            if positional and params and index < len(params) and params[index] in self.facts:
+            if positional and params and index < len(params) and self.facts.get(params[index], PASSED) is not PASSED:
                 dropped = True
                 continue
             kept.append(after)
@@ -186,9 +204,12 @@ class _Fold(cst.CSTTransformer):
     def leave_Comparison(self, original_node, updated_node):
         if len(updated_node.comparisons) != 1:
             return updated_node
-        left_known, left = _constant(updated_node.left)
+        left_known, left = constant_value(updated_node.left)
         target = updated_node.comparisons[0]
-        right_known, right = _constant(target.comparator)
+        passed = _any_option_of(updated_node.left, self.facts)
+        if passed is not None and self.facts[passed] is PASSED and m.matches(target.comparator, m.Name("None")) and isinstance(target.operator, (cst.Is, cst.IsNot)):
+            return _literal(isinstance(target.operator, cst.IsNot))
+        right_known, right = constant_value(target.comparator)
         if not (left_known and right_known):
             return updated_node
         operator = type(target.operator)
@@ -202,7 +223,7 @@ class _Fold(cst.CSTTransformer):
         return updated_node
 
     def leave_BooleanOperation(self, original_node, updated_node):
-        known, value = _constant(updated_node.left)
+        known, value = constant_value(updated_node.left)
         if not known:
             return updated_node
         if isinstance(updated_node.operator, cst.And):
@@ -245,12 +266,12 @@ def _pure(node: cst.CSTNode) -> bool:
     """A read without effects: a constant, a name, or attributes of a name."""
     while isinstance(node, cst.Attribute):
         node = node.value
-    return isinstance(node, cst.Name) or _constant(node)[0]
+    return isinstance(node, cst.Name) or constant_value(node)[0]
 
 
 def _truth(node: cst.CSTNode) -> bool | None:
     """The truth value of `node` where a test reads it (`if`, `not`, `... if ... else`), or None when unknown."""
-    known, value = _constant(node)
+    known, value = constant_value(node)
     if known:
         return bool(value)
     if isinstance(node, cst.BooleanOperation):

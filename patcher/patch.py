@@ -121,7 +121,8 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
     if ctx.templates:
         toggles = [n for n in ctx.toggles_used]
         passed, read = _keywords_and_reads(module)
-        facts = render.cut_facts(ctx.templates, passed)
+        calls = [node for node in walk(module) if isinstance(node, cst.Call)]
+        facts = render.cut_facts(ctx.templates, passed, render.always_passed(ctx.templates, calls))
         runtime = render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep)
         block.extend(runtime)
     if block and not ctx.minified and at < len(body) and not body[at].leading_lines:

@@ -23,7 +23,7 @@ import libcst as cst
 import libcst.matchers as m
 
 import templates
-from patcher.cut import StripDocsAndComments, fold, names_read, prune
+from patcher.cut import PASSED, StripDocsAndComments, constant_value, fold, names_read, prune
 from patcher.features import TEMPLATE_DEPENDENCIES
 
 TEMPLATE_DIR = Path(templates.__file__).parent
@@ -86,12 +86,14 @@ def _declared(name: str, variable: str) -> dict:
     return {}
 
 
-def cut_facts(names: list[str], passed_keywords: set[str]) -> dict:
+def cut_facts(names: list[str], passed_keywords: set[str], always_passed: set[str] = frozenset()) -> dict:
     """The constants the cut may assume for templates `names` (dependencies included).
 
     An option (a template's `_CUT_OPTIONS`) that no call site passes as a keyword
-    (`passed_keywords`) has its declared value; a hook (`_CUT_HOOKS`: name -> the
-    template that fills it) is empty unless that template is injected.
+    (`passed_keywords`) has its declared value; one that every call site passes as a
+    literal other than None (`always_passed`, see `always_passed`) is `PASSED`; a hook
+    (`_CUT_HOOKS`: name -> the template that fills it) is empty unless that template is
+    injected.
     """
     ordered = with_dependencies(names)
     facts = {}
@@ -99,10 +101,32 @@ def cut_facts(names: list[str], passed_keywords: set[str]) -> dict:
         for option, value in _declared(name, "_CUT_OPTIONS").items():
             if option not in passed_keywords:
                 facts[option] = value
+            elif option in always_passed:
+                facts[option] = PASSED
         for hook, filler in _declared(name, "_CUT_HOOKS").items():
             if filler not in ordered:
                 facts[hook] = []
     return facts
+
+
+def always_passed(names: list[str], calls: list[cst.Call]) -> set[str]:
+    """Parameters of the templates' functions (templates `names`, dependencies included)
+    that every call in `calls` (the script's calls) of a function taking them passes as
+    a keyword with a literal value other than None (`assembly="_get_shard_memmap"`)."""
+    signatures = {}
+    for name in with_dependencies(names):
+        for stmt in template_statements(name):
+            if isinstance(stmt, cst.FunctionDef):
+                signatures[stmt.name.value] = [p.name.value for p in (*stmt.params.params, *stmt.params.kwonly_params)]
+    verdict: dict[str, bool] = {}
+    for call in calls:
+        if not isinstance(call.func, cst.Name) or call.func.value not in signatures:
+            continue
+        given = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
+        for param in signatures[call.func.value]:
+            known, value = constant_value(given[param]) if param in given else (False, None)
+            verdict[param] = verdict.get(param, True) and known and value is not None
+    return {param for param, every in verdict.items() if every}
 
 
 def with_dependencies(names: list[str]) -> list[str]:

@@ -10,6 +10,7 @@ import threading
 import time
 
 from templates.prefetch_loader import _EMPTY, _ORDERED_WORKER, _POLL_S, _Built, _snapshot, _Worker
+from templates.shuffled_assembly import _shuffled_gather, _shuffled_plan
 from templates.staging import _stage
 
 
@@ -110,8 +111,8 @@ def _signal(lock):
 
 class _OrderedWorker(_Worker):
     """`workers` daemon threads: under `plan_lock`, number and plan a batch
-    (`assembly.plan` or `next_batch`, the loader advancing in call order); outside it,
-    finish it (`assembly.gather` or `_stage`) and deliver it under its number to an
+    (`_shuffled_plan` or `next_batch`, the loader advancing in call order); outside it,
+    finish it (`_shuffled_gather` or `_stage`) and deliver it under its number to an
     `_OrderedHandoff`, which hands batches out in number order."""
 
     def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True, workers=2, assembly=None):
@@ -132,13 +133,13 @@ class _OrderedWorker(_Worker):
                 self.planned += 1
                 try:
                     before = _snapshot(self.loader) if self.rollback else None
-                    plan = self.assembly.plan(self.loader, self.args) if self.assembly is not None else self.loader.next_batch(*self.args)
+                    plan = _shuffled_plan(self.loader, self.assembly, *self.args) if self.assembly is not None else self.loader.next_batch(*self.args)
                 except BaseException as error:  # handed to the caller, which re-raises it
                     self.failed = True
                     item = error
             if item is None:
                 try:
-                    item = self.assembly.gather(plan, self.pin) if self.assembly is not None else _stage(plan, self.pin, self.host_copy)
+                    item = _shuffled_gather(plan, self.pin) if self.assembly is not None else _stage(plan, self.pin, self.host_copy)
                     if self.rollback:
                         item = _Built(before, item)
                 except BaseException as error:

@@ -40,7 +40,7 @@ Scripts with per-step arguments, attribute reads or the producer tuning toggles 
 
 Options that no call site passes are cut (patcher/cut.py): `host_copy` (False: a
 loader that never writes into an array it keeps hands its batches out as built on a
-CPU device) and `assembly` (`_ShuffledAssembly`, templates/shuffled_assembly.py).
+CPU device) and `assembly` (the numpy assembly, templates/shuffled_assembly.py).
 """
 
 import atexit
@@ -50,6 +50,7 @@ import threading
 import torch
 
 from templates.copy_stream import _h2d
+from templates.shuffled_assembly import _shuffled_gather, _shuffled_plan
 from templates.staging import _each_tensor, _stage
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
@@ -66,9 +67,9 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     (`TRAIN_COPY_STREAM`); slot: the variable name, so that a rebuild shuts the
     previous worker down first; host_copy: copy each batch even when it is not
     pinned (False when the survey finds that the loader never writes into an array
-    a returned batch views); assembly: None, or a `_ShuffledAssembly` whose
-    `plan(loader, args)` advances the loader as `next_batch(*args)` and whose
-    `gather(plan, pin)` builds that batch.
+    a returned batch views); assembly: None, or the name of the script's shard getter
+    (`"_get_shard_memmap"`): each batch is then `_shuffled_plan` (the loader advances
+    as `next_batch(*args)`) and `_shuffled_gather` (templates/shuffled_assembly.py).
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
@@ -118,7 +119,7 @@ class _PrefetchLoader:
         try:
             while not self.stop.is_set():
                 if self.assembly is not None:
-                    batch = self.assembly.gather(self.assembly.plan(self.loader, self.args), pin)
+                    batch = _shuffled_gather(_shuffled_plan(self.loader, self.assembly, *self.args), pin)
                 else:
                     batch = _stage(self.loader.next_batch(*self.args), pin, self.host_copy)
                 self.room.get()

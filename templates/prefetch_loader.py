@@ -48,6 +48,7 @@ import warnings
 import torch
 
 from templates.copy_stream import _h2d
+from templates.shuffled_assembly import _shuffled_gather, _shuffled_plan
 from templates.staging import _each_tensor, _stage
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
@@ -104,8 +105,9 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     that may later write into an array a returned batch views (False when the survey
     finds no such write: the batch is handed out as built); workers: threads
     building batches (`TRAIN_PREFETCH_WORKERS`); assembly: None (`next_batch` in the
-    worker) or `_ShuffledAssembly` (`TRAIN_PREFETCH_NUMPY`): `plan(loader, args)`
-    advances the loader as `next_batch(*args)`; `gather(plan, pin)` builds its batch;
+    worker) or the name of the script's shard getter (numpy assembly,
+    templates/shuffled_assembly.py; `TRAIN_PREFETCH_NUMPY`): `_shuffled_plan` advances
+    the loader as `next_batch(*args)`, `_shuffled_gather` builds its batch;
     attrs: the script reads the loader's attributes (`train_loader.stream`), which
     first settle it where the caller is (`_SettlingLoader`, needs `replay=True`);
     without it such reads raise AttributeError; replay: keep the arguments of every batch
@@ -225,7 +227,7 @@ class _PrefetchLoader:
         self._loader = self._make_loader(torch.device("cpu"))
         for old_args in self._handed_out:
             if self._assembly is not None:
-                self._assembly.plan(self._loader, old_args)
+                _shuffled_plan(self._loader, self._assembly, *old_args)
             else:
                 self._loader.next_batch(*old_args)
         self._ahead = False
@@ -286,7 +288,7 @@ class _Built:
 
 class _Worker:
     """A daemon thread that builds batches in call order into a bounded `_Handoff`:
-    `next_batch` then `_stage`, or `assembly.plan` then `assembly.gather`; with
+    `next_batch` then `_stage`, or `_shuffled_plan` then `_shuffled_gather`; with
     rollback, each batch carries a snapshot of the loader from before it. Several
     threads: `_OrderedWorker` (templates/ordered_handoff.py)."""
 
@@ -302,7 +304,7 @@ class _Worker:
                 # Arguments run left to right: the snapshot is the loader from before the batch.
                 if self.rollback:
                     before = _snapshot(self.loader)
-                built = self.assembly.gather(self.assembly.plan(self.loader, self.args), self.pin) if self.assembly is not None else _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy)
+                built = _shuffled_gather(_shuffled_plan(self.loader, self.assembly, *self.args), self.pin) if self.assembly is not None else _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy)
                 if self.rollback:
                     built = _Built(before, built)
                 self.queue.put_until(built, self.stop)

@@ -5,7 +5,9 @@ Only for a `ShuffledSequenceLoader` whose `next_batch` has exactly the known sha
 `next_batch`). The construction becomes
 
     train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, ...,
-        workers=h.train_prefetch_workers, assembly=_ShuffledAssembly("_get_shard_memmap") if h.train_prefetch_numpy else None)
+        assembly="_get_shard_memmap")
+
+(with `--producer-toggles`: `assembly="_get_shard_memmap" if h.train_prefetch_numpy else None`)
 
 and the prefetch worker builds each batch in two steps:
 
@@ -33,36 +35,19 @@ import numpy
 import torch
 
 
-class _ShuffledAssembly:
-    """Plan and gather of a recognised `ShuffledSequenceLoader.next_batch`.
-
-    memmap_getter: the name of the script's function that `next_batch` calls for a
-    shard's token array (`_get_shard_memmap`), looked up in the loader class's module
-    globals on each plan, as the original `next_batch` looks it up.
-    """
-
-    def __init__(self, memmap_getter):
-        self.memmap_getter = memmap_getter
-
-    def plan(self, loader, args):
-        """Draw one batch's rows (the loader's state advances as the original's); returns the plan."""
-        getter = type(loader).next_batch.__globals__[self.memmap_getter]
-        return _shuffled_plan(loader, getter, *args)
-
-    def gather(self, plan, pin=False):
-        """The batch `(x, y)` of a plan, in fresh (pinned when `pin`) host memory."""
-        return _shuffled_gather(plan, pin)
-
-
-def _shuffled_plan(loader, get_memmap, global_tokens, grad_accum_steps):
+def _shuffled_plan(loader, memmap_getter, global_tokens, grad_accum_steps):
     """`ShuffledSequenceLoader.next_batch(global_tokens, grad_accum_steps)` without reading tokens.
 
     The same statements in the same order for everything that changes the loader: the
     float64 `remaining` counts, `rng.choice(..., p=probs)` per row, the pop, the reset of
-    every shard when none is left. Returns the plan, `(seq_len, shard_of_row,
-    start_of_row, shards)`: per row the shard index and the window start (int64
-    arrays), and {shard index: token array} for the shards the rows use.
+    every shard when none is left. memmap_getter: the name of the script's function
+    that `next_batch` calls for a shard's token array (`_get_shard_memmap`), looked up
+    in the loader class's module globals, as the original `next_batch` looks it up.
+    Returns the plan, `(seq_len, shard_of_row, start_of_row, shards)`: per row the
+    shard index and the window start (int64 arrays), and {shard index: token array}
+    for the shards the rows use.
     """
+    get_memmap = type(loader).next_batch.__globals__[memmap_getter]
     device_tokens = global_tokens // (loader.world_size * grad_accum_steps)
     device_batch_size = device_tokens // loader.seq_len
     remaining = numpy.array([len(s) for s in loader.start_inds], dtype=numpy.float64)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from patcher import render
-from patcher.cut import CutError, fold, prune
+from patcher.cst_walk import walk
+from patcher.cut import PASSED, CutError, fold, prune
 
 
 def _fold(code: str, facts: dict) -> str:
@@ -137,12 +138,61 @@ FOLD_CASES = [
         """,
         id="noop-effects-and-other-objects-attributes-stay",
     ),
+    pytest.param(
+        """\
+        class W:
+            def __init__(self, loader, assembly=None):
+                self.loader, self.assembly = loader, assembly
+
+            def build(self):
+                if self.assembly is not None:
+                    return gather(plan(self.loader, self.assembly))
+                else:
+                    return stage(self.loader.next_batch())
+
+            def other(self):
+                return self.assembly is None or (assembly is None)
+        """,
+        {"assembly": PASSED},
+        """\
+        class W:
+            def __init__(self, loader, assembly=None):
+                self.loader, self.assembly = loader, assembly
+
+            def build(self):
+                return gather(plan(self.loader, self.assembly))
+
+            def other(self):
+                return False
+        """,
+        id="passed-option-tests-against-none-fold-its-reads-parameter-and-store-stay",
+    ),
 ]
 
 
 @pytest.mark.parametrize("before, facts, after", FOLD_CASES)
 def test_fold(before, facts, after):
     assert _fold(before, facts) == textwrap.dedent(after)
+
+
+def _calls(code: str) -> list[cst.Call]:
+    return [node for node in walk(cst.parse_module(code)) if isinstance(node, cst.Call)]
+
+
+ENTRY = "train_loader = _make_train_loader(lambda d: L(d), device, queue_depth=2, {})\n"
+
+
+@pytest.mark.parametrize("code, passed", [
+    pytest.param(ENTRY.format("assembly='_get'") * 2, {"assembly"}, id="every-call-a-string"),
+    pytest.param(ENTRY.format("assembly='_get'") + ENTRY.format("queue_depth=3"), set(), id="one-call-leaves-it-out"),
+    pytest.param(ENTRY.format("assembly=None"), set(), id="passed-as-none"),
+    pytest.param(ENTRY.format("assembly='_get' if numpy_on else None"), set(), id="may-be-none"),
+    pytest.param(ENTRY.format("host_copy=False"), {"host_copy"}, id="a-literal-false-is-not-none"),
+    pytest.param("x = other(assembly='_get')\n", set(), id="not-a-runtime-function"),
+])
+def test_always_passed(code, passed):
+    found = render.always_passed(["prefetch_lean"], _calls(code))
+    assert found & {"assembly", "host_copy"} == passed
 
 
 def test_fold_refuses_an_option_passed_with_another_value():

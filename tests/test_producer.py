@@ -41,7 +41,7 @@ from patcher.source import read_script, render
 from patcher.verify import verify
 from templates.ordered_handoff import _OrderedHandoff
 from templates.prefetch_loader import _EMPTY, _make_train_loader
-from templates.shuffled_assembly import _shuffled_gather, _ShuffledAssembly
+from templates.shuffled_assembly import _shuffled_gather, _shuffled_plan
 import test_templates
 from test_templates import ARGS, CPU, WAIT_S, CallGate, FakeTokenLoader, assert_batch_equal, direct_batches, prefetch_threads
 
@@ -103,10 +103,9 @@ def test_plan_and_gather_match_next_batch(script, seed, seq_len, rows, world_siz
         original, planned = script.ShuffledSequenceLoader(h, CPU), script.ShuffledSequenceLoader(h, CPU)
         if sum(len(s) for s in original.start_inds) == 0:
             return  # this rank's shards hold no sequence: the original cannot draw either
-        assembly = _ShuffledAssembly("_get_shard_memmap")
         for _ in range(batches):
             want = original.next_batch(global_tokens, grad_accum)
-            got = assembly.gather(assembly.plan(planned, (global_tokens, grad_accum)))
+            got = _shuffled_gather(_shuffled_plan(planned, "_get_shard_memmap", global_tokens, grad_accum))
             assert_batch_equal(got, want)
             assert all(t.is_contiguous() for t in got)
             assert_same_state(planned, original)
@@ -133,9 +132,8 @@ def test_plan_keeps_rng_choice_for_other_generators(script, tmp_path):
     h = hparams(write_sized_shards(tmp_path, [200, 130, 90], 3), 16)
     original, planned = script.ShuffledSequenceLoader(h, CPU), script.ShuffledSequenceLoader(h, CPU)
     original.rng, planned.rng = np.random.default_rng(5), _RngProxy(np.random.default_rng(5))
-    assembly = _ShuffledAssembly("_get_shard_memmap")
     for _ in range(6):  # 48 rows from about 25 sequences: the shards are reset within the run
-        assert_batch_equal(assembly.gather(assembly.plan(planned, (16 * 8, 1))), original.next_batch(16 * 8, 1))
+        assert_batch_equal(_shuffled_gather(_shuffled_plan(planned, "_get_shard_memmap", 16 * 8, 1)), original.next_batch(16 * 8, 1))
         assert planned.start_inds == original.start_inds
         assert planned.rng.bit_generator.state == original.rng.bit_generator.state
     assert planned.rng.choices == 6 * 8
@@ -146,15 +144,14 @@ def test_reshuffle_and_several_shards_are_exercised(script, tmp_path):
     script._MMAP_CACHE.clear()
     h = hparams(write_sized_shards(tmp_path, [200, 130, 90], 1), 16)
     original, planned = script.ShuffledSequenceLoader(h, CPU), script.ShuffledSequenceLoader(h, CPU)
-    assembly = _ShuffledAssembly("_get_shard_memmap")
     sequences = sum(len(s) for s in original.start_inds)
     reshuffles = 0
     for _ in range(6):
         left = sum(len(s) for s in planned.start_inds)
-        plan = assembly.plan(planned, (16 * 8, 1))
+        plan = _shuffled_plan(planned, "_get_shard_memmap", 16 * 8, 1)
         assert len(plan[3]) >= 2  # rows from several shards in one batch
         reshuffles += left < 8
-        assert_batch_equal(assembly.gather(plan), original.next_batch(16 * 8, 1))
+        assert_batch_equal(_shuffled_gather(plan), original.next_batch(16 * 8, 1))
         assert_same_state(planned, original)
     assert 6 * 8 > sequences and reshuffles >= 1  # every shard used up, then reshuffled
 
@@ -162,7 +159,7 @@ def test_reshuffle_and_several_shards_are_exercised(script, tmp_path):
 def test_gather_owns_fresh_memory(script, tmp_path):
     h = hparams(write_sized_shards(tmp_path, [500, 500], 2), 8)
     loader = script.ShuffledSequenceLoader(h, CPU)
-    plan = _ShuffledAssembly("_get_shard_memmap").plan(loader, (64, 1))
+    plan = _shuffled_plan(loader, "_get_shard_memmap", 64, 1)
     x, y = _shuffled_gather(plan)
     x2, _ = _shuffled_gather(plan)
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (8, 8)
@@ -174,7 +171,7 @@ def test_gather_owns_fresh_memory(script, tmp_path):
 def test_gather_pinned(script, tmp_path):
     h = hparams(write_sized_shards(tmp_path, [500, 500], 3), 8)
     a, b = script.ShuffledSequenceLoader(h, CPU), script.ShuffledSequenceLoader(h, CPU)
-    x, y = _shuffled_gather(_ShuffledAssembly("_get_shard_memmap").plan(a, (64, 1)), pin=True)
+    x, y = _shuffled_gather(_shuffled_plan(a, "_get_shard_memmap", 64, 1), pin=True)
     assert x.is_pinned() and y.is_pinned()
     assert_batch_equal((x, y), b.next_batch(64, 1))
 
@@ -190,7 +187,7 @@ def test_prefetched_shuffled_batches_and_rng_state(script, tmp_path, workers, nu
     h = hparams(write_sized_shards(tmp_path, [700, 450, 300], 4), 16)
     make = lambda d: script.ShuffledSequenceLoader(h, d)
     want, direct = direct_batches(make, [(16 * 6, 1)] * 25)
-    assembly = _ShuffledAssembly("_get_shard_memmap") if numpy_assembly else None
+    assembly = "_get_shard_memmap" if numpy_assembly else None
     wrapper = _make_train_loader(make, CPU, queue_depth=2, workers=workers, assembly=assembly, host_copy=False, attrs=True, replay=True)
     for w in want:
         assert_batch_equal(wrapper.next_batch(16 * 6, 1), w)
@@ -244,14 +241,25 @@ class GatedAssembly:
         return (torch.arange(plan[0], plan[0] + plan[1]),)
 
 
+def gated(monkeypatch, assembly: GatedAssembly) -> str:
+    """The runtime's plan and gather replaced by `assembly`'s; returns the `assembly=` value to pass."""
+    import templates.ordered_handoff
+    import templates.prefetch_loader
+
+    for module in (templates.ordered_handoff, templates.prefetch_loader):
+        monkeypatch.setattr(module, "_shuffled_plan", lambda loader, getter, *args: assembly.plan(loader, args))
+        monkeypatch.setattr(module, "_shuffled_gather", assembly.gather)
+    return "_gated_getter"
+
+
 def expected(count, k=3):
     return [(torch.arange(i * k, (i + 1) * k),) for i in range(count)]
 
 
-def test_batches_come_out_in_order_when_gathers_finish_out_of_order(clean_prefetchers):
+def test_batches_come_out_in_order_when_gathers_finish_out_of_order(clean_prefetchers, monkeypatch):
     _, created = clean_prefetchers
     assembly = GatedAssembly(12, gated={0, 1, 2})
-    wrapper = _make_train_loader(lambda d: Counter(d), CPU, queue_depth=2, workers=3, assembly=assembly)
+    wrapper = _make_train_loader(lambda d: Counter(d), CPU, queue_depth=2, workers=3, assembly=gated(monkeypatch, assembly))
     created.append(wrapper)
     taker = threading.Thread(target=lambda: out.append([wrapper.next_batch(3) for _ in range(12)]), daemon=True)
     out = []
@@ -305,9 +313,9 @@ def test_several_workers_with_rollback_and_reshape(clean_prefetchers):
 
 
 @pytest.mark.parametrize("k", [0, 4])
-def test_plan_error_reraised_at_its_batch_with_the_worker_traceback(k, clean_prefetchers):
+def test_plan_error_reraised_at_its_batch_with_the_worker_traceback(k, clean_prefetchers, monkeypatch):
     _, created = clean_prefetchers
-    wrapper = _make_train_loader(lambda d: Counter(d, fail_at=3 * k), CPU, queue_depth=2, workers=3, assembly=GatedAssembly(12))
+    wrapper = _make_train_loader(lambda d: Counter(d, fail_at=3 * k), CPU, queue_depth=2, workers=3, assembly=gated(monkeypatch, GatedAssembly(12)))
     created.append(wrapper)
     for got, want in zip([wrapper.next_batch(3) for _ in range(k)], expected(k)):
         assert_batch_equal(got, want)
@@ -317,9 +325,9 @@ def test_plan_error_reraised_at_its_batch_with_the_worker_traceback(k, clean_pre
     assert 'raise ValueError("plan failed")' in text
 
 
-def test_gather_error_reraised_at_its_batch(clean_prefetchers):
+def test_gather_error_reraised_at_its_batch(clean_prefetchers, monkeypatch):
     _, created = clean_prefetchers
-    wrapper = _make_train_loader(lambda d: Counter(d), CPU, queue_depth=2, workers=2, assembly=GatedAssembly(12, fail_gather=5))
+    wrapper = _make_train_loader(lambda d: Counter(d), CPU, queue_depth=2, workers=2, assembly=gated(monkeypatch, GatedAssembly(12, fail_gather=5)))
     created.append(wrapper)
     for got, want in zip([wrapper.next_batch(3) for _ in range(5)], expected(5)):
         assert_batch_equal(got, want)
@@ -513,7 +521,7 @@ def test_patch_uses_the_numpy_assembly_only_when_recognised():
     source = FIXTURE.read_text()
     result = patch_source(source, producer_toggles=True)
     assert "workers=Hyperparameters.train_prefetch_workers" in result.source
-    assert "assembly=_ShuffledAssembly('_get_shard_memmap')if Hyperparameters.train_prefetch_numpy else None" in result.source
+    assert "assembly='_get_shard_memmap'if Hyperparameters.train_prefetch_numpy else None" in result.source
     assert "def _shuffled_gather(" in result.source
     note = next(n for n in result.notes if n.feature == "train_prefetch")
     assert "recognised" in note.reason and "TRAIN_PREFETCH_WORKERS" in note.reason
@@ -521,7 +529,7 @@ def test_patch_uses_the_numpy_assembly_only_when_recognised():
     assert altered != source
     fallback = patch_source(altered, producer_toggles=True)
     assert "workers=Hyperparameters.train_prefetch_workers" in fallback.source
-    assert "_ShuffledAssembly" not in fallback.source and "train_prefetch_numpy" not in fallback.source
+    assert "assembly=" not in fallback.source and "train_prefetch_numpy" not in fallback.source
     assert "_ORDERED_WORKER.append(_OrderedWorker)" in fallback.source  # workers still run in order
     note = next(n for n in fallback.notes if n.feature == "train_prefetch")
     line = next(i for i, text in enumerate(altered.splitlines(), 1) if ".clone()" in text)
@@ -533,8 +541,9 @@ def test_default_patch_has_numpy_assembly_but_no_producer_toggles():
     # hand-off only several workers need, come with --producer-toggles only.
     result = patch_source(FIXTURE.read_text())
     sites = [line for line in result.source.splitlines() if "_make_train_loader(lambda" in line]
-    assert len(sites) == 2 and all("host_copy=False,assembly=_ShuffledAssembly('_get_shard_memmap'))" in line for line in sites)
-    for absent in ("train_prefetch_workers", "train_prefetch_numpy", "TRAIN_PREFETCH_WORKERS", "class _OrderedHandoff", "_ORDERED_WORKER", "workers=", "self._workers"):
+    assert len(sites) == 2 and all("host_copy=False,assembly='_get_shard_memmap')" in line for line in sites)
+    # every call site passes assembly=: the worker's own-next_batch branch and _stage are cut
+    for absent in ("train_prefetch_workers", "train_prefetch_numpy", "TRAIN_PREFETCH_WORKERS", "class _OrderedHandoff", "_ORDERED_WORKER", "workers=", "self._workers", "def _stage(", "self.assembly is not None"):
         assert absent not in result.source
     note = next(n for n in result.notes if n.feature == "train_prefetch")
     assert "gathered in numpy" in note.reason and "TRAIN_PREFETCH" not in note.reason
@@ -544,7 +553,7 @@ def test_other_loader_families_get_no_worker_toggle():
     result = patch_source((FIXTURES / "tokenstream_readable.py").read_text())
     sites = [line for line in result.source.splitlines() if "= _make_train_loader(lambda" in line]
     assert len(sites) == 2 and not any("workers=" in line for line in sites)
-    assert "train_prefetch_workers" not in result.source and "_ShuffledAssembly(" not in result.source
+    assert "train_prefetch_workers" not in result.source and "def _shuffled_plan(" not in result.source
     assert "class _OrderedHandoff" not in result.source  # no dead code in scripts that cannot use it
     assert "class _OrderedWorker" not in result.source and "_ORDERED_WORKER" not in result.source
 

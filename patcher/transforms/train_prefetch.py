@@ -28,7 +28,7 @@ attribute, passes it to a function whose parameter has another name) gets
 code at all (patcher/cut.py cuts what no call site asks for).
 
 The ShuffledSequenceLoader family, when its `next_batch` is exactly the known shape
-(`patcher/assembly.py`), gets `assembly=_ShuffledAssembly(...)`: the batch is planned
+(`patcher/assembly.py`), gets `assembly="<its shard getter>"`: the batch is planned
 (the RNG draws, in order) and gathered in numpy (`templates/shuffled_assembly.py`).
 Otherwise the worker calls the script's own `next_batch`, and the note says why. With
 `producer_toggles` (`--producer-toggles`, and `bench`), the family also gets the
@@ -254,7 +254,7 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         parts.append(f"workers={ctx.toggle('TRAIN_PREFETCH_WORKERS')}")
     if recognition is not None and recognition.recognised:
         ctx.need("shuffled_assembly")
-        assembly = f"_ShuffledAssembly({recognition.getter!r})"
+        assembly = repr(recognition.getter)
         if ctx.producer_toggles:
             numpy_on = ctx.toggle("TRAIN_PREFETCH_NUMPY")
             assembly = ctx.code(f"{assembly} if {numpy_on} else None", f"{assembly}if {numpy_on} else None")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.survey import Survey
+from patcher.survey.survey import Survey
 from patcher.transforms.base import Context, Feature, Note, replace_nodes
 
 FEATURE = "py310_fstrings"

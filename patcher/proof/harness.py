@@ -24,8 +24,8 @@ import libcst as cst
 import libcst.matchers as m
 import torch
 
-from patcher.stubs import StubFinder
-from patcher.survey import Construction, Survey, survey
+from patcher.check.stubs import StubFinder
+from patcher.survey.survey import Construction, Survey, survey
 
 _counter = itertools.count()
 

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from patcher.cst_walk import walk
-from patcher.import_smoke import definitions_only
-from patcher.harness import (
+from patcher.check.import_smoke import definitions_only
+from patcher.proof.harness import (
     HarnessError,
     IteratorRecipe,
     LoaderRecipe,
@@ -45,10 +45,10 @@ from patcher.harness import (
     point_at_shards,
 )
 from patcher.patch import features_from, patch_source
-from patcher.shards import DOC_LEN_RANGE, write_shards
-from patcher.source import read_script
-from patcher.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
-from patcher.features import TOGGLES
+from patcher.proof.shards import DOC_LEN_RANGE, write_shards
+from patcher.read.source import read_script
+from patcher.proof.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
+from patcher.transforms.features import TOGGLES
 
 EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
 

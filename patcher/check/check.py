@@ -36,6 +36,7 @@ from patcher.check.import_smoke import ImportResult, import_smoke, importable_pa
 from patcher.check.interpreters import DEFAULT_TARGET, find_python
 from patcher.check.self_contained import self_contained_warnings
 from patcher.read.source import Script, code_bytes, read_script
+from patcher.transforms.py310_fstrings import requote
 
 __all__ = [
     "CompileResult",
@@ -138,18 +139,6 @@ def check_file(
     )
 
 
-def _requoted(source: str) -> str | None:
-    """`source` with PEP 701 f-strings requoted when that makes it compile here, else None."""
-    from patcher.patch import features_from, patch_source
-
-    try:
-        fixed = patch_source(source, features_from(["py310_fstrings"], None)).source
-        compile(fixed, "requoted", "exec", dont_inherit=True)
-    except Exception:
-        return None
-    return fixed
-
-
 def _import_if_compiles(source: str, filename: str, timeout: float, known: Mapping[str, cst.Module], as_path) -> ImportResult:
     """import_smoke, unless the running Python cannot compile `source` (then say so)."""
     code = source[1:] if source.startswith(_BOM) else source
@@ -158,7 +147,7 @@ def _import_if_compiles(source: str, filename: str, timeout: float, known: Mappi
             warnings.simplefilter("ignore")
             compile(code, filename, "exec", dont_inherit=True)
     except SyntaxError as e:
-        requoted = _requoted(code)
+        requoted = requote(code)
         if requoted is not None:
             # Same AST with PEP 701 f-strings requoted: import that, and say so.
             result = import_smoke(requoted, filename, timeout, as_path=as_path)

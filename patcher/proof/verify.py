@@ -44,11 +44,11 @@ from patcher.proof.harness import (
     patched_constructions,
     point_at_shards,
 )
-from patcher.patch import features_from, patch_source
 from patcher.proof.shards import DOC_LEN_RANGE, write_shards
 from patcher.read.source import read_script
 from patcher.proof.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
 from patcher.transforms.features import TOGGLES
+from patcher.transforms.py310_fstrings import requote
 
 EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
 
@@ -334,7 +334,9 @@ def _importable(source: str, notes: list[str], which: str) -> str:
         compile(source, which, "exec")
         return source
     except SyntaxError:
-        fixed = patch_source(source, features_from(["py310_fstrings"], None)).source
+        fixed = requote(source)
+        if fixed is None:
+            return source  # loading it names the syntax error
         notes.append(f"{which}: Python 3.12-only f-strings requoted to import it here (same AST)")
         return fixed
 

@@ -653,18 +653,13 @@ def _launch_env(script, world_size: int):
     """What torchrun gives a script: RANK, WORLD_SIZE, LOCAL_RANK in the environment (rank 0
     of `world_size`; `dist` answers per rank) and `sys.argv` without our own arguments."""
     values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
-    saved_env, saved_argv = {k: os.environ.get(k) for k in values}, sys.argv
-    os.environ.update(values)
-    sys.argv = [str(script)]
-    try:
-        yield
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        sys.argv = saved_argv
+    saved_argv = sys.argv
+    with _env(values):
+        sys.argv = [str(script)]
+        try:
+            yield
+        finally:
+            sys.argv = saved_argv
 
 
 def _largest_int_argument(recipe: IteratorRecipe, code: str, module) -> int:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patcher.code_size import ARTIFACT_CAP, count_patch, counting_of, read_artifact_bytes  # noqa: E402
 from patcher.patch import features_from, patch_source  # noqa: E402
-from patcher.source import SourceError, read_script  # noqa: E402
+from patcher.read.source import SourceError, read_script  # noqa: E402
 
 
 def measure(path: str, only: list[str] | None, extra: list[str] | None) -> dict:

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from patcher.cli import main as cli_main  # noqa: E402
-from patcher.source import MAX_SOURCE_BYTES, read_script  # noqa: E402
+from patcher.read.source import MAX_SOURCE_BYTES, read_script  # noqa: E402
 
 ALLOWED = {"patch": {0, 2, 3}, "check": {0, 1, 2}, "verify": {0, 1, 2}}
 INSERT_POOL = ["(", ")", "[", "]", "{", "}", ":", ",", ".", "=", "+", "*", "**", "lambda", "def", "class", "if", "else",

@@ -10,7 +10,7 @@ For a parameter-golf-shaped script: hyperparameters read from the environment
 `PATCHED` is the output of `patch-prefetch ORIGINAL -o PATCHED`, made beforehand (this
 script needs torch, numpy and sentencepiece, not libcst).
 
-1. Writes synthetic shards in the real format into `--work-dir` (`patcher.shards`;
+1. Writes synthetic shards in the real format into `--work-dir` (`patcher.proof.shards`;
    enough train tokens for the run, so no shard is read twice) and trains a
    SentencePiece tokenizer of `VOCAB_SIZE` (1024) pieces on synthetic words.
 2. Runs each variant as its own process (`python SCRIPT`, world size 1) and reads
@@ -235,7 +235,7 @@ def write_data(work_dir: Path, train_tokens: int, vocab_size: int = 1024, tokeni
     use instead of training one.
     Returns: {"data_path": str, "tokenizer_path": str}.
     """
-    from patcher.shards import write_shards
+    from patcher.proof.shards import write_shards
 
     data = work_dir / f"data_{train_tokens}"
     if not (data / "fineweb_val_000000.bin").exists():

@@ -2,7 +2,7 @@
 
     python bench/loader_wait.py SCRIPT [SCRIPT ...] [--steps 300] [--data-dir DIR] [--modes idle,gil-busy,op-bound]
 
-Runs `patch-prefetch bench` (patcher.bench.run_bench) for each script and mode and
+Runs `patch-prefetch bench` (patcher.proof.bench.run_bench) for each script and mode and
 prints one row per idle or GIL-busy run, every figure a ratio against the original or
 an absolute wait in ms:
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher.bench import MAIN_THREAD_MODES, run_bench  # noqa: E402
+from patcher.proof.bench import MAIN_THREAD_MODES, run_bench  # noqa: E402
 
 
 def main() -> int:

@@ -22,11 +22,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from patcher.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
+from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
 from patcher.patch import features_from
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
 from patcher.progress import coloured_diff, running_clock, wanted
-from patcher.source import SourceError, output_problem
+from patcher.read.source import SourceError, output_problem
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
@@ -147,7 +147,7 @@ def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     if command == "bench":
-        from patcher import bench
+        from patcher.proof import bench
 
         return bench.main(argv[1:])
     parser = {"check": build_check_parser, "verify": build_verify_parser}.get(command, build_parser)()
@@ -220,7 +220,7 @@ def _run_tree(args) -> int:
 
 
 def _run_check(args) -> int:
-    from patcher.check import check_file
+    from patcher.check.check import check_file
 
     failed = False
     for name in args.files:
@@ -261,7 +261,7 @@ def _print_check(result, stream, indent: str) -> None:
 
 
 def _run_verify(args) -> int:
-    from patcher.verify import CannotVerify, verify
+    from patcher.proof.verify import CannotVerify, verify
 
     try:
         batches = "default batches" if args.batches is None else f"{args.batches} batches"

@@ -186,8 +186,8 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     minifier fails.
     """
     from patcher.patch import patch_source
-    from patcher.source import SourceError, keep_style, render
-    from patcher.features import FEATURES
+    from patcher.read.source import SourceError, keep_style, render
+    from patcher.transforms.features import FEATURES
 
     def counted(source: str) -> int:
         source = keep_style(script, source)  # as written: the input's line endings and BOM

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 
-from patcher.shards import write_shards
+from patcher.proof.shards import write_shards
 
 STEP_LINE = re.compile(r"^(step:\d+ train_loss:\S+|final val_loss:\S+|final val_bpb:\S+)$", re.M)
 

@@ -1,7 +1,7 @@
 """The patch pipeline: source -> survey -> transforms -> runtime block -> source.
 
 `patch_source` works on Python source text (a wrapper's payload, already
-decompressed by `patcher.source`). It never writes files.
+decompressed by `patcher.read.source`). It never writes files.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import libcst as cst
 import libcst.matchers as m
 
-from patcher import render
+from patcher.render import render
 from patcher.cst_walk import walk
-from patcher.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
-from patcher.survey import Survey, survey
+from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
+from patcher.survey.survey import Survey, survey
 from patcher.transforms.base import Context, Note
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
-from patcher.features import DEFAULT_FEATURES
+from patcher.transforms.features import DEFAULT_FEATURES
 from patcher.patch import PatchResult, patch_source
-from patcher.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
+from patcher.read.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
 
 WRITTEN, ALREADY_PATCHED, NOTHING_TO_PATCH, CHECK_FAILED = "written", "already patched", "nothing to patch", "check failed"
 
@@ -140,7 +140,7 @@ def _written_script(script: Script, result, text: str, patched: str) -> Script:
 
 def _check_written(text: str, written: Script, out_path, in_path: Path, options: FileOptions):
     """Run `check` on what was written (a temporary copy for stdout)."""
-    from patcher.check import check_file
+    from patcher.check.check import check_file
 
     # the output is meant to stand where the input stands: imported with the input's `__file__`
     kwargs = dict(target=options.python, timeout=options.timeout, run_import=options.run_import, as_path=in_path.resolve())

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from patcher.import_smoke import use_forked_smoke
+from patcher.check.import_smoke import use_forked_smoke
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
 from patcher.progress import file_bar, wanted
-from patcher.source import SourceError
+from patcher.read.source import SourceError
 
 # The single-file command's exit code for each status (a row keeps it).
 EXIT_CODES = {WRITTEN: 0, ALREADY_PATCHED: 0, NOTHING_TO_PATCH: 3, CHECK_FAILED: 4}
@@ -246,7 +246,7 @@ class _Pool:
 
 def _kill(process) -> None:
     """SIGKILL a worker, and the import smoke it may have started, then reap it."""
-    from patcher.smoke_child import kill_descendants
+    from patcher.check.smoke_child import kill_descendants
 
     try:
         process.kill()

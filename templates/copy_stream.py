@@ -17,7 +17,7 @@ import torch
 _copy_streams = {}
 # Step timers timing H2D copies (TRAINING_TIMING_BREAKDOWN=1, templates/step_timing.py).
 _h2d_timers = []
-# Filled only where templates/step_timing.py is injected (patcher/cut.py cuts the hook).
+# Filled only where templates/step_timing.py is injected (patcher/render/cut.py cuts the hook).
 _CUT_HOOKS = {"_h2d_timers": "step_timing"}
 
 

@@ -38,7 +38,7 @@ injected, and would otherwise hand out batches built for other arguments.
 Scripts with per-step arguments, attribute reads or the producer tuning toggles get
 `templates/prefetch_loader.py` instead.
 
-Options that no call site passes are cut (patcher/cut.py): `host_copy` (False: a
+Options that no call site passes are cut (patcher/render/cut.py): `host_copy` (False: a
 loader that never writes into an array it keeps hands its batches out as built on a
 CPU device) and `assembly` (the numpy assembly, templates/shuffled_assembly.py).
 """

@@ -32,7 +32,7 @@ Several workers (`TRAIN_PREFETCH_WORKERS`): each batch is planned under one lock
 call order (the loader advances), finished on any of the threads, and taken by its
 sequence number (`_OrderedWorker`, templates/ordered_handoff.py).
 
-A script gets only the code paths its patch uses (patcher/cut.py): each option in
+A script gets only the code paths its patch uses (patcher/render/cut.py): each option in
 `_CUT_OPTIONS` that no call site passes is the constant given there, and the code
 behind it is cut; a `_CUT_HOOKS` name is filled only by the named template.
 """

@@ -1,7 +1,7 @@
 """Injected runtime: ShuffledSequenceLoader batches assembled in numpy (feature `train_prefetch`).
 
 Only for a `ShuffledSequenceLoader` whose `next_batch` has exactly the known shape
-(`patcher/assembly.py` recognises it; anything else keeps the script's own
+(`patcher/survey/assembly.py` recognises it; anything else keeps the script's own
 `next_batch`). The construction becomes
 
     train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, ...,

@@ -1,6 +1,6 @@
 """Shared test fixtures: the real interpreters some tests compile with.
 
-`find_python` (patcher.interpreters) is the one finder: `pythonX.Y` on PATH, then pyenv's
+`find_python` (patcher.check.interpreters) is the one finder: `pythonX.Y` on PATH, then pyenv's
 versions folder. It runs when a test first asks for the fixture, never at import,
 and a test whose interpreter is missing is skipped with the reason.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from patcher.interpreters import find_python
+from patcher.check.interpreters import find_python
 
 
 def _interpreter(version: str) -> str:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher import bench
-from patcher.bench import main, run_bench
+from patcher.proof import bench
+from patcher.proof.bench import main, run_bench
 from templates import prefetch_loader
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

@@ -1,4 +1,4 @@
-"""Tests for patcher.check: compile under a real target Python, import smoke, one-file warnings.
+"""Tests for patcher.check.check: compile under a real target Python, import smoke, one-file warnings.
 
 Tests that need a real interpreter of a given version skip (saying which) when none is
 installed; the grammar-check fallback is tested by making `find_python` find nothing.
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-import patcher.compile_check as compile_check
-import patcher.import_smoke as import_smoke_mod
-import patcher.interpreters as interpreters
-import patcher.self_contained as self_contained
-from patcher.check import CheckResult, check_file, compile_source, find_python, import_smoke
-from patcher.source import SourceError
+import patcher.check.compile_check as compile_check
+import patcher.check.import_smoke as import_smoke_mod
+import patcher.check.interpreters as interpreters
+import patcher.check.self_contained as self_contained
+from patcher.check.check import CheckResult, check_file, compile_source, find_python, import_smoke
+from patcher.read.source import SourceError
 
 # Line 3 holds a nested same-quote f-string: fine on 3.12, a SyntaxError on 3.10 / 3.11.
 PEP701 = 'import os\nd = {"k": 1}\nmsg = f"value {d["k"]}"\n'
@@ -289,9 +289,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize("forked", [False, True], ids=["fresh-interpreter", "forked-from-warm-process"])
 def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch, forked):
-    import patcher.import_smoke
+    import patcher.check.import_smoke
 
-    monkeypatch.setattr(patcher.import_smoke, "_FORKED_SMOKE", forked)
+    monkeypatch.setattr(patcher.check.import_smoke, "_FORKED_SMOKE", forked)
     pid_file = tmp_path / "pid"
     monkeypatch.setenv("SMOKE_PID_FILE", str(pid_file))
     code = _src(
@@ -327,12 +327,12 @@ def test_timeout_kills_the_import_and_its_children(tmp_path, monkeypatch, forked
 def test_forked_smoke_reports_like_a_fresh_interpreter(monkeypatch):
     # Tree mode forks the import smoke from a worker that has torch imported; the
     # result (ok, error with its line, stubbed modules) must be the same.
-    import patcher.import_smoke
+    import patcher.check.import_smoke
 
     code = "import flash_attn_interface\nimport torch\nX = 1\nraise ValueError('boom')\nif __name__ == '__main__':\n    pass\n"
     results = []
     for forked in (False, True):
-        monkeypatch.setattr(patcher.import_smoke, "_FORKED_SMOKE", forked)
+        monkeypatch.setattr(patcher.check.import_smoke, "_FORKED_SMOKE", forked)
         r = import_smoke(code, "train_gpt.py", timeout=60)
         results.append((r.ok, r.error, r.line, r.stubbed))
     assert results[0] == results[1]
@@ -572,7 +572,7 @@ def test_check_of_a_150kb_script_is_fast(tmp_path):
 def test_definitions_keep_a_run_name_built_from_a_uuid():
     # modded-nanogpt: `run_id = f"... {str(uuid.uuid4())[0:5]}"` at the top, then
     # `run_id: str = run_id` as a dataclass default; dropping the first breaks the class.
-    from patcher.import_smoke import definitions_only
+    from patcher.check.import_smoke import definitions_only
 
     source = (
         "import uuid\nfrom dataclasses import dataclass\n"
@@ -591,8 +591,8 @@ def test_definitions_keep_a_run_name_built_from_a_uuid():
 def test_check_uses_the_tree_it_is_handed_instead_of_parsing_again(tmp_path, monkeypatch):
     import libcst
 
-    import patcher.check as check_mod
-    from patcher.source import Script
+    import patcher.check.check as check_mod
+    from patcher.read.source import Script
 
     code = "import os\nimport helper\n\ndef main():\n    pass\n"
     (tmp_path / "helper.py").write_text("")
@@ -615,7 +615,7 @@ def test_the_patched_tree_gives_what_parsing_the_output_gives(name, tmp_path):
     import libcst
 
     from patcher.patch import patch_source
-    from patcher.source import read_script
+    from patcher.read.source import read_script
 
     script = read_script(Path(__file__).resolve().parent.parent / "fixtures" / f"{name}.py")
     result = patch_source(script.source, module=script.module)

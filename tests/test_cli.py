@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from patcher.cli import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_FAILED, EXIT_NOTHING, EXIT_OK, main
-from patcher.source import read_script
+from patcher.read.source import read_script
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

@@ -51,7 +51,7 @@ def _count(module):
 
 
 def test_children_match_libcst_for_every_node_type_present():
-    module = cst.parse_module((ROOT / "fixtures" / "shuffled_minified.py").read_text() + (ROOT / "patcher" / "survey.py").read_text())
+    module = cst.parse_module((ROOT / "fixtures" / "shuffled_minified.py").read_text() + (ROOT / "patcher" / "survey" / "survey.py").read_text())
     seen = set()
     for node in cst_walk.walk(module):
         assert [id(c) for c in cst_walk.children(node)] == [id(c) for c in node.children], type(node).__name__
@@ -72,7 +72,7 @@ def test_survey_positions_match_libcst_metadata():
     # what the public MetadataWrapper path gives, for every node.
     from libcst.metadata import MetadataWrapper, PositionProvider
 
-    from patcher.survey import _positions
+    from patcher.survey.survey import _positions
 
     module = cst.parse_module((ROOT / "fixtures" / "tokenstream_readable.py").read_text())
     expected = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)

@@ -1,4 +1,4 @@
-"""patcher/cut.py: the runtime cut to what a script's patch uses.
+"""patcher/render/cut.py: the runtime cut to what a script's patch uses.
 
 Two kinds of tests: exact before -> after tables for folding and pruning on small
 snippets, and the real templates cut for each combination of options a patch can
@@ -16,9 +16,9 @@ import libcst as cst
 import pytest
 import torch
 
-from patcher import render
 from patcher.cst_walk import walk
-from patcher.cut import PASSED, CutError, fold, prune
+from patcher.render import render
+from patcher.render.cut import PASSED, CutError, fold, prune
 
 
 def _fold(code: str, facts: dict) -> str:

@@ -18,8 +18,8 @@ import pytest
 
 from patcher.demo import STEP_LINE
 from patcher.patch import patch_source
-from patcher.shards import write_shards
-from patcher.source import read_script, render
+from patcher.proof.shards import write_shards
+from patcher.read.source import read_script, render
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 RUNNABLE = [

@@ -11,6 +11,7 @@ from patch_tables import assert_patch
 
 from patcher.cli import EXIT_BAD_INPUT, main
 from patcher.patch import features_from, patch_source
+from patcher.transforms.py310_fstrings import requote
 
 ONLY = features_from(["py310_fstrings"], None)
 
@@ -86,3 +87,24 @@ def test_only_py310_fstrings_leaves_the_loader_alone():
     assert result.source == source.replace('f"{", ".join(["a", "b"])}"', "f\"{', '.join(['a', 'b'])}\"")
     compile(result.source, "x", "exec")
     ast.parse(result.source, feature_version=(3, 10))
+
+
+def test_requote_gives_the_whole_source_requoted():
+    # `_make_train_loader` marks a patched script: patch_source leaves such a script
+    # alone, requote (check imports it, verify loads it) requotes it all the same.
+    before = 'import os\n\ndef _make_train_loader():\n    pass\n\nlabel = f"{", ".join(names)} in {os.sep}"\nx = f"{d["k"]}" if ok else "-"\n'
+    after = "import os\n\ndef _make_train_loader():\n    pass\n\nlabel = f\"{', '.join(names)} in {os.sep}\"\nx = f\"{d['k']}\" if ok else \"-\"\n"
+    assert requote(before) == after
+    assert requote(after) == after
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param('x = f"{"\\n".join(xs)}"\n', id="backslash-in-field"),
+        pytest.param('x = f"{d["it\'s"]}"\n', id="inner-text-holds-other-quote"),
+        pytest.param("def f(:\n", id="not-python"),
+    ],
+)
+def test_requote_is_none_when_it_cannot(source):
+    assert requote(source) is None

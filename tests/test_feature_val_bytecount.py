@@ -12,7 +12,7 @@ import pytest
 from patch_tables import RUNTIME, assert_patch
 from test_feature_val_prefetch import EVAL, HEAD, LOOP, NO_CLASS, PREFETCH_TOGGLE, prefetched, with_toggles
 
-from patcher.features import FEATURES
+from patcher.transforms.features import FEATURES
 from patcher.patch import patch_source
 
 BYTES = (

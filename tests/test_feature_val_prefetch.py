@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from patch_tables import RUNTIME, assert_patch
 
-from patcher.features import FEATURES
+from patcher.transforms.features import FEATURES
 from patcher.patch import patch_source
 
 HEAD = '''import os

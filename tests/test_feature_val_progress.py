@@ -13,7 +13,7 @@ from patch_tables import RUNTIME, assert_patch
 from test_feature_val_bytecount import DEVICE_TOGGLE, counted
 from test_feature_val_prefetch import COPY_STREAM_TOGGLE, EVAL, HEAD, LOOP, PREFETCH_TOGGLE, SLICE, prefetched, with_toggles
 
-from patcher.features import FEATURES
+from patcher.transforms.features import FEATURES
 from patcher.patch import patch_source
 
 EVERY_TOGGLE = 'val_progress_log_every = int(os.environ.get("VAL_PROGRESS_LOG_EVERY", 0))'

@@ -1,4 +1,4 @@
-"""Synthetic shards (`patcher.shards`) and the fixture training scripts in `fixtures/`.
+"""Synthetic shards (`patcher.proof.shards`) and the fixture training scripts in `fixtures/`.
 
 The fixture scripts are run as subprocesses on CPU, all at once on a thread pool
 (one torch thread each), once per session; the tests then look at the outputs.
@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from patcher import shards
-from patcher.shards import read_shard, write_shards
+from patcher.proof import shards
+from patcher.proof.shards import read_shard, write_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"

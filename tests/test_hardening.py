@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from patcher import source, tree
-from patcher import wrapper as wrapper_codec
-from patcher.check import check_file
+from patcher import tree
+from patcher.read import source
+from patcher.read import wrapper as wrapper_codec
+from patcher.check.check import check_file
 from patcher.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK, build_check_parser, build_parser, main
 from patcher.patch_file import FileOptions
-from patcher.source import MAX_PIECES, MAX_SOURCE_BYTES, output_problem, read_script
-from patcher.wrapper import decompress_capped
+from patcher.read.source import MAX_PIECES, MAX_SOURCE_BYTES, output_problem, read_script
+from patcher.read.wrapper import decompress_capped
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ROOT = Path(__file__).resolve().parent.parent

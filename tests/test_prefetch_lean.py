@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from patcher import render
+from patcher.render import render
 from templates import prefetch_lean
 from templates.prefetch_lean import _live_prefetchers, _make_train_loader
 

@@ -1,4 +1,4 @@
-"""Tests for patcher.source: reading plain and compressed-wrapper scripts, re-rendering them.
+"""Tests for patcher.read.source: reading plain and compressed-wrapper scripts, re-rendering them.
 
 Wrappers are built here from small payloads in the styles seen in competition records
 (one long piece, 100-wide pieces on separate lines, 100-wide pieces on one line).
@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import patcher.source as source_mod
-from patcher.source import SourceError, code_bytes, read_script, render, write_atomic
+import patcher.read.source as source_mod
+from patcher.read.source import SourceError, code_bytes, read_script, render, write_atomic
 
 PAYLOAD = 'import os\n\ndef main():\n    print("hello", os.getpid())\n\nif __name__ == "__main__":\n    main()\n'
 PATCHED = PAYLOAD + "\n# patched: prefetch\nX = [i * i for i in range(10)]\n"

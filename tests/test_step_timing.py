@@ -25,9 +25,9 @@ import torch
 import templates.step_timing as step_timing_mod
 from patcher.demo import STEP_LINE
 from patcher.patch import features_from, patch_source
-from patcher.features import FEATURES
-from patcher.shards import write_shards
-from patcher.source import read_script, render
+from patcher.transforms.features import FEATURES
+from patcher.proof.shards import write_shards
+from patcher.read.source import read_script, render
 from templates.copy_stream import _h2d, _h2d_timers
 from templates.step_timing import _force_sync_toggles, _StepTimer
 

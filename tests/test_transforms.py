@@ -8,7 +8,7 @@ import libcst as cst
 import pytest
 
 from patcher.patch import features_from, patch_source
-from patcher.survey import survey
+from patcher.survey.survey import survey
 
 LOADER = '''
 import os

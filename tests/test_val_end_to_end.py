@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from patcher.patch import features_from, patch_source
-from patcher.shards import write_shards
-from patcher.source import read_script, render
+from patcher.proof.shards import write_shards
+from patcher.read.source import read_script, render
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 NAMES = ["tokenstream_readable", "shuffled_minified"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from patcher.patch import features_from, patch_source
-from patcher.features import FEATURES
+from patcher.transforms.features import FEATURES
 
 HEADER = '''
 import math

@@ -6,7 +6,7 @@ import pytest
 
 from test_verify import patched
 
-from patcher.verify import verify
+from patcher.proof.verify import verify
 
 
 @pytest.mark.parametrize("name", ["tokenstream_readable", "shuffled_minified", "wrapped_lzma_oneline"])

@@ -9,8 +9,8 @@ import torch
 
 from patcher.cli import EXIT_FAILED, EXIT_OK, main
 from patcher.patch import patch_source
-from patcher.source import read_script, render
-from patcher.verify import CannotVerify, verify
+from patcher.read.source import read_script, render
+from patcher.proof.verify import CannotVerify, verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -127,8 +127,8 @@ def test_catches_a_generator_that_ignores_a_sent_value(tmp_path):
 def test_generator_ranks_read_their_own_span(tmp_path):
     # dist.get_rank() inside the generator answers the simulated rank: rank 1's first
     # item is not rank 0's (a harness that ignored ranks would compare rank 0 twice).
-    from patcher.harness import IteratorRecipe, SimulatedDist, load_definitions
-    from patcher.import_smoke import definitions_only
+    from patcher.proof.harness import IteratorRecipe, SimulatedDist, load_definitions
+    from patcher.check.import_smoke import definitions_only
 
     source = (FIXTURES / "generator_toplevel.py").read_text()
     module = load_definitions(definitions_only(source), "generator_toplevel.py")
@@ -136,7 +136,7 @@ def test_generator_ranks_read_their_own_span(tmp_path):
     recipe = IteratorRecipe.from_source(source, patch_source(source).source)
     assert recipe.original == ["distributed_data_generator(args.train_files, args.num_tokens, args.seq_len)"]
     assert recipe.patched[0].startswith("_prefetch_iterator(lambda: distributed_data_generator(")
-    from patcher.shards import write_shards
+    from patcher.proof.shards import write_shards
 
     write_shards(tmp_path, bos_id=1)
     module.__dict__["device"] = "cpu"
@@ -227,9 +227,9 @@ HANG_ON_NEXT = (
 
 
 def test_a_hanging_patched_generator_is_reported_not_waited_on(tmp_path, monkeypatch):
-    import patcher.verify
+    import patcher.proof.verify
 
-    monkeypatch.setattr(patcher.verify, "DRAW_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(patcher.proof.verify, "DRAW_TIMEOUT_S", 1.0)
     original, out = patched(tmp_path, "generator_toplevel", HANG_ON_NEXT)
     with pytest.raises(CannotVerify, match=r"patched generator hangs here \(rank 0, train item 0\).*no batch after 1 s"):
         verify(original, out, batches=4)
@@ -240,8 +240,8 @@ def test_bos_id_read_from_the_script_and_web_length_documents(tmp_path):
 
     import numpy as np
 
-    from patcher.shards import read_shard, write_shards
-    from patcher.verify import WEB_DOC_LEN_RANGE, _script_bos_id
+    from patcher.proof.shards import read_shard, write_shards
+    from patcher.proof.verify import WEB_DOC_LEN_RANGE, _script_bos_id
 
     script = types.ModuleType("script")
     assert _script_bos_id(script) is None
@@ -261,8 +261,8 @@ def test_a_name_reassigned_in_the_loop_is_evaluated_from_its_top_level_assignmen
     # from it, then `step_batch_size = new_step_batch_size` inside the training loop.
     import libcst
 
-    from patcher.harness import HarnessError, evaluate_script_code
-    from patcher.survey import survey
+    from patcher.proof.harness import HarnessError, evaluate_script_code
+    from patcher.survey.survey import survey
 
     source = (
         "schedule = (8, 16)\n"
@@ -288,8 +288,8 @@ def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assi
     # `if args.resume_from:`, then `DistributedTokenLoader(..., skip_tokens=resume_tokens_consumed)`.
     import libcst
 
-    from patcher.harness import HarnessError, evaluate_script_code
-    from patcher.survey import survey
+    from patcher.proof.harness import HarnessError, evaluate_script_code
+    from patcher.survey.survey import survey
 
     source = (
         "def main():\n"

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from patcher.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
-from patcher.harness import LoaderRecipe, patched_constructions
+from patcher.proof.harness import LoaderRecipe, patched_constructions
 from patcher.patch import patch_source
-from patcher.source import read_script, render
-from patcher.verify import CannotVerify, verify
+from patcher.read.source import read_script, render
+from patcher.proof.verify import CannotVerify, verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "verify"
 
@@ -101,12 +101,12 @@ def test_a_module_the_loader_imports_lazily_is_cannot_verify_not_a_difference(tm
 
 
 def test_a_harness_failure_is_exit_2_in_one_line(tmp_path, capsys, monkeypatch):
-    import patcher.verify
+    import patcher.proof.verify
 
     def broken(*args, **kwargs):
         raise KeyError("harness bug")
 
-    monkeypatch.setattr(patcher.verify, "_plan", broken)
+    monkeypatch.setattr(patcher.proof.verify, "_plan", broken)
     original, out = patch_to(tmp_path, "own_configuration")
     code = main(["verify", str(original), str(out), "--batches", "4"])
     err = capsys.readouterr().err

@@ -22,10 +22,10 @@ import libcst as cst
 import libcst.matchers as m
 import pytest
 
-from patcher.harness import _top_level_names
+from patcher.proof.harness import _top_level_names
 from patcher.patch import patch_source
-from patcher.source import read_script, render
-from patcher.verify import verify
+from patcher.read.source import read_script, render
+from patcher.proof.verify import verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

@@ -7,7 +7,7 @@ from typing import Callable, Mapping
 
 import libcst as cst
 
-from patcher.survey import Survey
+from patcher.survey.survey import Survey
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import walk
-from patcher.survey import Survey
+from patcher.survey.survey import Survey
 from patcher.transforms.base import Context, Feature, Note, ReplaceNodes, Toggle, Tracking, edit_tops, insert_before, small_statement
 
 FEATURE = "env_toggles"

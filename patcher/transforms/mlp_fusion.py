@@ -16,7 +16,7 @@ import libcst.matchers as m
 from dataclasses import dataclass
 
 from patcher.cst_walk import dotted, walk
-from patcher.survey import Survey
+from patcher.survey.survey import Survey
 from patcher.transforms.base import Context, Feature, Note, ReplaceNodes, Tracking, edit_tops, small_statement
 
 FEATURE = "mlp_fusion"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.survey import Survey
+from patcher.survey.survey import Survey, survey
 from patcher.transforms.base import Context, Feature, Note, replace_nodes
 
 FEATURE = "py310_fstrings"
@@ -98,6 +98,28 @@ def _fstring_fields(parts) -> list[cst.FormattedStringExpression]:
 
 # Last: requotes the f-strings of the script as the other features left them.
 UNIT = Feature(name=FEATURE, apply=apply, order=100, analyse=find_pep701_fstrings)
+
+
+def requote(source: str) -> str | None:
+    """`source` with its PEP 701 f-strings requoted (same AST), or None when that cannot make it compile here.
+
+    What `check` imports and `verify` loads when the running Python cannot compile a
+    Python 3.12-only script: the transform alone, on the whole source (no other feature,
+    no runtime). None when `source` does not parse, a site is one quoting cannot fix
+    (`Unfixable`), or the result still does not compile under the running Python.
+    """
+    try:
+        module = cst.parse_module(source)
+        surveyed = survey(module)
+        ctx = Context(surveyed, {FEATURE}, facts={FEATURE: find_pep701_fstrings(surveyed)})
+        module, notes = apply(module, ctx)
+        if any(note.unfixable for note in notes):
+            return None
+        fixed = module.code
+        compile(fixed, "requoted", "exec", dont_inherit=True)
+    except Exception:
+        return None
+    return fixed
 
 
 def rewrite(node: cst.FormattedString, module: cst.Module) -> cst.FormattedString:

@@ -25,10 +25,10 @@ device its batches are handed out as built, without a defensive copy.
 A script that uses the loader variable for more than `.next_batch(...)` (reads an
 attribute, passes it to a function whose parameter has another name) gets
 `attrs=True`: such reads settle the loader where the caller is. Others get no settling
-code at all (patcher/cut.py cuts what no call site asks for).
+code at all (patcher/render/cut.py cuts what no call site asks for).
 
 The ShuffledSequenceLoader family, when its `next_batch` is exactly the known shape
-(`patcher/assembly.py`), gets `assembly="<its shard getter>"`: the batch is planned
+(`patcher/survey/assembly.py`), gets `assembly="<its shard getter>"`: the batch is planned
 (the RNG draws, in order) and gathered in numpy (`templates/shuffled_assembly.py`).
 Otherwise the worker calls the script's own `next_batch`, and the note says why. With
 `producer_toggles` (`--producer-toggles`, and `bench`), the family also gets the
@@ -42,7 +42,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.assembly import Recognition, recognise_shuffled
+from patcher.survey.assembly import Recognition, recognise_shuffled
 from patcher.cst_walk import walk
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 

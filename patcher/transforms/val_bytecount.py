@@ -1,7 +1,7 @@
 """Transform `val_bytecount`: the bits-per-byte byte counting can run on the host.
 
 The three statements of parameter-golf's `eval_val` that count the target tokens'
-bytes on the GPU (`patcher/val_survey.py` finds and checks them)
+bytes on the GPU (`patcher/survey/val_survey.py` finds and checks them)
 
     token_bytes = base_bytes_lut[tgt_ids].to(dtype=torch.int16)
     token_bytes += (has_leading_space_lut[tgt_ids] & ~is_boundary_token_lut[prev_ids]).to(dtype=torch.int16)
@@ -25,7 +25,7 @@ from __future__ import annotations
 import libcst as cst
 
 from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
-from patcher.val_survey import find_val_loops
+from patcher.survey.val_survey import find_val_loops
 
 FEATURE = "val_bytecount"
 

@@ -1,6 +1,6 @@
 """Transform `val_prefetch`: validation batches built ahead, H2D double-buffered on a copy stream.
 
-In an evaluation loop that slices a token tensor per batch (`patcher/val_survey.py`),
+In an evaluation loop that slices a token tensor per batch (`patcher/survey/val_survey.py`),
 
     for batch_seq_start in range(seq_start, seq_end, local_batch_seqs):
         batch_seq_end = min(batch_seq_start + local_batch_seqs, seq_end)
@@ -31,7 +31,7 @@ import libcst as cst
 
 from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
 from patcher.cst_walk import walk_own
-from patcher.val_survey import ValLoop, find_val_loops
+from patcher.survey.val_survey import ValLoop, find_val_loops
 
 FEATURE = "val_prefetch"
 BATCH_NAME = "_val_batch"

@@ -17,7 +17,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
-from patcher.val_survey import find_val_loops
+from patcher.survey.val_survey import find_val_loops
 
 FEATURE = "val_progress"
 

@@ -1,6 +1,6 @@
 """The wrapper codec: match `exec(<codec>.decompress(<base64>.<b85|b64|a85|b32>decode(<literal>), **kw))`
 on its libcst tree, decode and decompress its payload (capped), and build a wrapper of
-the same shape around new code. File reading and writing are in `patcher.source`.
+the same shape around new code. File reading and writing are in `patcher.read.source`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.bad_input import BOM, MAX_SOURCE_BYTES, SourceError
+from patcher.read.bad_input import BOM, MAX_SOURCE_BYTES, SourceError
 from patcher.cst_walk import dotted, small_statements
 
 

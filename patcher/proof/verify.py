@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from patcher.cst_walk import walk
-from patcher.import_smoke import definitions_only
-from patcher.harness import (
+from patcher.check.import_smoke import definitions_only
+from patcher.proof.harness import (
     HarnessError,
     IteratorRecipe,
     LoaderRecipe,
@@ -44,11 +44,11 @@ from patcher.harness import (
     patched_constructions,
     point_at_shards,
 )
-from patcher.patch import features_from, patch_source
-from patcher.shards import DOC_LEN_RANGE, write_shards
-from patcher.source import read_script
-from patcher.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
-from patcher.features import TOGGLES
+from patcher.proof.shards import DOC_LEN_RANGE, write_shards
+from patcher.read.source import read_script
+from patcher.proof.val_verify import function_namespace, loop_batches, val_loop_pairs, val_tokens_for
+from patcher.transforms.features import TOGGLES
+from patcher.transforms.py310_fstrings import requote
 
 EXIT_IDENTICAL, EXIT_DIFFER, EXIT_CANNOT = 0, 1, 2
 
@@ -334,7 +334,9 @@ def _importable(source: str, notes: list[str], which: str) -> str:
         compile(source, which, "exec")
         return source
     except SyntaxError:
-        fixed = patch_source(source, features_from(["py310_fstrings"], None)).source
+        fixed = requote(source)
+        if fixed is None:
+            return source  # loading it names the syntax error
         notes.append(f"{which}: Python 3.12-only f-strings requoted to import it here (same AST)")
         return fixed
 
@@ -651,18 +653,13 @@ def _launch_env(script, world_size: int):
     """What torchrun gives a script: RANK, WORLD_SIZE, LOCAL_RANK in the environment (rank 0
     of `world_size`; `dist` answers per rank) and `sys.argv` without our own arguments."""
     values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
-    saved_env, saved_argv = {k: os.environ.get(k) for k in values}, sys.argv
-    os.environ.update(values)
-    sys.argv = [str(script)]
-    try:
-        yield
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        sys.argv = saved_argv
+    saved_argv = sys.argv
+    with _env(values):
+        sys.argv = [str(script)]
+        try:
+            yield
+        finally:
+            sys.argv = saved_argv
 
 
 def _largest_int_argument(recipe: IteratorRecipe, code: str, module) -> int:

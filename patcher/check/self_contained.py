@@ -14,7 +14,7 @@ from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvide
 
 from patcher import cst_walk
 from patcher.cst_walk import dotted
-from patcher.compile_check import EMPTY, parse_known
+from patcher.check.compile_check import EMPTY, parse_known
 
 
 _BOM = "\ufeff"

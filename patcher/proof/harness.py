@@ -24,8 +24,9 @@ import libcst as cst
 import libcst.matchers as m
 import torch
 
-from patcher.stubs import StubFinder
-from patcher.survey import Construction, Survey, survey
+from patcher.check.stubs import StubFinder
+from patcher.cst_walk import small_statements
+from patcher.survey.survey import Construction, Survey, survey
 
 _counter = itertools.count()
 
@@ -371,18 +372,16 @@ def patched_constructions(source: str, recipe: LoaderRecipe, original_source: st
 def _top_level_names(module: cst.Module) -> set[str]:
     """Names a module's top-level statements define: functions, classes, assigned names, imports."""
     names = set()
-    for statement in module.body:
+    for statement in small_statements(module.body):
         if isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
             names.add(statement.name.value)
-        elif isinstance(statement, cst.SimpleStatementLine):
-            for small in statement.body:
-                if isinstance(small, cst.Assign):
-                    for target in small.targets:
-                        names.update(n.value for n in m.findall(target.target, m.Name()) if m.matches(target.target, m.Name() | m.Tuple() | m.List()))
-                elif isinstance(small, cst.AnnAssign) and isinstance(small.target, cst.Name):
-                    names.add(small.target.value)
-                elif isinstance(small, (cst.Import, cst.ImportFrom)) and not isinstance(small.names, cst.ImportStar):
-                    names.update(_names_imported(small))
+        elif isinstance(statement, cst.Assign):
+            for target in statement.targets:
+                names.update(n.value for n in m.findall(target.target, m.Name()) if m.matches(target.target, m.Name() | m.Tuple() | m.List()))
+        elif isinstance(statement, cst.AnnAssign) and isinstance(statement.target, cst.Name):
+            names.add(statement.target.value)
+        elif isinstance(statement, (cst.Import, cst.ImportFrom)) and not isinstance(statement.names, cst.ImportStar):
+            names.update(_names_imported(statement))
     return names
 
 

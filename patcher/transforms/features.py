@@ -22,6 +22,8 @@ def discover() -> list[Feature]:
     """
     units = []
     for info in pkgutil.iter_modules(patcher.transforms.__path__):
+        if f"patcher.transforms.{info.name}" == __name__:
+            continue  # this module: the tables, not a unit
         unit = getattr(importlib.import_module(f"patcher.transforms.{info.name}"), "UNIT", None)
         if isinstance(unit, Feature):
             units.append(unit)

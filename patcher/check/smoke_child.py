@@ -1,8 +1,8 @@
 """The import smoke itself: runs inside a child process, never in the caller's.
 
-`check.import_smoke` starts a fresh interpreter that calls `run_and_report` (the
+`import_smoke.import_smoke` starts a fresh interpreter that calls `run_and_report` (the
 default), or, in tree mode, forks a process that already has torch imported and
-calls `smoke_import` there (`check.use_forked_smoke`). Either way the script is
+calls `smoke_import` there (`import_smoke.use_forked_smoke`). Either way the script is
 imported under a module name that is not `__main__`, registered in `sys.modules`
 before it executes (the dataclass trap), with missing packages stubbed.
 """
@@ -17,7 +17,7 @@ import signal
 import sys
 import traceback
 
-from patcher.stubs import StubFinder
+from patcher.check.stubs import StubFinder
 
 
 def _one_line(text, limit=400):

@@ -1,7 +1,7 @@
 """`patch-prefetch bench SCRIPT`: how long the training loop waits for data, original vs patched.
 
 The script is patched in memory; the original and the patched training loaders are
-built as the scripts build them (`patcher.harness`, one rank) on synthetic shards of
+built as the scripts build them (`patcher.proof.harness`, one rank) on synthetic shards of
 real size (3 x 100 M tokens by default, so shard loads happen), as rank 0 of an
 8-GPU run (the records' configuration) with one torch CPU thread (torchrun sets
 OMP_NUM_THREADS=1 when it starts several processes per node; with more, the worker's
@@ -62,12 +62,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from patcher.features import TOGGLES
-from patcher.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions, swapped
+from patcher.transforms.features import TOGGLES
+from patcher.proof.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions, swapped
 from patcher.patch import patch_source
 from patcher.progress import running_clock, wanted
-from patcher.shards import write_shards
-from patcher.source import SourceError, read_script
+from patcher.proof.shards import write_shards
+from patcher.read.source import SourceError, read_script
 
 PYTHON_WORK_MS = 5.0
 WORLD_SIZE = 8

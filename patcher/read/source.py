@@ -19,8 +19,8 @@ matched on its libcst tree and keyword values are resolved from literals and an
 allowlist of codec constants.
 
 This module reads and writes files (atomic writes, line endings, BOM, limits on hostile
-input in `patcher.bad_input`); the wrapper codec itself (matching, decoding, building
-a wrapper) is `patcher.wrapper`.
+input in `patcher.read.bad_input`); the wrapper codec itself (matching, decoding, building
+a wrapper) is `patcher.read.wrapper`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from patcher.bad_input import BOM, CPYTHON_LIMITS, MAX_NESTING, MAX_PIECES, MAX_SOURCE_BYTES, SourceError
-from patcher.wrapper import (
+from patcher.read.bad_input import BOM, CPYTHON_LIMITS, MAX_NESTING, MAX_PIECES, MAX_SOURCE_BYTES, SourceError
+from patcher.read.wrapper import (
     ImportTable,
     Wrapper,
     build_literal,

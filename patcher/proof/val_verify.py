@@ -19,9 +19,9 @@ import libcst.matchers as m
 import torch
 
 from patcher.cst_walk import dotted_reads as _names_read, walk_own as _walk_own
-from patcher.harness import HarnessError, evaluate_script_code, survey_of
-from patcher.survey import Survey
-from patcher.val_survey import ValLoop, find_val_loops
+from patcher.proof.harness import HarnessError, evaluate_script_code, survey_of
+from patcher.survey.survey import Survey
+from patcher.survey.val_survey import ValLoop, find_val_loops
 
 BATCH_NAMES = ("x", "y")
 

@@ -464,15 +464,11 @@ def _imports(module: cst.Module, top: str) -> bool:
 
 def _module_level_names(module: cst.Module) -> set[str]:
     names = set()
-    for stmt in module.body:
+    for stmt in cst_walk.small_statements(module.body):
         if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
             names.add(stmt.name.value)
-        elif isinstance(stmt, cst.SimpleStatementLine):
-            for small in stmt.body:
-                if isinstance(small, cst.Assign):
-                    for t in small.targets:
-                        if isinstance(t.target, cst.Name):
-                            names.add(t.target.value)
+        elif isinstance(stmt, cst.Assign):
+            names.update(t.target.value for t in stmt.targets if isinstance(t.target, cst.Name))
     return names
 
 

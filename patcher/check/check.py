@@ -1,21 +1,21 @@
 """Pre-submission checks: compile under a real target Python, import smoke, self-containedness.
 
 `check_file(path)` answers three questions about a training script (plain, or the
-payload inside a compressed exec wrapper, see `patcher.source`):
+payload inside a compressed exec wrapper, see `patcher.read.source`):
 
-1. **Does it compile on the target Python?** `compile_source` (patcher/compile_check.py) runs a real interpreter
-   (found by `find_python`, patcher/interpreters.py, Python 3.10 by default) on the code. The payload of a
+1. **Does it compile on the target Python?** `compile_source` (patcher/check/compile_check.py) runs a real interpreter
+   (found by `find_python`, patcher/check/interpreters.py, Python 3.10 by default) on the code. The payload of a
    wrapped script is compiled as well as the wrapper, because the wrapper compiles on
    3.10 even when its payload does not (DESIGN.md, "What existing checkers miss").
    A Python 3.12-only f-string (PEP 701) is named, with its line and column and a fix.
    With no such interpreter installed, a grammar check under the running Python stands
    in, and says so.
-2. **Does it import?** `import_smoke` (patcher/import_smoke.py) loads the code in a child process under a module
+2. **Does it import?** `import_smoke` (patcher/check/import_smoke.py) loads the code in a child process under a module
    name other than `__main__`, registered in `sys.modules` before it runs (the dataclass
    trap), with missing GPU-only packages (`flash_attn_interface`, `triton`, ...) replaced by
    stubs that are reported. Scripts that train at top level (modded-nanogpt) are cut
    before their first executable statement, so importing them never starts training.
-3. **Is it one file?** `self_contained_warnings` (patcher/self_contained.py): warnings for imports of modules that sit beside the script and
+3. **Is it one file?** `self_contained_warnings` (patcher/check/self_contained.py): warnings for imports of modules that sit beside the script and
    for code files read through a path built from `__file__`.
 
 Nothing here executes the script in this process; all code search uses libcst.
@@ -31,11 +31,12 @@ from typing import Mapping
 
 import libcst as cst
 
-from patcher.compile_check import EMPTY, CompileResult, compile_source
-from patcher.import_smoke import ImportResult, import_smoke, importable_part
-from patcher.interpreters import DEFAULT_TARGET, find_python
-from patcher.self_contained import self_contained_warnings
-from patcher.source import Script, code_bytes, read_script
+from patcher.check.compile_check import EMPTY, CompileResult, compile_source
+from patcher.check.import_smoke import ImportResult, import_smoke, importable_part
+from patcher.check.interpreters import DEFAULT_TARGET, find_python
+from patcher.check.self_contained import self_contained_warnings
+from patcher.read.source import Script, code_bytes, read_script
+from patcher.transforms.py310_fstrings import requote
 
 __all__ = [
     "CompileResult",
@@ -105,14 +106,14 @@ def check_file(
 ) -> CheckResult:
     """Check one training script: compile on `target`, import smoke, one-file warnings.
 
-    path: a plain or wrapped script (`patcher.source.read_script`). target: as for
+    path: a plain or wrapped script (`patcher.read.source.read_script`). target: as for
     `find_python`. timeout: seconds for the import smoke test. run_import: False skips
     it (`imports` is None). For a wrapped script the payload is compiled (`compile`,
     payload lines) and the wrapper file too (`wrapper_compile`). The import runs only
     when the running Python can compile the code; otherwise `imports.ok` is False and
     its error says why. Raises `SourceError` for a file `read_script` rejects (missing,
     empty, binary, unparsable, corrupt wrapper, exec(open(other).read()) only).
-    script: the file as already read (`patcher.source.Script`, e.g. what the main job
+    script: the file as already read (`patcher.read.source.Script`, e.g. what the main job
     just wrote and round-tripped), so that it is not read and unwrapped again; its
     `module`, when set, is used instead of parsing `source` again. as_path: where the
     script is meant to stand (the input of a patch); the import smoke runs it with that
@@ -138,18 +139,6 @@ def check_file(
     )
 
 
-def _requoted(source: str) -> str | None:
-    """`source` with PEP 701 f-strings requoted when that makes it compile here, else None."""
-    from patcher.patch import features_from, patch_source
-
-    try:
-        fixed = patch_source(source, features_from(["py310_fstrings"], None)).source
-        compile(fixed, "requoted", "exec", dont_inherit=True)
-    except Exception:
-        return None
-    return fixed
-
-
 def _import_if_compiles(source: str, filename: str, timeout: float, known: Mapping[str, cst.Module], as_path) -> ImportResult:
     """import_smoke, unless the running Python cannot compile `source` (then say so)."""
     code = source[1:] if source.startswith(_BOM) else source
@@ -158,7 +147,7 @@ def _import_if_compiles(source: str, filename: str, timeout: float, known: Mappi
             warnings.simplefilter("ignore")
             compile(code, filename, "exec", dont_inherit=True)
     except SyntaxError as e:
-        requoted = _requoted(code)
+        requoted = requote(code)
         if requoted is not None:
             # Same AST with PEP 701 f-strings requoted: import that, and say so.
             result = import_smoke(requoted, filename, timeout, as_path=as_path)

@@ -21,7 +21,7 @@ seeded with `seed`, shards generated in order: train shards first, then val).
 
 Command line:
 
-    python -m patcher.shards DIR [--train-shards N] [--val-shards N]
+    python -m patcher.proof.shards DIR [--train-shards N] [--val-shards N]
         [--tokens-per-shard N] [--vocab-size N] [--seed N] [--bos-id N]
 """
 
@@ -174,7 +174,7 @@ def read_shard(path: str | os.PathLike) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m patcher.shards",
+        prog="python -m patcher.proof.shards",
         description="Write synthetic fineweb_{train,val}_NNNNNN.bin token shards.",
     )
     parser.add_argument("directory")

@@ -23,7 +23,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import dotted, dotted_reads, walk_own
-from patcher.survey import LOG_FUNCTIONS, Survey
+from patcher.survey.survey import LOG_FUNCTIONS, Survey
 
 # Calls a slice bound may make: pure functions of their arguments.
 PURE_CALLS = {"min", "max", "int", "abs", "len"}

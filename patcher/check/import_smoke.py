@@ -26,7 +26,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider
 
 from patcher import cst_walk
 from patcher.cst_walk import dotted
-from patcher.compile_check import EMPTY, last_line, parse_known
+from patcher.check.compile_check import EMPTY, last_line, parse_known
 
 
 _BOM = "\ufeff"
@@ -73,7 +73,7 @@ class ImportResult:
 # --------------------------------------------------------------------------- import smoke
 
 # Runs in a child interpreter (the running one, which has torch). argv: script, module name, as_path.
-_IMPORT_RUNNER = "import sys; from patcher.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2], sys.argv[3])"
+_IMPORT_RUNNER = "import sys; from patcher.check.smoke_child import run_and_report; run_and_report(sys.argv[1], sys.argv[2], sys.argv[3])"
 
 # Tree mode: fork the import smoke from a process that has torch imported already
 # (saves the interpreter start and the ~1 s torch import per file).
@@ -176,7 +176,7 @@ def _import_result(out: bytes, seconds: float, no_result: str) -> ImportResult:
 
 def _fork_child(script: str, module_name: str, cwd: str, timeout: float, as_path: str) -> ImportResult:
     """`_run_child`, forked from this process instead of a fresh interpreter."""
-    from patcher import smoke_child
+    from patcher.check import smoke_child
 
     start = time.monotonic()
     read_end, write_end = os.pipe()
@@ -223,7 +223,7 @@ def _kill_tree(pid: int) -> None:
     (`smoke_child.become_subreaper`), so processes that left its group with `setsid`
     are still found among its descendants.
     """
-    from patcher.smoke_child import kill_descendants
+    from patcher.check.smoke_child import kill_descendants
 
     try:
         os.kill(pid, signal.SIGSTOP)

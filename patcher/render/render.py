@@ -3,7 +3,7 @@
 A template is a real module: its imports, its module docstring and anything under
 `if __name__ == "__main__":` are dropped, and what the template needs from other
 templates comes from injecting those too (dependencies first). The bodies are then
-cut to what this script's patch uses (patcher/cut.py: options no call site passes,
+cut to what this script's patch uses (patcher/render/cut.py: options no call site passes,
 definitions nothing reaches), docstrings and comments are dropped (code bytes count
 toward the artifact cap; the explanations stay in `templates/` and the README), and
 the imports the kept code needs and the script lacks are emitted once, in front of
@@ -23,8 +23,8 @@ import libcst as cst
 import libcst.matchers as m
 
 import templates
-from patcher.cut import PASSED, StripDocsAndComments, constant_value, fold, names_read, prune
-from patcher.features import TEMPLATE_DEPENDENCIES
+from patcher.render.cut import PASSED, StripDocsAndComments, constant_value, fold, names_read, prune
+from patcher.transforms.features import TEMPLATE_DEPENDENCIES
 
 TEMPLATE_DIR = Path(templates.__file__).parent
 

@@ -21,7 +21,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from patcher import cst_walk
-from patcher.interpreters import DEFAULT_TARGET, find_python, parse_version
+from patcher.check.interpreters import DEFAULT_TARGET, find_python, parse_version
 from patcher.transforms.py310_fstrings import pep701_kind
 
 

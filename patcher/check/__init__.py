@@ -1,0 +1,1 @@
+"""Stage 5, check: does the output compile on the target Python, import, and stand on its own."""

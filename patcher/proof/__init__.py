@@ -1,0 +1,1 @@
+"""Proof: the patched loaders hand out the original's batches (verify), and how long the loop waits (bench)."""

@@ -9,6 +9,7 @@ the one line `RUNTIME`.
 from __future__ import annotations
 
 from patcher.patch import PatchResult, features_from, patch_source
+from patcher.transforms.features import FEATURES
 
 RUNTIME = "#<runtime>\n"
 
@@ -38,3 +39,10 @@ def assert_patch(before: str, after: str | None = None, only: str | list[str] | 
     else:
         assert shown(result) == after
     return result
+
+
+def assert_refused_beside_others(source: str, feature: str) -> None:
+    """With every feature on, `feature` refuses `source`: the output is that of every
+    feature but `feature` (a noop row checked beside the others)."""
+    others = set(FEATURES) - {feature}
+    assert patch_source(source, set(FEATURES)).source == patch_source(source, others).source

@@ -30,7 +30,7 @@ from patcher.read import wrapper as wrapper_codec
 from patcher.check.check import check_file
 from patcher.cli import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_OK, build_check_parser, build_parser, main
 from patcher.patch_file import FileOptions
-from patcher.read.source import MAX_PIECES, MAX_SOURCE_BYTES, output_problem, read_script
+from patcher.read.source import MAX_PIECES, MAX_SOURCE_BYTES, _longest_operator_run, output_problem, read_script
 from patcher.read.wrapper import decompress_capped
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -239,6 +239,41 @@ def test_deep_code_is_refused_in_one_line(tmp_path, capsys, code, wrapped):
     line = one_line_error(err)
     assert "nested" in line and ("wrapped payload" in line) == wrapped
     assert not (tmp_path / "out.py").exists()
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "wrapped"])
+def test_a_long_operator_run_in_a_syntax_error_is_refused_without_libcst(tmp_path, capsys, monkeypatch, wrapped):
+    # CPython gives no tree to measure (the indent is wrong), and libcst would take
+    # many minutes on 20,000 terms: Python's own syntax error is reported instead.
+    import libcst
+
+    def never(*args, **kwargs):
+        raise AssertionError("libcst parsed the payload")
+
+    code = "def f():\n    pass\nx = " + "+".join(["1"] * 20_000) + "\n    y = 2\n"
+    script = tmp_path / "train_gpt.py"
+    script.write_text(wrapper(code) if wrapped else code)
+    if not wrapped:  # a wrapper file itself is parsed with libcst; its payload is not
+        monkeypatch.setattr(libcst, "parse_module", never)
+    code_, _, err = run([script, "-o", tmp_path / "out.py", "--no-check"], capsys)
+    line = one_line_error(err)
+    assert code_ == EXIT_BAD_INPUT
+    assert "syntax error: unexpected indent" in line and "a run of 19999 binary operators at line 3" in line
+    assert ("wrapped payload line 4" in line) == wrapped
+    assert not (tmp_path / "out.py").exists()
+
+
+@pytest.mark.parametrize(
+    "text, run",
+    [
+        pytest.param("x = f(1+2, 3+4+5)\n", 2, id="a-comma-ends-a-run"),
+        pytest.param("x = " + "+".join(["(1)"] * 50) + "\n", 49, id="bracketed-operands-continue-it"),
+        pytest.param("x = [1 +\n2 + 3]\ny = a and b or c\n", 2, id="across-lines-in-brackets-and-boolean"),
+        pytest.param('x = "never closed\n', 0, id="does-not-tokenize"),
+    ],
+)
+def test_longest_operator_run(text, run):
+    assert _longest_operator_run(text)[0] == run
 
 
 def test_per_file_time_limit_and_dying_workers_in_tree_mode(tmp_path, monkeypatch):

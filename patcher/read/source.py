@@ -42,7 +42,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from patcher.read.bad_input import BOM, CPYTHON_LIMITS, MAX_NESTING, MAX_PIECES, MAX_SOURCE_BYTES, SourceError
+from patcher.read.bad_input import BOM, CPYTHON_LIMITS, MAX_NESTING, MAX_OPERATOR_RUN, MAX_PIECES, MAX_SOURCE_BYTES, SourceError
 from patcher.read.wrapper import (
     ImportTable,
     Wrapper,
@@ -354,9 +354,14 @@ def _check_depth(path: Path, text: str, payload_line: int | None) -> None:
     try:
         tree = compile(text, str(path), "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except SyntaxError as e:
+        line = e.lineno or 1
         if any(s in str(e.msg) for s in CPYTHON_LIMITS):
-            line = e.lineno or 1
             raise SourceError(path, f"{where(line)}nested too deeply for Python's parser ({e.msg})", line=payload_line or line) from None
+        run, run_line = _longest_operator_run(text)
+        if run > MAX_OPERATOR_RUN:  # libcst would take minutes to say the same
+            raise SourceError(
+                path, f"{where(line)}syntax error: {e.msg} (Python's parser; libcst not asked: a run of {run} binary operators at line {run_line})", line=payload_line or line
+            ) from None
         return
     except (RecursionError, MemoryError) as e:
         raise SourceError(path, f"{where(None)}code nested too deeply for Python's parser ({type(e).__name__})", line=payload_line) from None
@@ -386,6 +391,33 @@ def _ast_depth(tree: ast.AST) -> tuple[int, int]:
             if best > MAX_NESTING:
                 break
         stack.extend((child, depth + 1, line) for child in ast.iter_child_nodes(node))
+    return best, best_line
+
+
+_OPERATORS = frozenset("+ - * / // % @ ** << >> & | ^".split())
+_RUN_BREAKS = frozenset(", ; = :".split())
+
+
+def _longest_operator_run(text: str) -> tuple[int, int]:
+    """(most binary operators in one run, its line): operators counted at one bracket
+    depth until a comma, `;`, `=`, `:` or the end of the line ends the run, e.g. 16,999 for
+    `x = 1+1+...+1` of 17,000 terms. (0, 1) when the text does not tokenize."""
+    best, best_line, runs = 0, 1, [0]
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.OP and token.string in _OPERATORS or token.type == tokenize.NAME and token.string in ("and", "or"):
+                runs[-1] += 1
+                if runs[-1] > best:
+                    best, best_line = runs[-1], token.start[0]
+            elif token.type == tokenize.OP and token.string in ("(", "[", "{"):
+                runs.append(0)
+            elif token.type == tokenize.OP and token.string in (")", "]", "}"):
+                if len(runs) > 1:
+                    runs.pop()  # the bracketed operand continues the run outside it
+            elif token.type == tokenize.OP and token.string in _RUN_BREAKS or token.type == tokenize.NEWLINE:
+                runs[-1] = 0
+    except (tokenize.TokenError, SyntaxError):
+        pass
     return best, best_line
 
 

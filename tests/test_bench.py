@@ -55,9 +55,10 @@ def test_producer_variants_for_a_shuffled_loader(tmp_path):
     assert report["workers"] == 2 and report["assembly"] == "numpy"
     for name in ("python", "numpy", "workers"):
         assert report[f"producer_batches_per_s_{name}"] > 0
-        assert report[f"producer_ratio_{name}"] == pytest.approx(report[f"producer_batches_per_s_{name}"] / report["producer_batches_per_s_original"], rel=1e-2)
+        # ratios are printed to 3 decimals: a small ratio is checked to that precision
+        assert report[f"producer_ratio_{name}"] == pytest.approx(report[f"producer_batches_per_s_{name}"] / report["producer_batches_per_s_original"], rel=1e-2, abs=1e-3)
     assert report["producer_batches_per_s_patched"] == report["producer_batches_per_s_workers"]
-    assert report["producer_ratio_workers_vs_1"] == pytest.approx(report["producer_batches_per_s_workers"] / report["producer_batches_per_s_numpy"], rel=1e-2)
+    assert report["producer_ratio_workers_vs_1"] == pytest.approx(report["producer_batches_per_s_workers"] / report["producer_batches_per_s_numpy"], rel=1e-2, abs=1e-3)
     assert len(list(tmp_path.glob("fineweb_train_*.bin"))) == 16
 
 

@@ -120,8 +120,7 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
         block.extend(cst.SimpleStatementLine(body=[s]) for s in ctx.constants)
     if ctx.templates:
         toggles = [n for n in ctx.toggles_used]
-        passed, read = _keywords_and_reads(module)
-        calls = [node for node in walk(module) if isinstance(node, cst.Call)]
+        passed, read, calls = _keywords_reads_and_calls(module)
         facts = render.cut_facts(ctx.templates, passed, render.always_passed(ctx.templates, calls))
         runtime = render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep)
         block.extend(runtime)
@@ -131,11 +130,12 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
     return module, "".join(module.code_for_node(stmt) for stmt in runtime)
 
 
-def _keywords_and_reads(module: cst.Module) -> tuple[set[str], set[str]]:
-    """Keyword names passed in calls, and what the script may use of the runtime: every
+def _keywords_reads_and_calls(module: cst.Module) -> tuple[set[str], set[str], list[cst.Call]]:
+    """Keyword names passed in calls; what the script may use of the runtime: every
     name it reads other than attribute names, and the attributes it reads on names that
-    hold a runtime object (`train_loader.next_batch`, `_step_timer.time`)."""
-    keywords, names, attributes, holders = set(), set(), [], set()
+    hold a runtime object (`train_loader.next_batch`, `_step_timer.time`); and the calls
+    of a plain name (`_make_train_loader(...)`), for `render.always_passed`. One walk."""
+    keywords, names, attributes, holders, calls = set(), set(), [], set(), []
     attribute_names = set()
     for node in walk(module):
         if isinstance(node, cst.Arg) and node.keyword is not None:
@@ -146,11 +146,13 @@ def _keywords_and_reads(module: cst.Module) -> tuple[set[str], set[str]]:
                 attributes.append((node.value.value, node.attr.value))
         elif isinstance(node, cst.Name) and id(node) not in attribute_names:
             names.add(node.value)
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
+            calls.append(node)
         elif m.matches(node, m.Assign(value=m.Call(func=m.Name()))) and node.value.func.value.startswith("_"):
             holders |= {t.target.value for t in node.targets if isinstance(t.target, cst.Name)}
     # Runtime objects: the variables built by a runtime call, and the runtime's own
     # module-level names (`_step_timer.next_step`), which all start with "_".
-    return keywords, names | {attr for base, attr in attributes if base in holders or base.startswith("_")}
+    return keywords, names | {attr for base, attr in attributes if base in holders or base.startswith("_")}, calls
 
 
 def _top_level_imports(module: cst.Module) -> set[str]:

@@ -98,6 +98,11 @@ class _Fold(cst.CSTTransformer):
 
     # Options as constants; their parameters, keyword arguments and stores removed.
 
+    def _constant(self, option: str) -> bool:
+        """`option` is a fact with a constant value (not `PASSED`): its parameter and
+        keyword arguments go."""
+        return option in self.facts and self.facts[option] is not PASSED
+
     def visit_Attribute(self, node):
         self.not_reads.add(id(node.attr))
 
@@ -125,14 +130,14 @@ class _Fold(cst.CSTTransformer):
         return _literal(self.facts[option]) if option else updated_node
 
     def leave_Param(self, original_node, updated_node):
-        return cst.RemoveFromParent() if self.facts.get(original_node.name.value, PASSED) is not PASSED else updated_node
+        return cst.RemoveFromParent() if self._constant(original_node.name.value) else updated_node
 
     def leave_Parameters(self, original_node, updated_node):
         return _strip_trailing_comma(updated_node)
 
     def leave_Arg(self, original_node, updated_node):
         keyword = original_node.keyword
-        if keyword is None or self.facts.get(keyword.value, PASSED) is PASSED:
+        if keyword is None or not self._constant(keyword.value):
             return updated_node
         known, value = constant_value(updated_node.value)
         if _option_of(original_node.value, self.facts) != keyword.value and not (known and value == self.facts[keyword.value]):
@@ -160,7 +165,7 @@ class _Fold(cst.CSTTransformer):
             positional = before.keyword is None and not before.star
             if positional and params is None and _option_of(before.value, self.facts):
                 raise CutError(f"{name}(...) is defined with different parameters; pass option {_option_of(before.value, self.facts)} by keyword")
-            if positional and params and index < len(params) and self.facts.get(params[index], PASSED) is not PASSED:
+            if positional and params and index < len(params) and self._constant(params[index]):
                 dropped = True
                 continue
             kept.append(after)

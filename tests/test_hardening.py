@@ -264,6 +264,31 @@ def test_a_long_operator_run_in_a_syntax_error_is_refused_without_libcst(tmp_pat
 
 
 @pytest.mark.parametrize(
+    "make, line, message",
+    [
+        # A byte flip turned a character of the encoded literal into a backslash (found by the fuzz run).
+        pytest.param(lambda: wrapper(TINY).replace('b85decode("', 'b85decode("8_AV\\xD$', 1), 2, "(unicode error)", id="wrapper-literal"),
+        pytest.param(lambda: TINY + 'NAME = "\\N{NO SUCH CHARACTER}"\n', 7, "(unicode error)", id="str"),
+        pytest.param(lambda: TINY + "\n\nDATA = b'\\x4'\n", 9, "(value error)", id="bytes-escape"),
+        pytest.param(lambda: TINY + "DATA = b'caf\u00e9'\n", 7, "bytes can only contain ASCII", id="bytes-non-ascii"),
+    ],
+)
+def test_a_string_literal_python_cannot_decode_is_a_syntax_error(tmp_path, capsys, make, line, message):
+    # libcst parses such a literal and fails only when its value is read: Python's own
+    # error, with the literal's line, and nothing written.
+    script = tmp_path / "train_gpt.py"
+    script.write_text(make())
+    before = snapshot(tmp_path)
+    code, _, err = run([script, "-o", tmp_path / "out.py", "--no-check"], capsys)
+    error = one_line_error(err)
+    assert code == EXIT_BAD_INPUT
+    assert f"train_gpt.py:{line}:" in error and f"syntax error: {message}" in error
+    assert snapshot(tmp_path) == before
+    code, _, err = run(["check", script, "--no-import"], capsys)
+    assert code == EXIT_BAD_INPUT and "Traceback" not in err and message in err
+
+
+@pytest.mark.parametrize(
     "text, run",
     [
         pytest.param("x = f(1+2, 3+4+5)\n", 2, id="a-comma-ends-a-run"),

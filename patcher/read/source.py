@@ -336,13 +336,19 @@ def parse_known(path: Path, text: str, payload_line: int | None = None) -> cst.M
     raise SourceError(path, f"syntax error in wrapped payload line {line}, column {col}: {why}", line=payload_line)
 
 
+# CPython's errors for a string literal it cannot decode, on every version: libcst
+# accepts these, and reading the literal's value later would raise.
+LITERAL_ERRORS = ("(unicode error)", "(value error)", "bytes can only contain ASCII")
+
+
 def _check_depth(path: Path, text: str, payload_line: int | None) -> None:
     """Refuse code nested deeper than MAX_NESTING, asking CPython first.
 
     CPython's parser (`compile(..., PyCF_ONLY_AST)`, which never runs the code) rejects
     what it cannot handle with an exception instead of crashing, as libcst's native
-    parser does on 5,000 nested parentheses. Other SyntaxErrors are left to libcst: a
-    script may need a newer Python than the one running (3.12 f-strings).
+    parser does on 5,000 nested parentheses. A string literal CPython cannot decode is
+    refused with its message. Other SyntaxErrors are left to libcst: a script may need
+    a newer Python than the one running (3.12 f-strings).
     """
     def where(line: int | None) -> str:
         if payload_line is None:
@@ -357,6 +363,8 @@ def _check_depth(path: Path, text: str, payload_line: int | None) -> None:
         line = e.lineno or 1
         if any(s in str(e.msg) for s in CPYTHON_LIMITS):
             raise SourceError(path, f"{where(line)}nested too deeply for Python's parser ({e.msg})", line=payload_line or line) from None
+        if e.msg.startswith(LITERAL_ERRORS):  # libcst parses the literal and fails later, on its value
+            raise SourceError(path, f"{where(line)}syntax error: {e.msg}", line=payload_line or line) from None
         run, run_line = _longest_operator_run(text)
         if run > MAX_OPERATOR_RUN:  # libcst would take minutes to say the same
             raise SourceError(

@@ -343,7 +343,7 @@ def test_many_small_pieces_are_refused_not_called_a_syntax_error(tmp_path, capsy
 def test_rewrap_that_would_need_too_many_pieces_is_refused_in_one_line(tmp_path, capsys):
     script = tmp_path / "train_gpt.py"
     rng = random.Random(1)
-    noise = "".join(rng.choice(string.ascii_letters) for _ in range(2300))  # incompressible padding
+    noise = "".join(rng.choice(string.ascii_letters) for _ in range(2700))  # incompressible padding
     text = wrapper((FIXTURES / "tokenstream_readable.py").read_text() + "# " + noise + "\n", width=3)
     assert 2800 < text.count('"') // 2 <= MAX_PIECES  # readable; the patched payload needs more pieces
     script.write_text(text)

@@ -25,6 +25,9 @@ MAX_PIECES = 3000
 MAX_OPERATOR_RUN = 1000
 # CPython's own refusals of code too deep for its parser.
 CPYTHON_LIMITS = ("too many nested parentheses", "too many levels of indentation", "too complex", "parser stack overflow")
+# CPython's errors for a string literal it cannot decode, on every version: libcst
+# accepts such a literal, and reading its value later would raise.
+LITERAL_ERRORS = ("(unicode error)", "(value error)", "bytes can only contain ASCII")
 
 
 

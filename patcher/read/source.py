@@ -42,7 +42,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from patcher.read.bad_input import BOM, CPYTHON_LIMITS, MAX_NESTING, MAX_OPERATOR_RUN, MAX_PIECES, MAX_SOURCE_BYTES, SourceError
+from patcher.read.bad_input import BOM, CPYTHON_LIMITS, LITERAL_ERRORS, MAX_NESTING, MAX_OPERATOR_RUN, MAX_PIECES, MAX_SOURCE_BYTES, SourceError
 from patcher.read.wrapper import (
     ImportTable,
     Wrapper,
@@ -314,7 +314,7 @@ def parse_known(path: Path, text: str, payload_line: int | None = None) -> cst.M
     For a wrapped payload (`payload_line` = line of the exec call) the error is
     reported on the exec line and the message gives the line inside the payload.
     """
-    _check_depth(path, text, payload_line)
+    _refuse_before_libcst(path, text, payload_line)
     try:
         return cst.parse_module(text)
     except cst.ParserSyntaxError as e:
@@ -336,13 +336,10 @@ def parse_known(path: Path, text: str, payload_line: int | None = None) -> cst.M
     raise SourceError(path, f"syntax error in wrapped payload line {line}, column {col}: {why}", line=payload_line)
 
 
-# CPython's errors for a string literal it cannot decode, on every version: libcst
-# accepts these, and reading the literal's value later would raise.
-LITERAL_ERRORS = ("(unicode error)", "(value error)", "bytes can only contain ASCII")
-
-
-def _check_depth(path: Path, text: str, payload_line: int | None) -> None:
-    """Refuse code nested deeper than MAX_NESTING, asking CPython first.
+def _refuse_before_libcst(path: Path, text: str, payload_line: int | None) -> None:
+    """Refuse, asking CPython first, what libcst would crash on, take minutes over or
+    accept wrongly: code nested deeper than MAX_NESTING, a syntax error with an operator
+    run over MAX_OPERATOR_RUN, a string literal CPython cannot decode.
 
     CPython's parser (`compile(..., PyCF_ONLY_AST)`, which never runs the code) rejects
     what it cannot handle with an exception instead of crashing, as libcst's native

@@ -226,5 +226,6 @@ def test_producer_toggles_only_on_request(tmp_path, capsys):
     (plain, plain_src), (tuned, tuned_src) = reports[False], reports[True]
     assert "TRAIN_PREFETCH_WORKERS" not in plain_src and "class _OrderedWorker" not in plain_src
     assert "TRAIN_PREFETCH_WORKERS" in tuned_src and "TRAIN_PREFETCH_NUMPY" in tuned_src
-    assert "class _OrderedWorker" in tuned_src and "assembly='_get_shard_memmap')" in plain_src
+    assert "class _OrderedWorker" in tuned_src and "assembly='_get_shard_memmap'" in tuned_src
+    assert "def _produce(" in plain_src and "assembly=" not in plain_src  # the lean runtime's child process
     assert tuned["code_bytes"]["after"] > plain["code_bytes"]["after"]

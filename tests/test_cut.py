@@ -191,7 +191,7 @@ ENTRY = "train_loader = _make_train_loader(lambda d: L(d), device, queue_depth=2
     pytest.param("x = other(assembly='_get')\n", set(), id="not-a-runtime-function"),
 ])
 def test_always_passed(code, passed):
-    found = render.always_passed(["prefetch_lean"], _calls(code))
+    found = render.always_passed(["prefetch_loader"], _calls(code))
     assert found & {"assembly", "host_copy"} == passed
 
 

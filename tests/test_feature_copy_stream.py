@@ -19,7 +19,7 @@ REWRITES = [
         HEAD.replace("import torch\n", "import torch\n" + RUNTIME)
         .replace('    seed = int(os.environ.get("SEED", 1337))\n', '    seed = int(os.environ.get("SEED", 1337))\n' + TOGGLES)
         .replace("return x.to(self.device, non_blocking=True)", "return _h2d(x, self.device, Hyperparameters.train_copy_stream)")
-        + "def main(device):\n    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, queue_depth=Hyperparameters.train_prefetch_queue, copy_stream=Hyperparameters.train_copy_stream, host_copy=False)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n",
+        + "def main(device):\n    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, queue_depth=Hyperparameters.train_prefetch_queue, copy_stream=Hyperparameters.train_copy_stream)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n",
         id="h2d-in-the-training-loader-only",
     ),
 ]

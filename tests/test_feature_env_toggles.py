@@ -7,7 +7,7 @@ from patch_tables import RUNTIME, assert_patch
 from test_feature_train_prefetch import HEAD
 
 FEATURES = ["train_prefetch", "copy_stream", "env_toggles"]
-MAKE = "_make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch={p}, queue_depth={q}, copy_stream={c}, host_copy=False)"
+MAKE = "_make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch={p}, queue_depth={q}, copy_stream={c})"
 CLASS = MAKE.format(p="Hyperparameters.train_prefetch", q="Hyperparameters.train_prefetch_queue", c="Hyperparameters.train_copy_stream")
 PATCHED_CLASS_HEAD = (
     HEAD.replace("import torch\n", "import torch\n" + RUNTIME)
@@ -41,7 +41,7 @@ MINIFIED_AFTER = (
     "\tdef __init__(self,h,device):self.device=device;self.i=0\n"
     "\tdef next_batch(self,a,b):self.i+=1;x=torch.full((a,),self.i);return _h2d(x,self.device,Hyperparameters.train_copy_stream),_h2d(x,self.device,Hyperparameters.train_copy_stream)\n"
     "def main(h,device):\n"
-    "\ttrain_loader=_make_train_loader(lambda loader_device:L(h,loader_device),device,prefetch=Hyperparameters.train_prefetch,queue_depth=Hyperparameters.train_prefetch_queue,copy_stream=Hyperparameters.train_copy_stream,host_copy=False)\n"
+    "\ttrain_loader=_make_train_loader(lambda loader_device:L(h,loader_device),device,prefetch=Hyperparameters.train_prefetch,queue_depth=Hyperparameters.train_prefetch_queue,copy_stream=Hyperparameters.train_copy_stream)\n"
     "\tfor i in range(3):x,y=train_loader.next_batch(h.n,h.n)\n"
 )
 

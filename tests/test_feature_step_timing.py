@@ -284,7 +284,7 @@ def test_with_the_default_features_the_prefetched_loader_is_timed():
         ).replace(
             "    train_loader = Loader(device)\n",
             "    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, "
-            "queue_depth=Hyperparameters.train_prefetch_queue, copy_stream=Hyperparameters.train_copy_stream, host_copy=False)\n",
+            "queue_depth=Hyperparameters.train_prefetch_queue, copy_stream=Hyperparameters.train_copy_stream)\n",
         )
     )
     result = assert_patch(HEAD + LOG0 + ONE_LOOP, after, enabled=features_from(None, None, ["step_timing"]))

@@ -40,12 +40,12 @@ MAKE = "_make_train_loader(lambda loader_device: Loader(loader_device), device, 
 REWRITES = [
     pytest.param(
         HEAD + "def main(device):\n    train_loader = Loader(device)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n",
-        PATCHED_HEAD + f"def main(device):\n    train_loader = {MAKE}, host_copy=False)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n",
+        PATCHED_HEAD + f"def main(device):\n    train_loader = {MAKE})\n    for step in range(3):\n        x = train_loader.next_batch(4)\n",
         id="run-constant-argument",
     ),
     pytest.param(
         HEAD + "def main(device):\n    train_loader = Loader(device)\n    x = train_loader.next_batch(4)\n    train_loader = Loader(device)\n    x = train_loader.next_batch(4)\n",
-        PATCHED_HEAD + f"def main(device):\n    train_loader = {MAKE}, host_copy=False)\n    x = train_loader.next_batch(4)\n    train_loader = {MAKE}, host_copy=False)\n    x = train_loader.next_batch(4)\n",
+        PATCHED_HEAD + f"def main(device):\n    train_loader = {MAKE})\n    x = train_loader.next_batch(4)\n    train_loader = {MAKE})\n    x = train_loader.next_batch(4)\n",
         id="rebuilt-after-warmup-both-rewritten",
     ),
     pytest.param(

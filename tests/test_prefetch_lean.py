@@ -4,17 +4,19 @@ arguments are run constants, as plain Python and as the cut copy a script receiv
 The loader is a small TokenStream-like fake: a deterministic token array read with a
 cursor that wraps around, `next_batch(global_tokens, seq_len) -> (x, y)` int64
 `[-1, seq_len]`. Every expectation is a direct, unwrapped fake called with the same
-arguments. The worker is observed and steered with threading.Event, never sleeps.
+arguments. The producer is a forked child, so the fake counts its calls in shared
+memory (`multiprocessing.Value`) and signals each call with a `multiprocessing.Event`
+that a test waits on; no test sleeps.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import traceback
 from pathlib import Path
 
 import libcst as cst
@@ -23,31 +25,34 @@ import pytest
 import torch
 
 from patcher.render import render
-from templates import prefetch_lean
 from templates.prefetch_lean import _live_prefetchers, _make_train_loader
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
-WAIT_S = 5.0  # upper bound on an Event wait that is expected to succeed
+WAIT_S = 10.0  # upper bound on an Event wait that is expected to succeed
 ARGS = (96, 8)
+FORK = multiprocessing.get_context("fork")
 
 
 class Stream:
-    """TokenStream-like: `next_batch(global_tokens, seq_len)`; `calls` counts calls and
-    `called` (an Event per call number) lets a test wait for the worker; `fail_at`:
-    the call number that raises; `reuse`: hand out views of one buffer it rewrites."""
+    """TokenStream-like: `next_batch(global_tokens, seq_len)`; `count` (shared) counts
+    calls in whichever process makes them and `called[n]` is set at call n; `fail_at`:
+    the call number that raises; `reuse`: hand out views of one buffer it rewrites;
+    `reshape_at`: the call number from which batches have another shape."""
 
-    def __init__(self, device, n_tokens=1000, fail_at=None, reuse=False):
+    def __init__(self, device, n_tokens=1000, fail_at=None, reuse=False, reshape_at=None):
         self.tokens = torch.from_numpy((np.arange(n_tokens, dtype=np.int64) * 7919 + 13) % 50257)
-        self.device, self.pos, self.calls, self.fail_at, self.reuse = device, 0, 0, fail_at, reuse
+        self.device, self.pos, self.fail_at, self.reuse, self.reshape_at = device, 0, fail_at, reuse, reshape_at
         self.buffer = torch.empty(0, dtype=torch.int64)
-        self.called = [threading.Event() for _ in range(200)]
+        self.count = FORK.Value("i", 0)
+        self.called = [FORK.Event() for _ in range(60)]
 
     def next_batch(self, global_tokens, seq_len):
-        self.calls += 1
-        self.called[self.calls].set()
-        if self.calls == self.fail_at:
-            raise ValueError(f"shard broken at call {self.calls}")
+        self.count.value += 1
+        calls = self.count.value
+        self.called[min(calls, 59)].set()
+        if calls == self.fail_at:
+            raise ValueError(f"shard broken at call {calls}")
         k = global_tokens + 1
         if self.pos + k > self.tokens.numel():
             self.pos = 0
@@ -56,6 +61,8 @@ class Stream:
         if self.reuse:
             self.buffer.resize_(k).copy_(chunk)
             chunk = self.buffer
+        if self.reshape_at is not None and calls >= self.reshape_at:
+            seq_len *= 2
         return chunk[:-1].reshape(-1, seq_len).to(self.device), chunk[1:].reshape(-1, seq_len).to(self.device)
 
 
@@ -64,8 +71,12 @@ def direct(n, **kwargs):
     return [tuple(t.clone() for t in loader.next_batch(*ARGS)) for _ in range(n)]
 
 
-def workers():
-    return [t for t in threading.enumerate() if t.name == "train-prefetch" and t.is_alive()]
+def same(got, want) -> bool:
+    return len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def producers():
+    return multiprocessing.active_children()
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +85,7 @@ def no_live_prefetchers():
     for loader in list(_live_prefetchers.values()):
         loader.shutdown()
     _live_prefetchers.clear()
-    assert not workers()
+    assert not producers()
 
 
 @pytest.mark.parametrize("depth", [1, 2, 5])
@@ -82,87 +93,105 @@ def test_batches_are_the_loaders_in_order_across_wraparound(depth):
     want = direct(40)  # 40 x 96 tokens over a 1000-token array: wraps around several times
     loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=depth)
     for w in want:
-        got = loader.next_batch(*ARGS)
-        assert all(torch.equal(g, x) for g, x in zip(got, w))
-    assert len(workers()) == 1
+        assert same(loader.next_batch(*ARGS), w)
+    assert producers() == [loader.process]
 
 
-def test_worker_runs_at_most_depth_plus_one_batches_ahead():
+def test_the_producer_runs_at_most_depth_plus_one_batches_ahead():
     depth = 2
     loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=depth)
     inner = loader.loader
-    loader.next_batch(*ARGS)
-    assert inner.called[1 + depth + 1].wait(WAIT_S)  # depth queued, one more built and waiting for room
-    assert not inner.called[1 + depth + 2].wait(0.3), "the worker ran past its queue"
+    loader.next_batch(*ARGS)  # call 1, in this process; the child goes on from call 2
+    assert inner.called[1 + depth + 1].wait(WAIT_S)  # depth slots filled, one batch pinned
+    assert not inner.called[1 + depth + 2].wait(0.3), "the producer ran past its slots"
     loader.next_batch(*ARGS)
     assert inner.called[1 + depth + 2].wait(WAIT_S)
 
 
 def test_prefetch_off_is_the_original_loader():
     loader = _make_train_loader(lambda d: Stream(d), CPU, prefetch=False)
-    assert type(loader) is Stream and not workers()
+    assert type(loader) is Stream and not producers()
 
 
-def test_rebuilding_the_same_slot_stops_the_previous_worker():
+def test_rebuilding_the_same_slot_stops_the_previous_producer():
     first = _make_train_loader(lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
+    child = first.process
     second = _make_train_loader(lambda d: Stream(d), CPU)  # the warm-up reset
-    assert not first.thread.is_alive()
-    want = direct(5)
-    for w in want:  # the new loader starts from the beginning
-        assert all(torch.equal(g, x) for g, x in zip(second.next_batch(*ARGS), w))
-    assert workers() == [second.thread]
+    assert not child.is_alive() and child.exitcode == -signal.SIGKILL
+    for w in direct(5):  # the new loader starts from the beginning
+        assert same(second.next_batch(*ARGS), w)
+    assert producers() == [second.process]
 
 
-def test_a_worker_error_reaches_the_caller_at_its_batch_with_its_traceback():
+def test_a_producer_error_reaches_the_caller_at_its_batch_with_its_traceback():
     want = direct(3)
     loader = _make_train_loader(lambda d: Stream(d, fail_at=4), CPU, queue_depth=3)
+    child = None
     for w in want:
-        assert all(torch.equal(g, x) for g, x in zip(loader.next_batch(*ARGS), w))
+        assert same(loader.next_batch(*ARGS), w)
+        child = child or loader.process
     with pytest.raises(ValueError, match="shard broken at call 4") as raised:
         loader.next_batch(*ARGS)
-    frames = [frame.name for frame in traceback.extract_tb(raised.value.__traceback__)]
-    assert "_run" in frames and frames[-1] == "next_batch"  # raised inside the worker, in the loader
-    assert not loader.thread.is_alive()
+    # The child's traceback travels as the cause: raised in _produce, inside the loader.
+    remote = str(raised.value.__cause__)
+    assert "in _produce" in remote and remote.strip('\n"').splitlines()[-1] == "ValueError: shard broken at call 4"
+    assert "in next_batch" in remote.split("in _produce", 1)[1]
+    assert not child.is_alive()
     with pytest.raises(RuntimeError, match="shutdown"):
+        loader.next_batch(*ARGS)
+
+
+def test_a_producer_that_dies_is_an_error_with_its_exit_code():
+    loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=2)
+    loader.next_batch(*ARGS)
+    assert loader.loader.called[4].wait(WAIT_S)  # slots full, one batch pinned
+    os.kill(loader.process.pid, signal.SIGKILL)  # as the OOM killer would
+    with pytest.raises(RuntimeError, match=f"producer exit code {-signal.SIGKILL}"):
+        for _ in range(4):  # the batches already handed over come first
+            loader.next_batch(*ARGS)
+
+
+def test_a_batch_of_another_shape_is_refused_at_that_batch():
+    want = direct(2)
+    loader = _make_train_loader(lambda d: Stream(d, reshape_at=3), CPU)
+    for w in want:
+        assert same(loader.next_batch(*ARGS), w)
+    with pytest.raises(RuntimeError, match="batch shape changed"):
         loader.next_batch(*ARGS)
 
 
 def test_other_arguments_or_a_call_after_shutdown_raise():
     want = direct(2)
     loader = _make_train_loader(lambda d: Stream(d), CPU)
-    assert all(torch.equal(g, x) for g, x in zip(loader.next_batch(*ARGS), want[0]))
+    assert same(loader.next_batch(*ARGS), want[0])
     with pytest.raises(RuntimeError, match=r"next_batch\(48, 8\) after next_batch\(96, 8\)"):
         loader.next_batch(48, 8)
-    assert all(torch.equal(g, x) for g, x in zip(loader.next_batch(*ARGS), want[1]))
+    assert same(loader.next_batch(*ARGS), want[1])
+    child = loader.process
     loader.shutdown()
-    assert not loader.thread.is_alive()
+    assert not child.is_alive()
     with pytest.raises(RuntimeError):
         loader.next_batch(*ARGS)
+    never_started = _make_train_loader(lambda d: Stream(d), CPU, slot="other")
+    never_started.shutdown()
+    with pytest.raises(RuntimeError):
+        never_started.next_batch(*ARGS)
 
 
-@pytest.mark.parametrize("host_copy", [True, False])
-def test_host_copy_protects_batches_from_a_loader_that_reuses_its_buffer(host_copy):
-    want = direct(6)
-    loader = _make_train_loader(lambda d: Stream(d, reuse=True), CPU, queue_depth=3, host_copy=host_copy)
-    got = [loader.next_batch(*ARGS) for _ in range(6)]
-    exact = [all(torch.equal(g, x) for g, x in zip(b, w)) for b, w in zip(got, want)]
-    # Without the copy, queued batches view the one buffer the loader keeps rewriting.
-    assert all(exact) if host_copy else not all(exact)
+def test_batches_kept_by_the_caller_do_not_change_when_slots_are_reused():
+    # A loader that rewrites one buffer, and a caller that keeps every batch: each
+    # batch is copied out of its slot before the slot goes back to the child.
+    want = direct(12)
+    loader = _make_train_loader(lambda d: Stream(d, reuse=True), CPU, queue_depth=2)
+    kept = [loader.next_batch(*ARGS) for _ in range(12)]
+    assert all(same(k, w) for k, w in zip(kept, want))
 
 
-def test_shutdown_wakes_a_worker_waiting_for_room():
-    loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=1)
-    loader.next_batch(*ARGS)
-    assert loader.loader.called[3].wait(WAIT_S)  # one queued, one built: the worker waits for room
-    loader.shutdown()
-    assert not loader.thread.is_alive()
-
-
-def test_a_script_exits_promptly_with_a_worker_waiting_and_on_ctrl_c(tmp_path):
+def test_a_script_exits_promptly_with_a_producer_waiting_and_on_ctrl_c(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, threading
+        import sys
         sys.path.insert(0, {str(REPO)!r})
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch
@@ -170,16 +199,23 @@ def test_a_script_exits_promptly_with_a_worker_waiting_and_on_ctrl_c(tmp_path):
         from test_prefetch_lean import Stream
         loader = _make_train_loader(lambda d: Stream(d), torch.device("cpu"), queue_depth=2)
         loader.next_batch(96, 8)
-        assert loader.loader.called[4].wait(5)
+        assert loader.loader.called[4].wait(10)
+        print(loader.process.pid, flush=True)
         if sys.argv[1] == "interrupt":
             raise KeyboardInterrupt
         print("done")
     """))
-    done = subprocess.run([sys.executable, str(script), "exit"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
-    interrupted = subprocess.run([sys.executable, str(script), "interrupt"], capture_output=True, text=True, timeout=60)
-    # CPython ends an uncaught KeyboardInterrupt by re-raising SIGINT; no abort from a worker inside torch.
-    assert interrupted.returncode == -signal.SIGINT and "KeyboardInterrupt" in interrupted.stderr and "Fatal" not in interrupted.stderr
+    for mode in ("exit", "interrupt"):
+        run = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
+        child = int(run.stdout.split()[0])
+        with pytest.raises(ProcessLookupError):  # no producer left behind
+            os.kill(child, 0)
+        assert "Traceback" not in run.stderr.replace("KeyboardInterrupt", "") or mode == "interrupt", run.stderr[-2000:]
+        if mode == "exit":
+            assert run.returncode == 0 and run.stdout.split()[1] == "done", run.stderr[-2000:]
+        else:
+            # CPython ends an uncaught KeyboardInterrupt by re-raising SIGINT.
+            assert run.returncode == -signal.SIGINT and "KeyboardInterrupt" in run.stderr and "Fatal" not in run.stderr
 
 
 def _cut_runtime(passed: set[str]) -> dict:
@@ -191,25 +227,31 @@ def _cut_runtime(passed: set[str]) -> dict:
     return namespace
 
 
-@pytest.mark.parametrize("options", [{}, {"host_copy": False}], ids=["default", "host-copy-off"])
-def test_the_cut_copy_hands_out_the_loaders_batches(options):
-    runtime = _cut_runtime(set(options))
+def test_the_cut_copy_hands_out_the_loaders_batches():
+    runtime = _cut_runtime(set())
     want = direct(12)
-    first = runtime["_make_train_loader"](lambda d: Stream(d), CPU, queue_depth=2, **options)
+    first = runtime["_make_train_loader"](lambda d: Stream(d), CPU, queue_depth=2)
     first.next_batch(*ARGS)
-    loader = runtime["_make_train_loader"](lambda d: Stream(d), CPU, queue_depth=2, **options)
-    assert not first.thread.is_alive()
+    child = first.process
+    loader = runtime["_make_train_loader"](lambda d: Stream(d), CPU, queue_depth=2)
+    assert not child.is_alive()
     for w in want:
-        assert all(torch.equal(g, x) for g, x in zip(loader.next_batch(*ARGS), w))
+        assert same(loader.next_batch(*ARGS), w)
+    # The error path too: every name it needs (multiprocessing.pool) is imported in the cut copy.
+    failing = runtime["_make_train_loader"](lambda d: Stream(d, fail_at=2), CPU, slot="other")
+    failing.next_batch(*ARGS)
+    with pytest.raises(ValueError, match="shard broken at call 2") as raised:
+        failing.next_batch(*ARGS)
+    assert "in _produce" in str(raised.value.__cause__)
     loader.shutdown()
-    assert not workers()
+    failing.shutdown()
+    assert not producers()
 
 
 def test_the_cut_copy_has_only_what_a_default_script_uses():
     facts = render.cut_facts(["prefetch_lean"], set())
     code = cst.Module(body=render.runtime_block(["prefetch_lean"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
-    for gone in ("assembly", "host_copy", '"""', "# ", "_CUT_OPTIONS"):
+    for gone in ('"""', "# ", "_stage", "_h2d_timers"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
-    assert "class _PrefetchLoader" in code and "_h2d" in code
-    assert len(code.encode()) < 3400, len(code.encode())  # bytes a raw-counted script pays (3,248 today)
-    assert prefetch_lean._CUT_OPTIONS == {"host_copy": True, "assembly": None}
+    assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
+    assert len(code.encode()) < 4600, len(code.encode())  # bytes a raw-counted script pays (4,492 today)

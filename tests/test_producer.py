@@ -536,17 +536,18 @@ def test_patch_uses_the_numpy_assembly_only_when_recognised():
     assert "numpy assembly not used" in note.reason and "own next_batch" in note.reason and f"at line {line}" in note.reason
 
 
-def test_default_patch_has_numpy_assembly_but_no_producer_toggles():
-    # Every byte counts against the artifact cap: the tuning toggles, and the ordered
-    # hand-off only several workers need, come with --producer-toggles only.
+def test_default_patch_runs_the_loader_in_a_child_without_producer_toggles():
+    # Every byte counts against the artifact cap: the numpy assembly, the tuning toggles
+    # and the ordered hand-off come with --producer-toggles only. A default patch gets
+    # the lean runtime, whose forked child runs the script's own next_batch.
     result = patch_source(FIXTURE.read_text())
     sites = [line for line in result.source.splitlines() if "_make_train_loader(lambda" in line]
-    assert len(sites) == 2 and all("host_copy=False,assembly='_get_shard_memmap')" in line for line in sites)
-    # every call site passes assembly=: the worker's own-next_batch branch and _stage are cut
-    for absent in ("train_prefetch_workers", "train_prefetch_numpy", "TRAIN_PREFETCH_WORKERS", "class _OrderedHandoff", "_ORDERED_WORKER", "workers=", "self._workers", "def _stage(", "self.assembly is not None"):
-        assert absent not in result.source
+    assert len(sites) == 2 and all(line.endswith("copy_stream=Hyperparameters.train_copy_stream)") for line in sites)
+    assert "def _produce(" in result.source
+    for absent in ("train_prefetch_workers", "train_prefetch_numpy", "TRAIN_PREFETCH_WORKERS", "class _OrderedHandoff", "_ORDERED_WORKER", "workers=", "self._workers", "def _stage(", "assembly", "_shuffled_plan", "host_copy"):
+        assert absent not in result.source, absent
     note = next(n for n in result.notes if n.feature == "train_prefetch")
-    assert "gathered in numpy" in note.reason and "TRAIN_PREFETCH" not in note.reason
+    assert "forked child process" in note.reason and "TRAIN_PREFETCH" not in note.reason
 
 
 def test_other_loader_families_get_no_worker_toggle():

@@ -143,10 +143,13 @@ def test_seq_len_curriculum_is_prefetched_with_reshape_arg():
     assert "reshape_arg=1" in result.source
 
 
+# host_copy is an option of the full runtime (the lean one always copies out of its
+# shared-memory slots): the scripts below read a loader attribute, which needs it.
 def test_loader_without_array_writes_skips_the_host_copy():
     body = """
     train_loader = DistributedTokenLoader("x", 0, 1, device)
     x, y = train_loader.next_batch(512, 64, 1)
+    print(train_loader.rank)
     """
     result, notes = notes_for(script(body), "train_prefetch")
     assert notes[0].applied and "host_copy=False" in result.source
@@ -178,6 +181,7 @@ def test_writes_into_a_list_attribute_are_not_array_writes():
     body = """
     train_loader = DistributedTokenLoader("x", 0, 1, device)
     x, y = train_loader.next_batch(512, 64, 1)
+    print(train_loader.rank)
     """
     result, notes = notes_for(script(body, loader), "train_prefetch")
     assert notes[0].applied and "host_copy=False" in result.source

@@ -37,25 +37,26 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
-# Anchored where next_batch (templates/prefetch_lean.py) takes a batch from the queue.
-_TAKEN = "        batch = self.ready.get()\n"
+# Anchored where next_batch (templates/prefetch_lean.py) takes a batch from the queue
+# (every batch after the first, which the training process builds itself).
+_TAKEN = "            batch = self.ready.get()\n"
 SWAP_TWO = (
     _TAKEN,
-    "        batch = self.ready.get()\n"
-    "        self.taken = getattr(self, 'taken', 0) + 1\n"
-    "        if self.taken == 4:\n"
-    "            self.held, batch = batch, self.ready.get()\n"
-    "            self.room.put(None)\n"
-    "        elif self.taken == 5:\n"
-    "            batch = self.held\n",
+    "            batch = self.ready.get()\n"
+    "            self.taken = getattr(self, 'taken', 0) + 1\n"
+    "            if self.taken == 3:\n"
+    "                self.room.put(None)\n"
+    "                self.held, batch = batch, self.ready.get()\n"
+    "            elif self.taken == 4:\n"
+    "                batch = self.held\n",
 )
 DROP_ONE = (
     _TAKEN,
-    "        batch = self.ready.get()\n"
-    "        self.taken = getattr(self, 'taken', 0) + 1\n"
-    "        if self.taken == 6:\n"
-    "            self.room.put(None)\n"
-    "            batch = self.ready.get()\n",
+    "            batch = self.ready.get()\n"
+    "            self.taken = getattr(self, 'taken', 0) + 1\n"
+    "            if self.taken == 5:\n"
+    "                self.room.put(None)\n"
+    "                batch = self.ready.get()\n",
 )
 IGNORE_CHANGED_ARG = (
     "item = _each_tensor(item, lambda t, n=args[self._reshape_arg]: t.reshape(-1, n))",

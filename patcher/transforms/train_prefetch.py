@@ -1,12 +1,13 @@
-"""Transform `train_prefetch`: build training batches ahead on a background thread.
+"""Transform `train_prefetch`: build training batches ahead, off the training thread.
 
 Every construction of the training loader, `train_loader = Loader(..., device)`,
 becomes `train_loader = _make_train_loader(lambda loader_device: Loader(...,
 loader_device), device, prefetch=…, queue_depth=…, copy_stream=…)`; the runtime is
 `templates/prefetch_lean.py` where every call passes run constants and the script
-uses the variable for nothing but `.next_batch`, else `templates/prefetch_loader.py`
-(replay, rollback, reshape at hand-out, settling on attribute reads, several workers).
-The loader class itself is not touched.
+uses the variable for nothing but `.next_batch` (a forked child process runs the
+loader, so it costs the training loop no GIL time), else `templates/prefetch_loader.py`
+(a thread; replay, rollback, reshape at hand-out, settling on attribute reads,
+several workers). The loader class itself is not touched.
 
 A data generator (`train_loader = gen(...)`, advanced with `next(train_loader)`)
 becomes `_prefetch_iterator(lambda: gen(...), ...)` (`templates/prefetch_iterator.py`),
@@ -20,21 +21,22 @@ run, for a loader that changes arrays in place (its state cannot be snapshot che
 A changing argument the loader only reshapes with (`seq_len` in the TokenStream
 family) is applied at hand-out; any other changing argument gets `rollback=True`:
 the worker snapshots the loader before each batch and a change restores it.
-A loader that never writes into an array it keeps gets `host_copy=False`: on a host
-device its batches are handed out as built, without a defensive copy.
+On the full runtime, a loader that never writes into an array it keeps gets
+`host_copy=False`: on a host device its batches are handed out as built, without a
+defensive copy.
 A script that uses the loader variable for more than `.next_batch(...)` (reads an
 attribute, passes it to a function whose parameter has another name) gets
 `attrs=True`: such reads settle the loader where the caller is. Others get no settling
 code at all (patcher/render/cut.py cuts what no call site asks for).
 
-The ShuffledSequenceLoader family, when its `next_batch` is exactly the known shape
-(`patcher/survey/assembly.py`), gets `assembly="<its shard getter>"`: the batch is planned
-(the RNG draws, in order) and gathered in numpy (`templates/shuffled_assembly.py`).
-Otherwise the worker calls the script's own `next_batch`, and the note says why. With
-`producer_toggles` (`--producer-toggles`, and `bench`), the family also gets the
-tuning toggles `TRAIN_PREFETCH_WORKERS` (several threads, batches handed out in order)
-and `TRAIN_PREFETCH_NUMPY` (numpy assembly on or off); a default patch leaves them out,
-since every byte counts against the artifact cap.
+With `producer_toggles` (`--producer-toggles`, and `bench`), the ShuffledSequenceLoader
+family runs on the full runtime with the tuning toggles `TRAIN_PREFETCH_WORKERS`
+(several threads, batches handed out in order) and, when its `next_batch` is exactly
+the known shape (`patcher/survey/assembly.py`), `TRAIN_PREFETCH_NUMPY`: the batch is
+planned (the RNG draws, in order) and gathered in numpy
+(`templates/shuffled_assembly.py`). A default patch leaves them out: the lean
+runtime's child process runs the script's own `next_batch` at no GIL cost to the
+training loop, and every byte counts against the artifact cap.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         lines = ", ".join(str(i.line) for i in group)
         notes.append(Note(FEATURE, True, f"`{target}` (generator {group[0].function}) built at line {lines} runs ahead on a background thread", group[0].line))
         ctx.need("prefetch_iterator")
+    # First pass: what each loader variable needs, so that the runtime (lean or full)
+    # is known before its call sites are written; the lean one takes fewer options.
+    wrapped = []
     for target in sorted({c.target for c in sites}):
         group = [c for c in sites if c.target == target]
         cls = survey.loader_classes[group[0].class_name]
@@ -88,14 +93,19 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         if reason is not None:
             notes.append(Note(FEATURE, False, reason, line))
             continue
-        recognition = _assembly(cls, ctx)
+        # The numpy assembly and the producer toggles (ShuffledSequenceLoader family)
+        # come with the producer toggles only, on the full runtime.
+        recognition = _assembly(cls, ctx) if ctx.producer_toggles else None
         attrs = _read_beyond_next_batch(survey.module, target)
-        # The producer toggles (ShuffledSequenceLoader family) run on the full runtime.
-        needs_full = needs_full or reshape_arg is not None or bool(rollback) or attrs or (ctx.producer_toggles and recognition is not None)
+        needs_full = needs_full or reshape_arg is not None or bool(rollback) or attrs or recognition is not None
+        wrapped.append((target, group, cls, reshape_arg, rollback, recognition, attrs))
+    # `prefetch_iterator` needs the full loader runtime, whose names the lean one shares.
+    full = needs_full or "prefetch_iterator" in ctx.templates
+    for target, group, cls, reshape_arg, rollback, recognition, attrs in wrapped:
         for site in group:
-            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition, attrs)
+            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition, attrs, full)
         lines = ", ".join(str(c.line) for c in group)
-        extra = _assembly_note(cls, recognition, ctx)
+        extra = _assembly_note(cls, recognition, ctx) if full else "; a forked child process builds the batches"
         direct = _direct_uses(survey, group)
         if direct:
             extra += f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
@@ -103,8 +113,6 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             extra += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
         notes.append(Note(FEATURE, True, f"`{target}` built at line {lines} prefetches{extra}", group[0].line))
     if replacements:
-        # `prefetch_iterator` needs the full loader runtime, whose names the lean one shares.
-        full = needs_full or "prefetch_iterator" in ctx.templates
         ctx.need("prefetch_loader" if full else "prefetch_lean")
         module = replace_nodes(module, replacements, ctx)
     return module, notes
@@ -224,7 +232,7 @@ def _assembly_note(cls, recognition: Recognition | None, ctx: Context) -> str:
     return f"{workers}; numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
 
 
-def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None, attrs: bool = False) -> cst.Call:
+def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None, attrs: bool = False, full: bool = True) -> cst.Call:
     cls = ctx.survey.loader_classes[site.class_name]
     index = _device_arg(site.call, cls)
     device_expr = module.code_for_node(site.call.args[index].value)
@@ -243,7 +251,7 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         parts.append(f"reshape_arg={reshape_arg}")
     if rollback:
         parts.append("rollback=True")
-    if cls.writes_arrays is None:
+    if cls.writes_arrays is None and full:  # the lean runtime always copies out of its slots
         parts.append("host_copy=False")
     if site.target != "train_loader":
         parts.append(f"slot={site.target!r}")

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="patch-prefetch",
         description=(
             "Rewrite a parameter-golf / modded-nanogpt train_gpt.py so that training batches are "
-            "built ahead on a background thread (pinned memory), copied H2D on a dedicated CUDA "
+            "built ahead in a forked producer process or a background thread (pinned memory), copied H2D on a dedicated CUDA "
             "stream, switchable at run time (TRAIN_PREFETCH, TRAIN_PREFETCH_QUEUE, TRAIN_COPY_STREAM), "
             "with a fusion-friendly MLP square. The data fed to the model stays bit-identical. "
             f"Default features: {', '.join(DEFAULT_FEATURES)}; the diagnostics ({', '.join(DIAGNOSTICS)}) "

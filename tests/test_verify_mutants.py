@@ -183,16 +183,14 @@ class WorkerDropsABatch(_InInjected):
 
 
 class HandOutTheSlot(_InInjected):
-    """The lean runtime hands out its shared-memory slot instead of a copy of it
-    (`t.clone()` -> `t`): the child then rewrites a batch the caller still holds."""
-
-    def leave_Call(self, original, updated):
-        return updated
+    """The lean runtime hands out its shared-memory slot instead of a (pinned) copy of
+    it (`t.pin_memory() if pin else t.clone()` -> `t`): the child then rewrites a batch
+    the caller still holds."""
 
     def leave_IfExp(self, original, updated):
         if self.inside("_pin") and m.matches(updated.orelse, m.Call(func=m.Attribute(attr=m.Name("clone")))):
             self.edits += 1
-            return updated.with_changes(orelse=updated.orelse.func.value)
+            return updated.orelse.func.value
         return updated
 
 

@@ -436,7 +436,8 @@ def swapped(read, write, value):
 
 @contextlib.contextmanager
 def host_only_pinning(notes: list[str]):
-    """Without CUDA, pinning raises; make `pin_memory()` the identity and drop `pin_memory=True` (values are the same)."""
+    """Without CUDA, pinning raises; make `pin_memory()` a plain copy (as it is for an
+    unpinned tensor: never a view of its input) and drop `pin_memory=True` (values are the same)."""
     if torch.cuda.is_available():
         yield
         return
@@ -450,7 +451,7 @@ def host_only_pinning(notes: list[str]):
 
         return make
 
-    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self.clone()
     for name, factory in originals.items():
         setattr(torch, name, unpinned(factory))
     try:

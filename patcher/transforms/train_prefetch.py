@@ -297,7 +297,7 @@ def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
 
 
 TOGGLES = (
-    Toggle("TRAIN_PREFETCH", 1, "build training batches ahead on a background thread", slot=0),
+    Toggle("TRAIN_PREFETCH", 1, "build training batches ahead in a forked child process (or a thread)", slot=0),
     Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", slot=1),
     Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", slot=9),
     Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", slot=10),

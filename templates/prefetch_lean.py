@@ -15,42 +15,48 @@ becomes
 
 The script's loader is built with `device=cpu`. The first `next_batch` runs it in the
 training process, as the original does; then a child process, forked with the loader
-in that state, keeps calling its `next_batch` with the same arguments and writes each
-batch into one of `queue_depth` shared-memory slots. In the training process a thin
-thread copies each filled slot into fresh pinned memory (when the batch goes to CUDA)
-and hands the slot back; `next_batch` takes the batches in order and does the H2D copy
-(`_h2d`: on the copy stream when enabled). Only the child advances the loader, with
-exactly the calls the original makes, so the batches are bit-identical.
+in that state, keeps calling its `next_batch` with the same arguments and writes batch
+n into shared-memory slot `n % queue_depth`. Two semaphores count the filled slots and
+the free ones. `next_batch` takes the next filled slot, copies it into fresh memory
+(pinned when the batch goes to CUDA), frees the slot and does the H2D copy (`_h2d`: on
+the copy stream when enabled). Only the child advances the loader, with exactly the
+calls the original makes, so the batches are bit-identical.
 
-Why a process: a host-bound training loop launches thousands of kernels a step, each
-a torch call that releases and re-takes the GIL. A producer thread running the
-loader's Python between them delays every launch, so the loop's wait falls while its
-step grows (bench `--main-thread op-bound`: a thread running the loader recovered
-25-45 % of the original's data time as a shorter step). The child holds no GIL of
-the training process; the pinning thread holds it for a few microseconds a batch (its
-copies run in torch with the GIL released). This is the design of PyTorch's
-DataLoader (forked workers into shared memory, a pin-memory thread), for a loader
-whose order must not change.
+Why a process, and why no thread in the training process: a host-bound training loop
+launches thousands of kernels a step, each a torch call that releases and re-takes
+the GIL. A producer thread running the loader's Python between them delays every
+launch, so the loop's wait falls while its step grows (bench `--main-thread op-bound`:
+a thread running the loader recovered 25-45 % of the original's data time as a
+shorter step; a thread that only pinned the child's batches still slowed the op loop
+by 2-4 %). The child holds no GIL of the training process. The hand-out costs one
+semaphore operation each way (an atomic operation, no system call while the batch is
+ready and the child is not asleep on it) and one copy of the batch. The child waits
+for a free slot by polling every 0.5 ms rather than sleeping on the semaphore: a
+sleeping waiter would make every hand-out a system call to wake it, and the child is
+`queue_depth` batches ahead, so the delay costs nothing. The semaphores order the
+memory too: a slot is read only after the child filled it and rewritten only after
+the copy. This is the design of PyTorch's DataLoader (forked workers into shared
+memory), for a loader whose order must not change.
 
-Contracts: at most `queue_depth + 1` batches are built ahead (`queue_depth` in the
-slots, one pinned); the child waits for a free slot before it builds; a child's exception is re-raised in the caller at
-the batch where it happened, with the child's traceback as its cause; a child that
-dies (killed, out of memory) raises RuntimeError with its exit code; building the
-loader again for the same variable (the warm-up reset) kills the previous child
-first; children are daemons, terminated at exit. Arguments that differ from the
-first call's, a batch whose tensor shapes differ from the first batch's,
-or a `next_batch` after `shutdown()` raise RuntimeError: they cannot happen where
-this runtime is injected, and would otherwise hand out wrong batches. The child
-never touches CUDA (the loader is built on the CPU) and runs torch on one thread
-(a forked OpenMP team would hang). Needs the `fork` start method (Linux).
+Contracts: at most `queue_depth` batches are built ahead (in the slots); a child's
+exception is re-raised in the caller at the batch where it happened, with the child's
+traceback as its cause; a child that dies (killed, out of memory) raises RuntimeError
+with its exit code; building the loader again for the same variable (the warm-up
+reset) kills the previous child first; children are daemons, terminated at exit, and
+leave by themselves when the training process is gone. Arguments that differ from the
+first call's, a batch whose tensor shapes differ from the first batch's, or a
+`next_batch` after `shutdown()` raise RuntimeError: they cannot happen where this
+runtime is injected, and would otherwise hand out wrong batches. The child never
+touches CUDA (the loader is built on the CPU) and runs torch on one thread (a forked
+OpenMP team would hang). Needs the `fork` start method (Linux).
 Scripts with per-step arguments, attribute reads or the producer tuning toggles get
 `templates/prefetch_loader.py` instead.
 """
 
 import itertools
 import multiprocessing.pool
-import queue
-import threading
+import os
+import time
 
 import torch
 
@@ -81,18 +87,20 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     return loader
 
 
-def _produce(loader, args, slots, conn):
+def _produce(loader, args, slots, filled, free, conn, parent):
     """The child process: `loader.next_batch(*args)` into `slots` in turn, forever.
 
-    Sends the index of each filled slot on `conn`; before reusing a slot, waits for one
-    message on `conn` (a slot handed back, in order). An exception is sent instead,
-    with its traceback, and ends the child.
+    Takes a free slot (`free`), fills it, counts it filled (`filled`). An exception is
+    sent on `conn` instead, with its traceback, and ends the child; so does the
+    training process's exit (the child's parent is no longer `parent`).
     """
     torch.set_num_threads(1)  # the parent's OpenMP team does not exist in a forked child
     try:
         for n in itertools.count():
-            if n >= len(slots):
-                conn.recv()
+            while not free.acquire(False):
+                if os.getppid() != parent:
+                    return
+                time.sleep(0.0005)
             built, slot = [], []
             _each_tensor(loader.next_batch(*args), built.append)
             _each_tensor(slots[n % len(slots)], slot.append)
@@ -100,7 +108,7 @@ def _produce(loader, args, slots, conn):
                 if into.shape != tensor.shape:
                     raise RuntimeError("prefetch: batch shape changed; set TRAIN_PREFETCH=0")
                 into.copy_(tensor)
-            conn.send(n % len(slots))
+            filled.release()
     except BaseException as error:  # re-raised in the training process
         conn.send(multiprocessing.pool.ExceptionWithTraceback(error, error.__traceback__))
 
@@ -117,52 +125,40 @@ class _PrefetchLoader:
 
     def __init__(self, loader, device, queue_depth=2, copy_stream=True):
         self.loader, self.device, self.copy_stream, self.args, self.process = loader, device, copy_stream, None, None
-        self.depth, self.ready, self.room = max(1, int(queue_depth)), queue.SimpleQueue(), queue.SimpleQueue()
-        self.room.put(None)  # one pinned batch waits; the slots hold the rest
+        self.depth, self.taken = max(1, int(queue_depth)), 0
 
     def next_batch(self, *args):
         if self.args is None and self.process is None:
             self.args = args
             batch = self.loader.next_batch(*args)  # the first batch here; the child goes on from this state
             self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
-            self.conn, child_conn = multiprocessing.Pipe()
-            self.process = multiprocessing.get_context("fork").Process(target=_produce, args=(self.loader, args, self.slots, child_conn), daemon=True)
+            fork = multiprocessing.get_context("fork")
+            self.filled, self.free = fork.Semaphore(0), fork.Semaphore(self.depth)
+            self.conn, child_conn = fork.Pipe(False)
+            self.process = fork.Process(target=_produce, args=(self.loader, args, self.slots, self.filled, self.free, child_conn, os.getpid()), daemon=True)
             self.process.start()
-            child_conn.close()  # so that the child's death reads as EOF here
-            self.thread = threading.Thread(target=self._pin, daemon=True)
-            self.thread.start()
+            child_conn.close()  # so that only the child holds the sending end
         elif args != self.args or not self.process:
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
         else:
-            batch = self.ready.get()
-            self.room.put(None)
-            if isinstance(batch, BaseException):
-                self.shutdown()
-                raise batch
+            while not self.filled.acquire(timeout=0.1):
+                code = self.process.exitcode  # before the poll: a child that is gone has sent all it will
+                try:
+                    error = self.conn.poll() and self.conn.recv()
+                except EOFError:  # gone without a word
+                    error = None
+                if error or code is not None:
+                    self.shutdown()
+                    raise error or RuntimeError(f"prefetch: producer exit code {code}")
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            batch = _each_tensor(self.slots[self.taken % self.depth], lambda t: t.pin_memory() if pin else t.clone())
+            self.taken += 1
+            self.free.release()
         return batch if self.device.type == "cpu" else _each_tensor(batch, lambda t: _h2d(t, self.device, self.copy_stream))
 
-    def _pin(self):
-        """Thread: each filled slot copied out (pinned for CUDA), queued, the slot handed back."""
-        process, pin = self.process, self.device.type == "cuda" and torch.cuda.is_available()
-        try:
-            while True:
-                index = self.conn.recv()
-                if isinstance(index, BaseException):
-                    raise index
-                self.room.get()
-                self.ready.put(_each_tensor(self.slots[index], lambda t: t.pin_memory() if pin else t.clone()))
-                self.conn.send(None)
-        except BaseException as error:  # handed to the caller, which re-raises it
-            if isinstance(error, (EOFError, OSError)):  # the child is gone
-                process.join(1)
-                error = RuntimeError(f"prefetch: producer exit code {process.exitcode}")
-            self.ready.put(error)
-
     def shutdown(self):
-        """Kill the child process, then wait for the pinning thread, which ends on its EOF."""
+        """Kill the child process and wait for it."""
         process, self.process = self.process, False
         if process:
             process.kill()
             process.join()
-            self.room.put(None)  # wakes a pinning thread waiting for room
-            self.thread.join()

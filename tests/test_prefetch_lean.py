@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import libcst as cst
@@ -75,12 +77,19 @@ def same(got, want) -> bool:
     return len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+# Children alive before the current test began (another test file in this worker may
+# have left one behind); the tests here look only at the children they started.
+_EARLIER: set = set()
+
+
 def producers():
-    return multiprocessing.active_children()
+    return [p for p in multiprocessing.active_children() if p.pid not in _EARLIER]
 
 
 @pytest.fixture(autouse=True)
 def no_live_prefetchers():
+    _EARLIER.clear()
+    _EARLIER.update(p.pid for p in multiprocessing.active_children())
     yield
     for loader in list(_live_prefetchers.values()):
         loader.shutdown()
@@ -97,15 +106,26 @@ def test_batches_are_the_loaders_in_order_across_wraparound(depth):
     assert producers() == [loader.process]
 
 
-def test_the_producer_runs_at_most_depth_plus_one_batches_ahead():
-    depth = 2
+@pytest.mark.parametrize("depth", [1, 3])
+def test_the_producer_runs_at_most_depth_batches_ahead(depth):
     loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=depth)
     inner = loader.loader
     loader.next_batch(*ARGS)  # call 1, in this process; the child goes on from call 2
-    assert inner.called[1 + depth + 1].wait(WAIT_S)  # depth slots filled, one batch pinned
-    assert not inner.called[1 + depth + 2].wait(0.3), "the producer ran past its slots"
-    loader.next_batch(*ARGS)
-    assert inner.called[1 + depth + 2].wait(WAIT_S)
+    assert inner.called[1 + depth].wait(WAIT_S)  # the depth slots filled
+    assert not inner.called[1 + depth + 1].wait(0.3), "the producer ran past its slots"
+    loader.next_batch(*ARGS)  # frees one slot
+    assert inner.called[1 + depth + 1].wait(WAIT_S)
+    assert not inner.called[1 + depth + 2].wait(0.3), "one slot freed, two batches built"
+
+
+def test_the_training_process_runs_no_thread_of_the_prefetcher():
+    # A thread in the training process would take the GIL between the loop's kernel
+    # launches; the hand-out is done by the caller, the building by the child.
+    before = threading.active_count()
+    loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=2)
+    for w in direct(6):
+        assert same(loader.next_batch(*ARGS), w)
+    assert threading.active_count() == before
 
 
 def test_prefetch_off_is_the_original_loader():
@@ -145,11 +165,57 @@ def test_a_producer_error_reaches_the_caller_at_its_batch_with_its_traceback():
 def test_a_producer_that_dies_is_an_error_with_its_exit_code():
     loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=2)
     loader.next_batch(*ARGS)
-    assert loader.loader.called[4].wait(WAIT_S)  # slots full, one batch pinned
+    assert loader.loader.called[3].wait(WAIT_S)  # both slots filled
     os.kill(loader.process.pid, signal.SIGKILL)  # as the OOM killer would
     with pytest.raises(RuntimeError, match=f"producer exit code {-signal.SIGKILL}"):
-        for _ in range(4):  # the batches already handed over come first
+        for _ in range(3):  # the batches already built come first
             loader.next_batch(*ARGS)
+
+
+def test_an_error_larger_than_a_pipe_buffer_reaches_the_caller():
+    # The child blocks in its send until the caller reads: the caller must look for a
+    # message while the child is still alive, not only after it exits.
+    class Huge(Stream):
+        def next_batch(self, *args):
+            if self.count.value == 2:
+                raise ValueError("x" * 300_000)
+            return super().next_batch(*args)
+
+    loader = _make_train_loader(lambda d: Huge(d), CPU, queue_depth=2)
+    loader.next_batch(*ARGS)
+    loader.next_batch(*ARGS)
+    with pytest.raises(ValueError, match="^x{300000}$"):
+        loader.next_batch(*ARGS)
+
+
+def test_the_producer_leaves_when_the_training_process_is_killed(tmp_path):
+    # SIGKILL runs no exit handler: the child notices that its parent is gone.
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(REPO)!r})
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from templates.prefetch_lean import _make_train_loader
+        from test_prefetch_lean import Stream
+        loader = _make_train_loader(lambda d: Stream(d), torch.device("cpu"), queue_depth=2)
+        loader.next_batch(96, 8)
+        assert loader.loader.called[3].wait(10)  # the child waits for a free slot
+        print(loader.process.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    child = int(run.stdout.split()[0])
+    try:
+        handle = os.pidfd_open(child)
+    except ProcessLookupError:
+        return  # already gone
+    try:
+        readable, _, _ = select.select([handle], [], [], WAIT_S)  # readable once the process has exited
+    finally:
+        os.close(handle)
+    assert readable, "the producer outlived the training process"
 
 
 def test_a_batch_of_another_shape_is_refused_at_that_batch():
@@ -199,7 +265,7 @@ def test_a_script_exits_promptly_with_a_producer_waiting_and_on_ctrl_c(tmp_path)
         from test_prefetch_lean import Stream
         loader = _make_train_loader(lambda d: Stream(d), torch.device("cpu"), queue_depth=2)
         loader.next_batch(96, 8)
-        assert loader.loader.called[4].wait(10)
+        assert loader.loader.called[3].wait(10)  # the child waits for a free slot
         print(loader.process.pid, flush=True)
         if sys.argv[1] == "interrupt":
             raise KeyboardInterrupt

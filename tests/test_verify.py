@@ -37,26 +37,29 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
-# Anchored where next_batch (templates/prefetch_lean.py) takes a batch from the queue
-# (every batch after the first, which the training process builds itself).
-_TAKEN = "            batch = self.ready.get()\n"
+# Anchored where next_batch (templates/prefetch_lean.py) has copied a batch out of a
+# filled slot (every batch after the first, which the training process builds itself).
+# Taking one more: the slot counted and freed, the next filled one waited for and copied.
+_TAKEN = "            self.taken += 1\n"
+_TAKE_ANOTHER = (
+    "self.taken += 1; self.free.release(); self.filled.acquire(); "
+    "batch = _each_tensor(self.slots[self.taken % self.depth], lambda t: t.clone())"
+)
 SWAP_TWO = (
     _TAKEN,
-    "            batch = self.ready.get()\n"
-    "            self.taken = getattr(self, 'taken', 0) + 1\n"
-    "            if self.taken == 3:\n"
-    "                self.room.put(None)\n"
-    "                self.held, batch = batch, self.ready.get()\n"
-    "            elif self.taken == 4:\n"
-    "                batch = self.held\n",
+    "            self.k = getattr(self, 'k', 0) + 1\n"
+    "            if self.k == 3:\n"
+    f"                held = batch; {_TAKE_ANOTHER}; self.held = held\n"
+    "            elif self.k == 4:\n"
+    "                batch = self.held\n"
+    + _TAKEN,
 )
 DROP_ONE = (
     _TAKEN,
-    "            batch = self.ready.get()\n"
-    "            self.taken = getattr(self, 'taken', 0) + 1\n"
-    "            if self.taken == 5:\n"
-    "                self.room.put(None)\n"
-    "                batch = self.ready.get()\n",
+    "            self.k = getattr(self, 'k', 0) + 1\n"
+    "            if self.k == 5:\n"
+    f"                {_TAKE_ANOTHER}\n"
+    + _TAKEN,
 )
 IGNORE_CHANGED_ARG = (
     "item = _each_tensor(item, lambda t, n=args[self._reshape_arg]: t.reshape(-1, n))",

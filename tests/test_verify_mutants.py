@@ -116,8 +116,10 @@ def _split_after(line: cst.SimpleStatementLine, index: int, inserted: list[cst.B
     return cst.FlattenSentinel([head, *inserted, *tail])
 
 
-# A batch taken from the hand-off: `batch = self.ready.get()`, `item = worker.queue.get(...)`, `item = _next_built(worker)`.
-TAKE = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name("_next_built")))
+# A batch taken from the hand-off: `batch = _each_tensor(self.slots[...], ...)` (the lean
+# runtime's copy out of a filled slot), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
+SLOT_COPY = m.Call(func=m.Name("_each_tensor"), args=[m.Arg(m.Subscript(value=m.Attribute(attr=m.Name("slots")))), m.ZeroOrMore()])
+TAKE = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name("_next_built")) | SLOT_COPY)
 
 
 class _AfterTake(_InInjected):
@@ -133,9 +135,9 @@ class _AfterTake(_InInjected):
         return updated
 
 
-# Before a mutant takes one more batch: its free place given back, where the runtime
-# counts free places (templates/prefetch_lean.py), so that the extra take does not wait forever.
-ROOM = "if hasattr(self, 'room'): self.room.put(None)\n"
+# Before a mutant takes one more batch from the lean runtime (templates/prefetch_lean.py):
+# the slot just copied counted and freed, the next filled one waited for.
+ROOM = "if hasattr(self, 'free'): self.taken += 1; self.free.release(); self.filled.acquire()\n"
 
 
 class SkipABatch(_AfterTake):
@@ -168,8 +170,8 @@ class ReuseStagingBuffer(_InInjected):
 class WorkerDropsABatch(_InInjected):
     """The worker builds its 12th batch twice and queues only the second (one batch lost).
 
-    The 12th: the warm-up loader's worker builds up to 7 (4 taken, 2 queued, 1 in hand),
-    and a batch it built that nobody takes is no loss."""
+    The 12th: the warm-up loader's producer builds up to 7 (4 taken, 2 queued, 1 in hand;
+    the lean runtime's child up to 6), and a batch it built that nobody takes is no loss."""
 
     def leave_SimpleStatementLine(self, original, updated):
         if self.edits or not self.inside("_run", "_produce"):
@@ -188,7 +190,7 @@ class HandOutTheSlot(_InInjected):
     the caller still holds."""
 
     def leave_IfExp(self, original, updated):
-        if self.inside("_pin") and m.matches(updated.orelse, m.Call(func=m.Attribute(attr=m.Name("clone")))):
+        if self.inside("next_batch") and m.matches(updated.orelse, m.Call(func=m.Attribute(attr=m.Name("clone")))):
             self.edits += 1
             return updated.orelse.func.value
         return updated

@@ -417,15 +417,15 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
             t0 = time.perf_counter()
             kept = [loader.next_batch(*args) for _ in range(batches)]
             return len(kept) / (time.perf_counter() - t0)
-        if hasattr(loader, "ready"):  # templates/prefetch_lean.py: room for `batches`, the worker starts at the first call
-            for _ in range(batches - loader.room.qsize()):
-                loader.room.put(None)
-            wait_full = lambda timeout: _wait_queued(loader.ready, batches, timeout)
+        lean = hasattr(loader, "taken")
+        if lean:  # templates/prefetch_lean.py: `batches` slots, the child starts at the first call
+            loader.depth = batches
+            wait_full = lambda timeout: _wait_queued(loader.filled, batches, timeout)
         else:
             loader._depth = batches  # the worker starts at the first call, with this depth
         loader.next_batch(*args)  # cold start: worker start and its first batch
         t0 = time.perf_counter()
-        if not hasattr(loader, "ready"):
+        if not lean:
             loader._worker.queue.room()
             wait_full = loader._worker.queue.wait_full
         if not wait_full(timeout=60.0):
@@ -435,10 +435,10 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
         _close(loader)
 
 
-def _wait_queued(ready, count: int, timeout: float) -> bool:
-    """Poll (every ms) until the queue `ready` holds `count` items; False after `timeout` s."""
+def _wait_queued(filled, count: int, timeout: float) -> bool:
+    """Poll (every ms) until the semaphore `filled` counts `count` filled slots; False after `timeout` s."""
     deadline = time.monotonic() + timeout
-    while ready.qsize() < count:
+    while filled.get_value() < count:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.001)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import multiprocessing
 import os
 import signal
 import sys
@@ -127,7 +128,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
     script has `TRAIN_PREFETCH_WORKERS`) `workers` producer threads (default 3), both
     on the CUDA path driven with host memory (pinned staging, copy stream), and once
     more on a CPU device for rank 0. The script's own rebuild (its second
-    construction) replaces the warm-up loader; the warm-up loader's threads must be
+    construction) replaces the warm-up loader; the warm-up loader's threads and child processes must be
     gone after it. Every batch is compared when handed out and again when the next is
     taken (a staging buffer reused too early changes a batch already handed out).
 
@@ -502,11 +503,14 @@ def _copy_batch(batch):
 
 
 def _script_threads() -> set:
-    return {t for t in threading.enumerate() if t is not threading.main_thread()}
+    """The threads (but the main one) and the child processes running here: a loader's
+    worker threads and (templates/prefetch_lean.py) its forked producer. Both kinds
+    have `name`, `join(timeout)` and `is_alive()`."""
+    return {t for t in threading.enumerate() if t is not threading.main_thread()} | set(multiprocessing.active_children())
 
 
 def _still_alive(threads: set, grace_s: float) -> list:
-    """The threads of `threads` still alive after waiting up to `grace_s` seconds in all."""
+    """The threads and processes of `threads` still alive after waiting up to `grace_s` seconds in all."""
     deadline = time.monotonic() + grace_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -557,7 +561,7 @@ def _compare_patched_rank(recipe, patched_sites, module, plan: _Plan, rank: int,
                     leaked = _unexcused(_still_alive(earlier, REBUILD_GRACE_S), reference.leaked)
                     if leaked:
                         names = ", ".join(sorted({t.name for t in leaked}))
-                        return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) of the loader built before ({names}) still alive after the script rebuilt it")
+                        return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
                 held = None
                 for n in range(count):
                     if held is not None and not reference.reuses[phase]:
@@ -581,7 +585,7 @@ def _compare_patched_rank(recipe, patched_sites, module, plan: _Plan, rank: int,
                         return Difference(rank, phase, count - 1, diff[0], f"changed after it was handed out: {diff[1]}")
                 if p > 0 and rank == 0:
                     alive = _script_threads() - before_build
-                    notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads ended; {len(alive)} thread(s) of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
+                    notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended; {len(alive)} of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
         finally:
             _close(loader)
             _still_alive(_script_threads() - started_with, REBUILD_GRACE_S)

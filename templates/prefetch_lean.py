@@ -32,8 +32,9 @@ by 2-4 %). The child holds no GIL of the training process. The hand-out costs on
 semaphore operation each way (an atomic operation, no system call while the batch is
 ready and the child is not asleep on it) and one copy of the batch. The child waits
 for a free slot by polling every 0.5 ms rather than sleeping on the semaphore: a
-sleeping waiter would make every hand-out a system call to wake it, and the child is
-`queue_depth` batches ahead, so the delay costs nothing. The semaphores order the
+sleeping waiter would make every hand-out a system call to wake it (measured in bench
+op-bound mode on a ShuffledSequenceLoader record: 0.11 ms a hand-out against 0.08),
+and the child is `queue_depth` batches ahead, so the delay costs nothing. The semaphores order the
 memory too: a slot is read only after the child filled it and rewritten only after
 the copy. This is the design of PyTorch's DataLoader (forked workers into shared
 memory), for a loader whose order must not change.
@@ -79,7 +80,7 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     behaviour), else a `_PrefetchLoader`.
     """
     old = _live_prefetchers.pop(slot, None)
-    if old is not None:
+    if old:
         old.shutdown()
     if not prefetch:
         return make_loader(device)
@@ -128,7 +129,7 @@ class _PrefetchLoader:
         self.depth, self.taken = max(1, int(queue_depth)), 0
 
     def next_batch(self, *args):
-        if self.args is None and self.process is None:
+        if self.process is None:  # the first call (shutdown() leaves False)
             self.args = args
             batch = self.loader.next_batch(*args)  # the first batch here; the child goes on from this state
             self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]

@@ -593,7 +593,7 @@ def test_verify_identical_with_workers_and_numpy_toggles(tmp_path, monkeypatch, 
 def test_verify_catches_a_gather_that_shifts_y(tmp_path):
     out = write_patched(tmp_path)
     text = out.read_text()
-    broken = text.replace("out[1, picked] = windows[:, 1:]", "out[1, picked] = windows[:, :-1]", 1)
+    broken = text.replace("out[1,picked]=windows[:,1:]", "out[1,picked]=windows[:,:-1]", 1)  # the runtime in the fixture's minified style
     assert broken != text
     out.write_text(broken)
     result = verify(FIXTURE, out, batches=16, world_size=2)

@@ -6,6 +6,7 @@ import textwrap
 
 import libcst as cst
 import pytest
+import python_minifier
 
 from patcher.patch import features_from, patch_source
 from patcher.survey.survey import survey
@@ -316,6 +317,18 @@ def test_runtime_in_a_minified_script_takes_its_tabs_and_no_docstrings():
     assert "\n\tdef shutdown(self):" in result.runtime  # runtime indented with the script's tabs
     assert '"""' not in result.source.split("# patch-prefetch ", 1)[1].split("class Hyperparameters", 1)[0]  # no docstrings
     compile(result.source, "minified", "exec")
+
+
+def test_runtime_in_a_minified_script_is_written_as_pyminify_writes_it():
+    # The records count their code after `pyminify --no-rename-locals --no-hoist-literals
+    # --remove-literal-statements`: the injected code already in that form costs no
+    # counted byte that minifying would save.
+    from test_feature_env_toggles import MINIFIED
+
+    runtime = patch_source(MINIFIED).runtime
+    code = runtime.split("\n", 1)[1]  # after the header line
+    assert "def _make_train_loader(make_loader,device," in code and ", " not in code and " = " not in code
+    assert python_minifier.minify(code, rename_locals=False, hoist_literals=False, remove_literal_statements=True) == code.rstrip("\n")
 
 
 def test_patching_twice_is_a_noop():

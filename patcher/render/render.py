@@ -8,8 +8,8 @@ definitions nothing reaches), docstrings and comments are dropped (code bytes co
 toward the artifact cap; the explanations stay in `templates/` and the README), and
 the imports the kept code needs and the script lacks are emitted once, in front of
 it, after one header line naming the tool, its version and the toggles. A minified
-script gets the code `;`-joined with one-line bodies; the indentation follows the
-script's (libcst renders new blocks with the module's own indent, tabs included).
+script gets the code as python-minifier writes it (`styled`); the indentation follows
+the script's (libcst renders new blocks with the module's own indent, tabs included).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
+import python_minifier
 
 import templates
 from patcher.render.cut import PASSED, StripDocsAndComments, constant_value, fold, names_read, prune
@@ -70,10 +71,17 @@ def template_statements(name: str) -> list[cst.BaseStatement]:
 
 
 def styled(body: list[cst.BaseStatement], minified: bool) -> list[cst.BaseStatement]:
-    """Statements without docstrings or comments, in the script's style."""
+    """Statements without docstrings or comments, in the script's style.
+
+    A minified script gets them as python-minifier writes them with the flags the
+    records count their code with (`pyminify --no-rename-locals --no-hoist-literals
+    --remove-literal-statements`): names kept, no spaces around operators and commas,
+    `;`-joined lines, one-line bodies. Every byte counts against the artifact cap.
+    """
     body = [s.visit(StripDocsAndComments()) for s in body]
     if minified:
-        body = _join_runs([s.visit(_JoinSimpleLines()) for s in body])
+        code = python_minifier.minify(cst.Module(body).code, rename_locals=False, hoist_literals=False, remove_literal_statements=True)
+        body = list(cst.parse_module(code).body)
     # No blank lines inside the block: every line of it counts in the script's diff.
     return [s.with_changes(leading_lines=[]) for s in body]
 
@@ -173,29 +181,3 @@ def runtime_block(names: list[str], script_imports: set[str], minified: bool, to
     leading = [marker] if minified else [cst.EmptyLine(), marker]
     statements[0] = first.with_changes(leading_lines=leading)
     return statements
-
-
-_SEMICOLON = cst.Semicolon(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
-
-
-def _join_runs(statements: list) -> list:
-    """Merge each run of simple statement lines into one `;`-joined line."""
-    out: list = []
-    for stmt in statements:
-        previous = out[-1] if out else None
-        if isinstance(stmt, cst.SimpleStatementLine) and isinstance(previous, cst.SimpleStatementLine) and not stmt.leading_lines:
-            body = list(previous.body[:-1]) + [previous.body[-1].with_changes(semicolon=_SEMICOLON)] + list(stmt.body)
-            out[-1] = previous.with_changes(body=body, trailing_whitespace=stmt.trailing_whitespace)
-        else:
-            out.append(stmt)
-    return out
-
-
-class _JoinSimpleLines(cst.CSTTransformer):
-    """Minified style: `a=1;b=2` on one line, and a one-line body after the colon."""
-
-    def leave_IndentedBlock(self, original_node, updated_node):
-        body = _join_runs(list(updated_node.body))
-        if len(body) == 1 and isinstance(body[0], cst.SimpleStatementLine) and not body[0].leading_lines:
-            return cst.SimpleStatementSuite(body=body[0].body, leading_whitespace=cst.SimpleWhitespace(""))
-        return updated_node.with_changes(body=body)

@@ -64,6 +64,10 @@ import torch
 from templates.copy_stream import _h2d
 from templates.staging import _each_tensor
 
+# For the cut (patcher/render/cut.py): a default patch passes no queue_depth (the
+# TRAIN_PREFETCH_QUEUE toggle comes with the producer toggles), so the depth is 2.
+_CUT_OPTIONS = {"queue_depth": 2}
+
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
 

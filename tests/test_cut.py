@@ -167,6 +167,42 @@ FOLD_CASES = [
         """,
         id="passed-option-tests-against-none-fold-its-reads-parameter-and-store-stay",
     ),
+    pytest.param(
+        """\
+        class W:
+            def __init__(self, loader, queue_depth=2):
+                self.depth, self.n = max(1, int(queue_depth)), min(len(loader), 3)
+                self.limit = max(1, int("2")), max(1, 2, key=abs)
+        """,
+        {"queue_depth": 2},
+        """\
+        class W:
+            def __init__(self, loader):
+                self.depth, self.n = 2, min(len(loader), 3)
+                self.limit = max(1, int("2")), max(1, 2, key=abs)
+        """,
+        id="int-max-min-of-integer-literals-evaluated-other-calls-kept",
+    ),
+    pytest.param(
+        """\
+        class W:
+            def __init__(self, loader, queue_depth=2, copy=True):
+                self.depth = queue_depth
+
+        def make(loader, queue_depth=2):
+            return W(loader, queue_depth, False)
+        """,
+        {"queue_depth": 2},
+        """\
+        class W:
+            def __init__(self, loader, copy=True):
+                self.depth = 2
+
+        def make(loader):
+            return W(loader, False)
+        """,
+        id="positional-option-in-a-class-call-goes-with-its-init-parameter",
+    ),
 ]
 
 

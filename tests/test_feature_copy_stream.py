@@ -8,7 +8,6 @@ from test_feature_train_prefetch import HEAD
 
 TOGGLES = (
     '    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))\n'
-    '    train_prefetch_queue = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))\n'
     '    train_copy_stream = int(os.environ.get("TRAIN_COPY_STREAM", 1))\n'
 )
 MAIN = "def main(device):\n    train_loader = Loader(device)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n"
@@ -19,7 +18,7 @@ REWRITES = [
         HEAD.replace("import torch\n", "import torch\n" + RUNTIME)
         .replace('    seed = int(os.environ.get("SEED", 1337))\n', '    seed = int(os.environ.get("SEED", 1337))\n' + TOGGLES)
         .replace("return x.to(self.device, non_blocking=True)", "return _h2d(x, self.device, Hyperparameters.train_copy_stream)")
-        + "def main(device):\n    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, queue_depth=Hyperparameters.train_prefetch_queue, copy_stream=Hyperparameters.train_copy_stream)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n",
+        + "def main(device):\n    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=Hyperparameters.train_copy_stream)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n",
         id="h2d-in-the-training-loader-only",
     ),
 ]

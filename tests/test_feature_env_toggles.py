@@ -7,21 +7,20 @@ from patch_tables import RUNTIME, assert_patch
 from test_feature_train_prefetch import HEAD
 
 FEATURES = ["train_prefetch", "copy_stream", "env_toggles"]
-MAKE = "_make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch={p}, queue_depth={q}, copy_stream={c})"
-CLASS = MAKE.format(p="Hyperparameters.train_prefetch", q="Hyperparameters.train_prefetch_queue", c="Hyperparameters.train_copy_stream")
+MAKE = "_make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch={p}, copy_stream={c})"
+CLASS = MAKE.format(p="Hyperparameters.train_prefetch", c="Hyperparameters.train_copy_stream")
 PATCHED_CLASS_HEAD = (
     HEAD.replace("import torch\n", "import torch\n" + RUNTIME)
     .replace(
         '    seed = int(os.environ.get("SEED", 1337))\n',
         '    seed = int(os.environ.get("SEED", 1337))\n'
         '    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))\n'
-        '    train_prefetch_queue = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))\n'
         '    train_copy_stream = int(os.environ.get("TRAIN_COPY_STREAM", 1))\n',
     )
     .replace("return x.to(self.device, non_blocking=True)", "return _h2d(x, self.device, Hyperparameters.train_copy_stream)")
 )
 NO_CLASS = HEAD.replace('class Hyperparameters:\n    seed = int(os.environ.get("SEED", 1337))\n\n', "")
-LOG_LINE = 'log0(f"patch_prefetch train_prefetch:{Hyperparameters.train_prefetch} train_prefetch_queue:{Hyperparameters.train_prefetch_queue} train_copy_stream:{Hyperparameters.train_copy_stream}")'
+LOG_LINE = 'log0(f"patch_prefetch train_prefetch:{Hyperparameters.train_prefetch} train_copy_stream:{Hyperparameters.train_copy_stream}")'
 
 MINIFIED = (
     "import os,torch\n"
@@ -36,12 +35,12 @@ MINIFIED = (
 MINIFIED_AFTER = (
     "import os,torch\n"
     + RUNTIME
-    + "class Hyperparameters():seed=int(os.environ.get('SEED',1));n=2;train_prefetch=int(os.environ.get('TRAIN_PREFETCH',1));train_prefetch_queue=int(os.environ.get('TRAIN_PREFETCH_QUEUE',2));train_copy_stream=int(os.environ.get('TRAIN_COPY_STREAM',1))\n"
+    + "class Hyperparameters():seed=int(os.environ.get('SEED',1));n=2;train_prefetch=int(os.environ.get('TRAIN_PREFETCH',1));train_copy_stream=int(os.environ.get('TRAIN_COPY_STREAM',1))\n"
     "class L:\n"
     "\tdef __init__(self,h,device):self.device=device;self.i=0\n"
     "\tdef next_batch(self,a,b):self.i+=1;x=torch.full((a,),self.i);return _h2d(x,self.device,Hyperparameters.train_copy_stream),_h2d(x,self.device,Hyperparameters.train_copy_stream)\n"
     "def main(h,device):\n"
-    "\ttrain_loader=_make_train_loader(lambda loader_device:L(h,loader_device),device,prefetch=Hyperparameters.train_prefetch,queue_depth=Hyperparameters.train_prefetch_queue,copy_stream=Hyperparameters.train_copy_stream)\n"
+    "\ttrain_loader=_make_train_loader(lambda loader_device:L(h,loader_device),device,prefetch=Hyperparameters.train_prefetch,copy_stream=Hyperparameters.train_copy_stream)\n"
     "\tfor i in range(3):x,y=train_loader.next_batch(h.n,h.n)\n"
 )
 
@@ -57,10 +56,9 @@ REWRITES = [
             "import torch\n",
             "import torch\n"
             'TRAIN_PREFETCH = int(os.environ.get("TRAIN_PREFETCH", 1))\n'
-            'TRAIN_PREFETCH_QUEUE = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))\n'
             'TRAIN_COPY_STREAM = int(os.environ.get("TRAIN_COPY_STREAM", 1))\n' + RUNTIME,
         ).replace("return x.to(self.device, non_blocking=True)", "return _h2d(x, self.device, TRAIN_COPY_STREAM)")
-        + "def main(device):\n    train_loader = " + MAKE.format(p="TRAIN_PREFETCH", q="TRAIN_PREFETCH_QUEUE", c="TRAIN_COPY_STREAM") + "\n    x = train_loader.next_batch(4)\n",
+        + "def main(device):\n    train_loader = " + MAKE.format(p="TRAIN_PREFETCH", c="TRAIN_COPY_STREAM") + "\n    x = train_loader.next_batch(4)\n",
         id="module-constants-without-a-class",
     ),
     pytest.param(MINIFIED, MINIFIED_AFTER, id="minified-one-line-class"),

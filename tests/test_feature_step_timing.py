@@ -268,7 +268,6 @@ def test_with_the_default_features_the_prefetched_loader_is_timed():
             '    iterations = int(os.environ.get("ITERATIONS", 3))\n',
             '    iterations = int(os.environ.get("ITERATIONS", 3))\n'
             '    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))\n'
-            '    train_prefetch_queue = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))\n'
             '    train_copy_stream = int(os.environ.get("TRAIN_COPY_STREAM", 1))\n'
             '    training_timing_breakdown = int(os.environ.get("TRAINING_TIMING_BREAKDOWN", 0))\n'
             '    training_timing_every = int(os.environ.get("TRAINING_TIMING_EVERY", 200))\n',
@@ -279,12 +278,12 @@ def test_with_the_default_features_the_prefetched_loader_is_timed():
         + LOG0
         + ONE_LOOP_AFTER.replace(
             "patch_prefetch training_timing_breakdown:",
-            "patch_prefetch train_prefetch:{Hyperparameters.train_prefetch} train_prefetch_queue:{Hyperparameters.train_prefetch_queue} "
+            "patch_prefetch train_prefetch:{Hyperparameters.train_prefetch} "
             "train_copy_stream:{Hyperparameters.train_copy_stream} training_timing_breakdown:",
         ).replace(
             "    train_loader = Loader(device)\n",
             "    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, "
-            "queue_depth=Hyperparameters.train_prefetch_queue, copy_stream=Hyperparameters.train_copy_stream)\n",
+            "copy_stream=Hyperparameters.train_copy_stream)\n",
         )
     )
     result = assert_patch(HEAD + LOG0 + ONE_LOOP, after, enabled=features_from(None, None, ["step_timing"]))

@@ -32,10 +32,9 @@ PATCHED_HEAD = HEAD.replace("import torch\n", "import torch\n" + RUNTIME).replac
     '    seed = int(os.environ.get("SEED", 1337))\n',
     '    seed = int(os.environ.get("SEED", 1337))\n'
     '    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))\n'
-    '    train_prefetch_queue = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))\n',
 )
 
-MAKE = "_make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, queue_depth=Hyperparameters.train_prefetch_queue, copy_stream=False"
+MAKE = "_make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False"
 
 REWRITES = [
     pytest.param(
@@ -76,3 +75,18 @@ NOOPS = [
 @pytest.mark.parametrize("source", NOOPS)
 def test_noop(source):
     assert_patch(source, None, only="train_prefetch")
+
+
+def test_the_prefetch_depth_toggle_comes_with_the_producer_toggles():
+    # A default patch prefetches 2 batches ahead with no TRAIN_PREFETCH_QUEUE (a tuning
+    # knob costs counted bytes); `--producer-toggles` adds it and passes it on.
+    from patcher.patch import patch_source
+
+    source = HEAD + "def main(device):\n    train_loader = Loader(device)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n"
+    default = patch_source(source)
+    assert "TRAIN_PREFETCH_QUEUE" not in default.source and "queue_depth" not in default.runtime
+    assert "self.depth, self.taken = 2, 0" in default.runtime
+    tuned = patch_source(source, producer_toggles=True)
+    assert 'train_prefetch_queue = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))' in tuned.source
+    assert "queue_depth=Hyperparameters.train_prefetch_queue" in tuned.source
+    assert "self.depth, self.taken = max(1, int(queue_depth)), 0" in tuned.runtime

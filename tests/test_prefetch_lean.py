@@ -296,10 +296,10 @@ def _cut_runtime(passed: set[str]) -> dict:
 def test_the_cut_copy_hands_out_the_loaders_batches():
     runtime = _cut_runtime(set())
     want = direct(12)
-    first = runtime["_make_train_loader"](lambda d: Stream(d), CPU, queue_depth=2)
+    first = runtime["_make_train_loader"](lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
     child = first.process
-    loader = runtime["_make_train_loader"](lambda d: Stream(d), CPU, queue_depth=2)
+    loader = runtime["_make_train_loader"](lambda d: Stream(d), CPU)
     assert not child.is_alive()
     for w in want:
         assert same(loader.next_batch(*ARGS), w)
@@ -317,7 +317,7 @@ def test_the_cut_copy_hands_out_the_loaders_batches():
 def test_the_cut_copy_has_only_what_a_default_script_uses():
     facts = render.cut_facts(["prefetch_lean"], set())
     code = cst.Module(body=render.runtime_block(["prefetch_lean"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
-    for gone in ('"""', "# ", "_stage", "_h2d_timers"):
+    for gone in ('"""', "# ", "_stage", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    assert len(code.encode()) < 4600, len(code.encode())  # bytes a raw-counted script pays (4,492 today)
+    assert len(code.encode()) < 4400, len(code.encode())  # bytes a raw-counted script pays (4,269 today)

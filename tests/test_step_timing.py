@@ -394,7 +394,7 @@ def test_losses_stay_bit_identical(runs, key):
 
 def test_breakdown_run_logs_every_field(runs):
     out = runs[("tokenstream_validating", "breakdown")]
-    assert "patch_prefetch train_prefetch:0 train_prefetch_queue:2 train_copy_stream:0 training_timing_breakdown:1" in out
+    assert "patch_prefetch train_prefetch:0 train_copy_stream:0 training_timing_breakdown:1" in out
     assert "step_timing mode:breakdown every:5 (synchronising every phase; forced off: TRAIN_PREFETCH=0 TRAIN_COPY_STREAM=0)" in out
     steps = {int(n): _fields("x " + rest) for n, rest in LINE.findall(out)}
     # 24 steps, VAL_LOSS_EVERY=8: validations at the top of steps 1, 9 and 17
@@ -410,7 +410,7 @@ def test_breakdown_run_logs_every_field(runs):
 
 def test_data_wait_run_never_synchronises(runs):
     out = runs[("tokenstream_validating", "data_wait")]
-    assert "patch_prefetch train_prefetch:1 train_prefetch_queue:2 train_copy_stream:1 training_timing_breakdown:2" in out
+    assert "patch_prefetch train_prefetch:1 train_copy_stream:1 training_timing_breakdown:2" in out
     assert "step_timing mode:data_wait every:5" in out
     steps = LINE.findall(out)
     assert [int(n) for n, _ in steps] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20]

@@ -128,13 +128,12 @@ def run_bench(
         # as in a real run.
         make_hp = hparams_factory(recipe, modules[0], WORLD_SIZE, directory)
         spaces = [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cpu")) for mod in modules]
-        for space in spaces[1:]:
-            _set_toggle(space, "TRAIN_PREFETCH_QUEUE", queue_depth)
+        _set_toggle(spaces[2], "TRAIN_PREFETCH_QUEUE", queue_depth)  # a default patch has no such toggle: _with_depth
         args = recipe.arguments(spaces[0], 0, [getattr(make_hp(0), "train_seq_len", 1024)])
         binding = recipe.constructions[0].binding
         build = [
             lambda: recipe.build(recipe.constructions[0], spaces[0]),
-            lambda: recipe.evaluate(patched_site, spaces[1], binding),
+            lambda: _with_depth(recipe.evaluate(patched_site, spaces[1], binding), queue_depth),
             lambda: recipe.evaluate(tuned_site, spaces[2], binding),
         ]
         step, ops = _step_function(main_thread, compute_ms)
@@ -143,14 +142,17 @@ def run_bench(
         waits, work, spans = _alternate([build[0], build[2] if measured == "workers" else build[1]], args, steps + warmup, step)
         # Best of a few alternating rounds: the rate a side can reach on this machine.
         names = ["original", "default"] + [name for name in ("python", "numpy", "workers") if name in variants]
+        # No assembly or worker toggles: the tuned patch runs the default's producer with a
+        # depth toggle, and the rate rounds set the depth themselves.
+        same_producer = set(variants) == {"python", "patched"}
         rounds = []
         for _ in range(3):
             rates_now = {}
             for name in names:
                 if name in variants:
                     _set_toggles(spaces[2], variants[name])
-                if name == "python" and tuned.source == result.source:
-                    rates_now[name] = rates_now["default"]  # no producer toggles here: the same code
+                if name == "python" and same_producer:
+                    rates_now[name] = rates_now["default"]  # the same producer
                     continue
                 side = build[0] if name == "original" else build[1] if name == "default" else build[2]
                 rates_now[name] = _producer_rate(side, args, producer_batches, patched=name != "original")
@@ -188,6 +190,15 @@ def _producer_report(report: dict, rates: dict, variants: dict, workers: int) ->
         report[f"producer_ratio_{name}"] = round(rate / original, 3) if rate and original else None
     one = rates.get("numpy", rates["python"])
     report["producer_ratio_workers_vs_1"] = round(rates["workers"] / one, 3) if "workers" in rates and one else None
+
+
+def _with_depth(loader, depth: int):
+    """`loader` (a default patch's, which has no `TRAIN_PREFETCH_QUEUE` toggle) set to
+    prefetch `depth` batches ahead; both runtimes read their depth at the first call."""
+    for attr in ("depth", "_depth"):
+        if hasattr(loader, attr):
+            setattr(loader, attr, depth)
+    return loader
 
 
 def _set_toggles(namespace: dict, values: dict) -> None:

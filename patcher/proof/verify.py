@@ -565,6 +565,7 @@ def _compare_patched_rank(recipe, patched_sites, module, plan: _Plan, rank: int,
                 held = None
                 for n in range(count):
                     if held is not None and not reference.reuses[phase]:
+                        _producer_caught_up(loader)
                         diff = _first_difference(reference.batches[phase][n - 1], held)
                         if diff is not None:
                             return Difference(rank, phase, n - 1, diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
@@ -590,6 +591,19 @@ def _compare_patched_rank(recipe, patched_sites, module, plan: _Plan, rank: int,
             _close(loader)
             _still_alive(_script_threads() - started_with, REBUILD_GRACE_S)
     return None
+
+
+def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
+    """Wait until a lean runtime's child (templates/prefetch_lean.py) has filled every
+    free slot, at most `timeout_s` seconds: the slot of the batch handed out last is
+    then rewritten, so a batch that still views its slot shows it when compared again
+    (deterministically, not by the child's timing). Other runtimes: returns at once."""
+    filled, process = getattr(loader, "filled", None), getattr(loader, "process", None)
+    if filled is None or not process:
+        return
+    deadline = time.monotonic() + timeout_s
+    while filled.get_value() < loader.depth and process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.0005)
 
 
 def _compare_phases(rank: int, phases, build, draw, what: str) -> Difference | None:

@@ -87,6 +87,25 @@ def _any_option_of(node: cst.CSTNode, facts: dict) -> str | None:
     return None
 
 
+# Builtins a folded option may reach (`max(1, int(queue_depth))`): over integer
+# literals they are evaluated.
+_PURE_BUILTINS = {"int": int, "max": max, "min": min}
+
+
+def _fold_builtin(call: cst.Call) -> cst.BaseExpression | None:
+    """The integer literal `call` evaluates to, where it is `int`, `max` or `min` of
+    integer literals passed positionally; else None."""
+    if not isinstance(call.func, cst.Name) or call.func.value not in _PURE_BUILTINS or not call.args:
+        return None
+    values = []
+    for arg in call.args:
+        known, value = constant_value(arg.value)
+        if arg.keyword is not None or arg.star or not known or type(value) is not int:
+            return None
+        values.append(value)
+    return _literal(_PURE_BUILTINS[call.func.value](*values))
+
+
 class _Fold(cst.CSTTransformer):
     """Steps 1 and 2 of the module docstring, for one statement."""
 
@@ -146,6 +165,9 @@ class _Fold(cst.CSTTransformer):
 
     def leave_Call(self, original_node, updated_node):
         updated_node = self._drop_positional_options(original_node, updated_node)
+        folded = _fold_builtin(updated_node)
+        if folded is not None:
+            return folded
         # A dropped last argument leaves the comma before it: only then is one removed.
         if len(updated_node.args) < len(original_node.args) and updated_node.args and updated_node.args[-1].comma is not cst.MaybeSentinel.DEFAULT:
             args = list(updated_node.args)
@@ -308,14 +330,20 @@ def _flatten(block: cst.BaseSuite):
 
 
 def _signatures(statements: list[cst.BaseStatement]) -> dict:
-    """Function and method name -> parameter names; None where one name has several signatures."""
+    """Function and method name -> parameter names, and class name -> its `__init__`'s
+    after `self` (a call of the class); None where one name has several signatures."""
     found: dict = {}
+
+    def record(name: str, params: list[str]) -> None:
+        found[name] = params if found.get(name, params) == params else None
+
     for stmt in statements:
         for node in walk(stmt):
             if isinstance(node, cst.FunctionDef):
-                params = [p.name.value for p in (*node.params.posonly_params, *node.params.params)]
-                name = node.name.value
-                found[name] = params if found.get(name, params) == params else None
+                record(node.name.value, [p.name.value for p in (*node.params.posonly_params, *node.params.params)])
+            elif isinstance(node, cst.ClassDef):
+                for init in (s for s in node.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"):
+                    record(node.name.value, [p.name.value for p in (*init.params.posonly_params, *init.params.params)][1:])
     return found
 
 

@@ -86,8 +86,8 @@ class Context:
     templates: runtime templates the applied transforms need. toggles_used: toggle
     names referenced by the new code. keep: runtime names kept although the script
     does not use them (benchmarks).
-    producer_toggles: add the producer tuning toggles (`TRAIN_PREFETCH_WORKERS`,
-    `TRAIN_PREFETCH_NUMPY`) where the loader family has them.
+    producer_toggles: add the producer tuning toggles (`TRAIN_PREFETCH_QUEUE`; and
+    `TRAIN_PREFETCH_WORKERS`, `TRAIN_PREFETCH_NUMPY` where the loader family has them).
     """
 
     survey: Survey

@@ -2,7 +2,8 @@
 
 Every construction of the training loader, `train_loader = Loader(..., device)`,
 becomes `train_loader = _make_train_loader(lambda loader_device: Loader(...,
-loader_device), device, prefetch=…, queue_depth=…, copy_stream=…)`; the runtime is
+loader_device), device, prefetch=…, copy_stream=…)` (`queue_depth=…` too with the
+producer toggles); the runtime is
 `templates/prefetch_lean.py` where every call passes run constants and the script
 uses the variable for nothing but `.next_batch` (a forked child process runs the
 loader, so it costs the training loop no GIL time), else `templates/prefetch_loader.py`
@@ -244,7 +245,7 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         ctx.code(f"lambda loader_device: {inner}", f"lambda loader_device:{inner}"),
         device_expr,
         f"prefetch={ctx.toggle('TRAIN_PREFETCH')}",
-        f"queue_depth={ctx.toggle('TRAIN_PREFETCH_QUEUE')}",
+        *_queue_depth(ctx),
         f"copy_stream={ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
     ]
     if reshape_arg is not None:
@@ -270,15 +271,23 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
     return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")
 
 
+def _queue_depth(ctx: Context) -> list[str]:
+    """The `queue_depth=` argument: the `TRAIN_PREFETCH_QUEUE` toggle with the producer
+    toggles, else none (the runtime's depth of 2). A tuning knob, not an off switch: in a
+    default patch it would cost about 45 counted bytes of a wrapped record (toggle, log
+    entry, header and call-site argument)."""
+    return [f"queue_depth={ctx.toggle('TRAIN_PREFETCH_QUEUE')}"] if ctx.producer_toggles else []
+
+
 def _runner_call(runner: str, site, ctx: Context, module: cst.Module) -> cst.Call:
-    """`<runner>(lambda: <the script's call>, prefetch=…, queue_depth=…, copy_stream=…)`:
+    """`<runner>(lambda: <the script's call>, prefetch=…, copy_stream=…)` (`queue_depth=…` with the producer toggles):
     `_prefetch_iterator` for a data generator, `_prefetch_next_batch` for a loader whose
     next_batch() moves batches to the GPU itself."""
     sep = ctx.code(", ", ",")
     parts = [
         ctx.code(f"lambda: {module.code_for_node(site.call)}", f"lambda:{module.code_for_node(site.call)}"),
         f"prefetch={ctx.toggle('TRAIN_PREFETCH')}",
-        f"queue_depth={ctx.toggle('TRAIN_PREFETCH_QUEUE')}",
+        *_queue_depth(ctx),
         f"copy_stream={ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
     ]
     if site.target != "train_loader":

@@ -172,14 +172,14 @@ FOLD_CASES = [
         class W:
             def __init__(self, loader, queue_depth=2):
                 self.depth, self.n = max(1, int(queue_depth)), min(len(loader), 3)
-                self.limit = max(1, int("2")), max(1, 2, key=abs)
+                self.limit = max(1, int("2")), max(1, 2, key=abs), max(5)
         """,
         {"queue_depth": 2},
         """\
         class W:
             def __init__(self, loader):
                 self.depth, self.n = 2, min(len(loader), 3)
-                self.limit = max(1, int("2")), max(1, 2, key=abs)
+                self.limit = max(1, int("2")), max(1, 2, key=abs), max(5)
         """,
         id="int-max-min-of-integer-literals-evaluated-other-calls-kept",
     ),

@@ -93,8 +93,8 @@ _PURE_BUILTINS = {"int": int, "max": max, "min": min}
 
 
 def _fold_builtin(call: cst.Call) -> cst.BaseExpression | None:
-    """The integer literal `call` evaluates to, where it is `int`, `max` or `min` of
-    integer literals passed positionally; else None."""
+    """The integer literal `call` evaluates to, where it is `int` of one, or `max` or
+    `min` of several, integer literals passed positionally; else None."""
     if not isinstance(call.func, cst.Name) or call.func.value not in _PURE_BUILTINS or not call.args:
         return None
     values = []
@@ -103,6 +103,8 @@ def _fold_builtin(call: cst.Call) -> cst.BaseExpression | None:
         if arg.keyword is not None or arg.star or not known or type(value) is not int:
             return None
         values.append(value)
+    if call.func.value != "int" and len(values) < 2:
+        return None  # max(5) raises at run time: left as it is
     return _literal(_PURE_BUILTINS[call.func.value](*values))
 
 

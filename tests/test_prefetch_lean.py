@@ -188,11 +188,12 @@ def test_an_error_larger_than_a_pipe_buffer_reaches_the_caller():
         loader.next_batch(*ARGS)
 
 
-def test_the_producer_leaves_when_the_training_process_is_killed(tmp_path):
-    # SIGKILL runs no exit handler: the child notices that its parent is gone.
-    script = tmp_path / "killed.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, signal, sys
+def _script_with_a_waiting_producer(path: Path, ending: str) -> Path:
+    """Write a script to `path` that starts a lean loader, waits until its child has
+    filled both slots and waits for a free one, prints the child's pid, then runs
+    `ending` (Python, indented freely). Returns `path`."""
+    path.write_text(textwrap.dedent(f"""
+        import sys
         sys.path.insert(0, {str(REPO)!r})
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch
@@ -202,8 +203,16 @@ def test_the_producer_leaves_when_the_training_process_is_killed(tmp_path):
         loader.next_batch(96, 8)
         assert loader.loader.called[3].wait(10)  # the child waits for a free slot
         print(loader.process.pid, flush=True)
+    """) + textwrap.dedent(ending))
+    return path
+
+
+def test_the_producer_leaves_when_the_training_process_is_killed(tmp_path):
+    # SIGKILL runs no exit handler: the child notices that its parent is gone.
+    script = _script_with_a_waiting_producer(tmp_path / "killed.py", """
+        import os, signal
         os.kill(os.getpid(), signal.SIGKILL)
-    """))
+    """)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     child = int(run.stdout.split()[0])
@@ -255,22 +264,11 @@ def test_batches_kept_by_the_caller_do_not_change_when_slots_are_reused():
 
 
 def test_a_script_exits_promptly_with_a_producer_waiting_and_on_ctrl_c(tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(REPO)!r})
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        import torch
-        from templates.prefetch_lean import _make_train_loader
-        from test_prefetch_lean import Stream
-        loader = _make_train_loader(lambda d: Stream(d), torch.device("cpu"), queue_depth=2)
-        loader.next_batch(96, 8)
-        assert loader.loader.called[3].wait(10)  # the child waits for a free slot
-        print(loader.process.pid, flush=True)
+    script = _script_with_a_waiting_producer(tmp_path / "run.py", """
         if sys.argv[1] == "interrupt":
             raise KeyboardInterrupt
         print("done")
-    """))
+    """)
     for mode in ("exit", "interrupt"):
         run = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
         child = int(run.stdout.split()[0])

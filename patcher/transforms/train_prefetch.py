@@ -274,7 +274,7 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
 def _queue_depth(ctx: Context) -> list[str]:
     """The `queue_depth=` argument: the `TRAIN_PREFETCH_QUEUE` toggle with the producer
     toggles, else none (the runtime's depth of 2). A tuning knob, not an off switch: in a
-    default patch it would cost about 45 counted bytes of a wrapped record (toggle, log
+    default patch it would cost 40-60 counted bytes of a wrapped record (toggle, log
     entry, header and call-site argument)."""
     return [f"queue_depth={ctx.toggle('TRAIN_PREFETCH_QUEUE')}"] if ctx.producer_toggles else []
 

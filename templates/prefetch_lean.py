@@ -92,32 +92,6 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     return loader
 
 
-def _produce(loader, args, slots, filled, free, conn, parent):
-    """The child process: `loader.next_batch(*args)` into `slots` in turn, forever.
-
-    Takes a free slot (`free`), fills it, counts it filled (`filled`). An exception is
-    sent on `conn` instead, with its traceback, and ends the child; so does the
-    training process's exit (the child's parent is no longer `parent`).
-    """
-    torch.set_num_threads(1)  # the parent's OpenMP team does not exist in a forked child
-    try:
-        for n in itertools.count():
-            while not free.acquire(False):
-                if os.getppid() != parent:
-                    return
-                time.sleep(0.0005)
-            built, slot = [], []
-            _each_tensor(loader.next_batch(*args), built.append)
-            _each_tensor(slots[n % len(slots)], slot.append)
-            for into, tensor in zip(slot, built):
-                if into.shape != tensor.shape:
-                    raise RuntimeError("prefetch: batch shape changed; set TRAIN_PREFETCH=0")
-                into.copy_(tensor)
-            filled.release()
-    except BaseException as error:  # re-raised in the training process
-        conn.send(multiprocessing.pool.ExceptionWithTraceback(error, error.__traceback__))
-
-
 class _PrefetchLoader:
     """A training loader whose batches are built ahead by a forked child process.
 
@@ -138,11 +112,10 @@ class _PrefetchLoader:
             batch = self.loader.next_batch(*args)  # the first batch here; the child goes on from this state
             self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
             fork = multiprocessing.get_context("fork")
-            self.filled, self.free = fork.Semaphore(0), fork.Semaphore(self.depth)
-            self.conn, child_conn = fork.Pipe(False)
-            self.process = fork.Process(target=_produce, args=(self.loader, args, self.slots, self.filled, self.free, child_conn, os.getpid()), daemon=True)
+            self.filled, self.free, (self.conn, self.sender) = fork.Semaphore(0), fork.Semaphore(self.depth), fork.Pipe(False)
+            self.process = fork.Process(target=self._produce, args=(os.getpid(),), daemon=True)
             self.process.start()
-            child_conn.close()  # so that only the child holds the sending end
+            self.sender.close()  # the child's end: closed here, so the child's exit is an end of file
         elif args != self.args or not self.process:
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
         else:
@@ -159,7 +132,32 @@ class _PrefetchLoader:
             batch = _each_tensor(self.slots[self.taken % self.depth], lambda t: t.pin_memory() if pin else t.clone())
             self.taken += 1
             self.free.release()
-        return batch if self.device.type == "cpu" else _each_tensor(batch, lambda t: _h2d(t, self.device, self.copy_stream))
+        return _each_tensor(batch, lambda t: _h2d(t, self.device, self.copy_stream))
+
+    def _produce(self, parent):
+        """The child process: `next_batch(*self.args)` into the slots in turn, forever.
+
+        Takes a free slot (`free`), fills it, counts it filled (`filled`). An exception is
+        sent on the pipe instead, with its traceback, and ends the child; so does the
+        training process's exit (the child's parent is no longer `parent`).
+        """
+        torch.set_num_threads(1)  # the parent's OpenMP team does not exist in a forked child
+        try:
+            for slot in itertools.cycle(self.slots):
+                while not self.free.acquire(False):
+                    if os.getppid() != parent:
+                        return
+                    time.sleep(0.0005)
+                built, slot_tensors = [], []
+                _each_tensor(self.loader.next_batch(*self.args), built.append)
+                _each_tensor(slot, slot_tensors.append)
+                for into, tensor in zip(slot_tensors, built):
+                    if into.shape != tensor.shape:
+                        raise RuntimeError("prefetch: batch shape changed; set TRAIN_PREFETCH=0")
+                    into.copy_(tensor)
+                self.filled.release()
+        except BaseException as error:  # re-raised in the training process
+            self.sender.send(multiprocessing.pool.ExceptionWithTraceback(error, error.__traceback__))
 
     def shutdown(self):
         """Kill the child process and wait for it."""

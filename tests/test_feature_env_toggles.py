@@ -22,6 +22,16 @@ PATCHED_CLASS_HEAD = (
 NO_CLASS = HEAD.replace('class Hyperparameters:\n    seed = int(os.environ.get("SEED", 1337))\n\n', "")
 LOG_LINE = 'log0(f"patch_prefetch train_prefetch:{Hyperparameters.train_prefetch} train_copy_stream:{Hyperparameters.train_copy_stream}")'
 
+# The records' start-up listing of their settings (2026-04 on), over `vars(...)` of `of`.
+LISTING = (
+    "def log0(msg):\n    print(msg)\n\n"
+    "def main(device):\n"
+    "    h = Hyperparameters()\n"
+    "    for k, v in sorted(vars({of}).items()):\n"
+    "        if not k.startswith('_'):\n"
+    "            log0(f'{{k}}: {{v}}')\n"
+)
+
 MINIFIED = (
     "import os,torch\n"
     "class Hyperparameters():seed=int(os.environ.get('SEED',1));n=2\n"
@@ -62,6 +72,16 @@ REWRITES = [
         id="module-constants-without-a-class",
     ),
     pytest.param(MINIFIED, MINIFIED_AFTER, id="minified-one-line-class"),
+    pytest.param(
+        HEAD + LISTING.format(of="type(h)") + "    train_loader = Loader(device)\n    x = train_loader.next_batch(4)\n",
+        PATCHED_CLASS_HEAD + LISTING.format(of="type(h)") + f"    train_loader = {CLASS}\n    x = train_loader.next_batch(4)\n",
+        id="no-log-line-where-the-script-lists-its-class-attributes",
+    ),
+    pytest.param(
+        HEAD + LISTING.format(of="h") + "    train_loader = Loader(device)\n    x = train_loader.next_batch(4)\n",
+        PATCHED_CLASS_HEAD + LISTING.format(of="h") + f"    {LOG_LINE}\n    train_loader = {CLASS}\n    x = train_loader.next_batch(4)\n",
+        id="a-listing-of-the-instance-holds-no-class-attribute-so-the-log-line-stays",
+    ),
 ]
 
 

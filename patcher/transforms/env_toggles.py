@@ -175,7 +175,36 @@ def _log_line(module: cst.Module, ctx: Context, names: list[str]):
         scope = scope.parent
     if scope is None:
         return module, Note(FEATURE, False, f"{log_name} is not visible where the loader is built; toggles not logged", first.line)
+    listing = _hyperparameters_listing(survey, log_name) if ctx.toggle_home == "class" else None
+    if listing is not None:  # the toggles are class attributes: that loop logs them already
+        return module, Note(FEATURE, True, f"toggles logged by the script's own listing of {survey.hyperparameters.name}", survey.line_of(listing))
     fields = " ".join(f"{ctx.toggles[n].attr}:{{{ctx.toggle(n)}}}" for n in names)
     statement = small_statement(f'{log_name}(f"patch_prefetch {fields}")')
     module = insert_before(module, first.node, [statement], ctx)
     return module, Note(FEATURE, True, f"toggles logged through {log_name} before line {first.line}", first.line)
+
+
+def _hyperparameters_listing(survey: Survey, log_name: str) -> cst.For | None:
+    """The script's loop that logs every attribute of its Hyperparameters class, or None.
+
+    Records from 2026-04 on log their settings at start-up with
+    `for k, v in sorted(vars(type(h)).items()): ... log(f"  {k}: {v}")`, `h` being an
+    instance of the class (`h = Hyperparameters()`); `vars(Hyperparameters)` counts too.
+    Toggles added to that class are then in the log already, and a log line of our own
+    would only cost code bytes. A loop over the instance (`vars(h)`) does not count: a
+    plain class's instance holds none of its class attributes.
+    """
+    hp = survey.hyperparameters.name
+    instances = {
+        target.target.value
+        for node in walk(survey.module)
+        if m.matches(node, m.Assign(value=m.Call(func=m.Name(hp))))
+        for target in node.targets
+        if isinstance(target.target, cst.Name)
+    }
+    of_class = m.Call(func=m.Name("vars"), args=[m.Arg(m.Name(hp) | m.Call(func=m.Name("type"), args=[m.Arg(m.Name(value=m.MatchIfTrue(instances.__contains__)))]))])
+    logs = m.Call(func=m.Name(log_name))
+    for node in walk(survey.module):
+        if isinstance(node, cst.For) and any(m.matches(n, of_class) for n in walk(node.iter)) and any(m.matches(n, logs) for n in walk(node.body)):
+            return node
+    return None

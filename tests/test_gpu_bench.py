@@ -5,6 +5,8 @@ The GPU run itself needs CUDA; these check the parts that turn its output into f
 
 import importlib.util
 import json
+import os
+import select
 from pathlib import Path
 
 import pytest
@@ -105,9 +107,12 @@ def test_runner_runs_every_variant_with_the_run_settings(tmp_path):
     assert [runs[name]["step_avg_ms"] for name in runs] == [120.0, 100.0, 120.0]  # the toggles reached the process
     assert all(run["rc"] == 0 and run["steps"] == 4 for run in runs.values())
     assert runs["patched"]["train_loss"] == {"1": 1.0, "2": 0.5, "3": 0.3333, "4": 0.25}
-    # two train shards holding every token the run reads (warm-up included), and one val shard
-    data = tmp_path / "work" / f"data_{(4 + 20 + 2) * 64}"
+    # two train shards holding every token the run reads (both warm-ups included), and one
+    # val shard, where DATA_PATH and DATA_DIR (the 2026-04 records' layout) point
+    data_dir = tmp_path / "work" / f"data_{(4 + 2 * 20 + 2) * 64}_1024"
+    data = data_dir / "datasets" / "fineweb10B_sp1024"
     assert sorted(p.name for p in data.iterdir()) == ["fineweb_train_000000.bin", "fineweb_train_000001.bin", "fineweb_val_000000.bin"]
+    assert (data_dir / "tokenizers" / "fineweb_1024_bpe.model").read_bytes() == b"stand-in"
 
 
 def test_runner_rejects_an_unknown_variant(tmp_path, capsys):
@@ -116,3 +121,133 @@ def test_runner_rejects_an_unknown_variant(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "unknown variant nonsense" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+# A 2026-04 record's log: `N/M train_loss: ... tok/s: T`; step_avg = TRAIN_BATCH_TOKENS / T.
+FAMILY_LOG = """\
+warmup_step: 20/20
+1/150 train_loss: 9.0111 train_time: 0.0m tok/s: 8242436
+150/150 train_loss: 3.5000 train_time: 0.2m tok/s: 7864320
+150/150 val_loss: 3.4000 val_bpb: 1.2345
+"""
+
+
+def test_parse_log_reads_a_records_tokens_per_second_as_its_step_time():
+    report = gpu_train.parse_log(FAMILY_LOG, train_batch_tokens=786432)
+    assert report["step_avg_ms"] == 100.0  # 786432 tokens / 7864320 tok/s
+    assert (report["steps"], report["train_time_ms"], report["val_bpb"]) == (150, 15000, 1.2345)
+    assert report["train_loss"] == {1: 9.0111, 150: 3.5}
+    assert gpu_train.parse_log(FAMILY_LOG)["step_avg_ms"] is None  # no batch size, no step time
+
+
+def test_the_last_step_line_of_either_kind_of_script():
+    last = [line for line in (LOG + FAMILY_LOG).splitlines() if gpu_train.is_last_step_line(line)]
+    assert last == ["step:3/3 val_loss:2.1000 val_bpb:0.6648 train_time:630ms step_avg:210.35ms", "150/150 train_loss: 3.5000 train_time: 0.2m tok/s: 7864320"]
+
+
+def test_the_last_step_is_a_logged_step():
+    assert [gpu_train.log_every(n) for n in (200, 150, 4, 17, 7919)] == [20, 15, 4, 17, 1]
+
+
+def test_the_plan_alternates_the_repeated_variants():
+    plan = gpu_train.run_plan(["original", "patched", "toggles_off"], ["original", "patched"], 3)
+    assert plan == ["original", "patched", "toggles_off", "original", "patched", "original", "patched"]
+    assert gpu_train.run_plan(["patched"], ["original", "patched"], 2) == ["patched", "patched"]
+
+
+def test_summarise_runs_gives_the_median_and_the_spread():
+    runs = [{"step_avg_ms": a, "rc": 0, "steps": 4} for a in (101.0, 99.0, 104.0)]
+    summary = gpu_train.summarise_runs(runs + [{"step_avg_ms": None, "rc": 1}])
+    assert (summary["step_avg_ms"], summary["spread_ms"], summary["step_avg_ms_runs"], summary["rc"]) == (101.0, 5.0, [101.0, 99.0, 104.0], 1)
+
+
+STOPPED = """\
+import os, threading
+child = os.fork()
+if child == 0:
+    threading.Event().wait()  # a forked producer that never ends by itself
+print(f"child {{child}}", flush=True)
+print("step:2/2 val_loss:2.0 val_bpb:0.5 train_time:10ms step_avg:5.00ms", flush=True)
+threading.Event().wait()  # what follows training (quantization, evaluation) is not measured
+print("after", flush=True)
+"""
+
+
+def _exits(pid: int, within_s: float = 10.0) -> bool:
+    """True when process `pid` has exited or does so within `within_s` (a SIGKILL is
+    delivered asynchronously): its pidfd turns readable at the exit."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([handle], [], [], within_s)
+    finally:
+        os.close(handle)
+    return bool(readable)
+
+
+def test_a_run_is_stopped_with_its_children_after_its_last_step_line(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(STOPPED.format())
+    run = gpu_train.run_variant(script, {}, tmp_path / "run", timeout_s=60)
+    assert run["rc"] == 0 and run["step_avg_ms"] == 5.0  # stopped by the runner, not by the timeout
+    assert "after" not in run["log_tail"]
+    assert _exits(int(run["log_tail"].split("child ")[1].split()[0]))  # the forked child went with it
+
+
+def test_a_run_that_never_reaches_its_last_step_is_stopped_at_the_timeout(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("import threading\nprint('step:1/2 train_loss:1.0 train_time:1ms step_avg:1.00ms', flush=True)\nthreading.Event().wait()\n")
+    run = gpu_train.run_variant(script, {}, tmp_path / "run", timeout_s=1)
+    assert run["rc"] == -9 and run["step_avg_ms"] is None
+
+
+def test_repeats_and_the_sanitizer_run(tmp_path):
+    for marker in ("original", "patched"):
+        (tmp_path / f"{marker}.py").write_text(STAND_IN.format(marker=marker).replace("import os, sys\n", "import os, sys\n" + SANITIZER_RACE, 1))
+    tokenizer = tmp_path / "tok.model"
+    tokenizer.write_bytes(b"stand-in")
+    out = tmp_path / "report.json"
+    argv = [str(tmp_path / "original.py"), str(tmp_path / "patched.py"), "--steps", "4", "--train-batch-tokens", "64", "--variants", "original,patched,prefetch_only"]
+    argv += ["--repeats", "2", "--sanitizer-steps", "3", "--work-dir", str(tmp_path / "work"), "--tokenizer-path", str(tokenizer), "--json", str(out)]
+    assert gpu_train.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["plan"] == ["original", "patched", "prefetch_only", "original", "patched"]
+    runs = report["variants"]
+    assert [len(runs[name]["step_avg_ms_runs"]) for name in runs] == [2, 2, 1]
+    assert (runs["original"]["step_avg_ms"], runs["patched"]["step_avg_ms"], runs["prefetch_only"]["step_avg_ms"]) == (120.0, 100.0, 100.0)
+    assert (report["sanitizer"]["steps"], report["sanitizer"]["races"]) == (3, 1)  # under TORCH_CUDA_SANITIZER=1 only
+
+
+# Printed by the stand-in under the sanitizer, as CSAN prints a race (on stderr, before the
+# last step's line, after which the run is stopped).
+SANITIZER_RACE = """\
+if os.environ.get("TORCH_CUDA_SANITIZER") == "1" and os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+    print("CSAN detected a possible data race on tensor with data pointer 1", file=sys.stderr)
+"""
+
+
+def test_the_attention_stand_in_is_attention_in_flash_attentions_layout():
+    import torch
+
+    spec = importlib.util.spec_from_file_location("flash_attn_interface", ROOT / "bench" / "shims" / "flash_attn_interface.py")
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    flash_attn_func = shim.flash_attn_func
+
+    torch.manual_seed(0)
+    batch, seq_len, heads, kv_heads, dim = 2, 7, 4, 2, 8
+    q = torch.randn(batch, seq_len, heads, dim)
+    k, v = torch.randn(batch, seq_len, kv_heads, dim), torch.randn(batch, seq_len, kv_heads, dim)
+    got = flash_attn_func(q, k, v, causal=True)
+    # Reference: each query head reads kv head (head // 2); position t sees positions <= t.
+    kk, vv = k.repeat_interleave(heads // kv_heads, dim=2), v.repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q, kk) / dim**0.5
+    scores = scores.masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), vv)
+    assert got.shape == (batch, seq_len, heads, dim)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(flash_attn_func(q, k, v, causal=False), want, atol=1e-3)
+    with pytest.raises(NotImplementedError):
+        flash_attn_func(q, k, v, causal=True, window_size=(128, 0))

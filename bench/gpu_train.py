@@ -48,9 +48,10 @@ script needs torch, numpy and sentencepiece, not libcst).
    of its time a kernel on another stream overlapped.
 
 4. With `--sanitizer-steps N > 0`, runs the patched script for N steps under PyTorch's
-   CUDA stream sanitizer (`TORCH_CUDA_SANITIZER=1`, eager: `TORCHDYNAMO_DISABLE=1`) and
-   counts the data races it reports: a missing `wait_stream` or `record_stream` passes
-   every CPU test and every byte comparison, not this.
+   CUDA stream sanitizer (what `TORCH_CUDA_SANITIZER=1` turns on, here in the training
+   process only; eager: `TORCHDYNAMO_DISABLE=1`) and counts the data races it reports:
+   a missing `wait_stream` or `record_stream` passes every CPU test and every byte
+   comparison, not this.
 
 Prints step_avg of every variant as a ratio against the original's. This is a
 benchmark: nothing here is asserted; the test suite checks `summarise_h2d` and the
@@ -322,7 +323,7 @@ def _train_tokenizer(vocab_size: int) -> bytes:
     return model.getvalue()
 
 
-def run_variant(script: Path, env: dict, cwd: Path, profile_trace: Path | None = None, timeout_s: float = 900, train_batch_tokens: int | None = None) -> dict:
+def run_variant(script: Path, env: dict, cwd: Path, profile_trace: Path | None = None, timeout_s: float = 900, train_batch_tokens: int | None = None, sanitizer: bool = False) -> dict:
     """Run one training process until its last step's line (`is_last_step_line`), then
     stop it and its children: what a script does after training is not measured.
 
@@ -332,6 +333,8 @@ def run_variant(script: Path, env: dict, cwd: Path, profile_trace: Path | None =
     command = [sys.executable, str(script)]
     if profile_trace is not None:
         command = [sys.executable, __file__, "--profile-child", str(script), str(profile_trace)]
+    if sanitizer:
+        command = [sys.executable, __file__, "--sanitizer-child", str(script)]
     cwd.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     lines, finished = [], False
@@ -405,6 +408,24 @@ def needs_attention_shim() -> bool:
     return importlib.util.find_spec("flash_attn_interface") is None
 
 
+def _sanitizer_child(script: str) -> int:
+    """Run `script` as __main__ under PyTorch's CUDA stream sanitizer, in this process only.
+
+    Not `TORCH_CUDA_SANITIZER=1`: that would leave the sanitizer on in a forked producer
+    child too, where its per-op `torch.cuda.current_stream()` initialises CUDA, which a
+    forked child cannot do; the producer child runs no CUDA, so it has nothing to check.
+    """
+    import runpy
+
+    from torch.cuda import _sanitizer
+
+    _sanitizer.enable_cuda_sanitizer()
+    os.register_at_fork(after_in_child=_sanitizer.cuda_sanitizer.disable)
+    sys.argv = [script]
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
 def _profile_child(script: str, trace_path: str) -> int:
     """Run `script` as __main__ under torch.profiler (CUDA activity), write the trace."""
     import runpy
@@ -424,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--profile-child"]:
         return _profile_child(argv[1], argv[2])
+    if argv[:1] == ["--sanitizer-child"]:
+        return _sanitizer_child(argv[1])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("original")
     parser.add_argument("patched")
@@ -479,8 +502,9 @@ def main(argv: list[str] | None = None) -> int:
             print(run["log_tail"], flush=True)
     report["variants"] = {name: summarise_runs(variant_runs) for name, variant_runs in runs.items()}
     if args.sanitizer_steps > 0:
-        env = {**base_env, "ITERATIONS": str(args.sanitizer_steps), "WARMUP_STEPS": "2", "TORCH_CUDA_SANITIZER": "1", "TORCHDYNAMO_DISABLE": "1", "RUN_ID": "sanitizer"}
-        run = run_variant(scripts["patched"], env, work / "run_sanitizer", train_batch_tokens=args.train_batch_tokens)
+        env = {**base_env, "ITERATIONS": str(args.sanitizer_steps), "WARMUP_STEPS": "2", "TORCHDYNAMO_DISABLE": "1", "RUN_ID": "sanitizer"}
+        env["TRAIN_LOG_EVERY"] = str(log_every(args.sanitizer_steps))
+        run = run_variant(scripts["patched"], env, work / "run_sanitizer", train_batch_tokens=args.train_batch_tokens, sanitizer=True)
         races = run["log_tail"].count(_RACE)
         report["sanitizer"] = {"rc": run["rc"], "steps": run["steps"], "races": races, "log_tail": run["log_tail"]}
         print(f"sanitizer: rc={run['rc']} steps={run['steps']} data races reported: {races}", flush=True)

@@ -217,14 +217,21 @@ def test_repeats_and_the_sanitizer_run(tmp_path):
     runs = report["variants"]
     assert [len(runs[name]["step_avg_ms_runs"]) for name in runs] == [2, 2, 1]
     assert (runs["original"]["step_avg_ms"], runs["patched"]["step_avg_ms"], runs["prefetch_only"]["step_avg_ms"]) == (120.0, 100.0, 100.0)
-    assert (report["sanitizer"]["steps"], report["sanitizer"]["races"]) == (3, 1)  # under TORCH_CUDA_SANITIZER=1 only
+    assert (report["sanitizer"]["steps"], report["sanitizer"]["races"]) == (3, 1)  # in the sanitizer's run only
+    assert "in a forked child: off" in report["sanitizer"]["log_tail"]
 
 
-# Printed by the stand-in under the sanitizer, as CSAN prints a race (on stderr, before the
-# last step's line, after which the run is stopped).
+# Printed by the stand-in under the sanitizer (a dispatch mode on, eager), as CSAN prints a
+# race (on stderr, before the last step's line, after which the run is stopped); a child it
+# forks must run without the sanitizer (it would initialise CUDA there).
 SANITIZER_RACE = """\
-if os.environ.get("TORCH_CUDA_SANITIZER") == "1" and os.environ.get("TORCHDYNAMO_DISABLE") == "1":
-    print("CSAN detected a possible data race on tensor with data pointer 1", file=sys.stderr)
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+if _get_current_dispatch_mode() is not None and os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+    reader, writer = os.pipe()
+    if os.fork() == 0:
+        os.write(writer, b"on" if _get_current_dispatch_mode() is not None else b"off")
+        os._exit(0)
+    print(f"CSAN detected a possible data race; in a forked child: {os.read(reader, 3).decode()}", file=sys.stderr)
 """
 
 

@@ -50,6 +50,7 @@ def main() -> int:
     parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3)")
     parser.add_argument("--modes", default=",".join(MAIN_THREAD_MODES), help=f"main-thread modes, comma-separated (default {','.join(MAIN_THREAD_MODES)})")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step in ms (default 20)")
+    parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (see patch-prefetch bench --help)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MAIN_THREAD_MODES))
@@ -61,7 +62,7 @@ def main() -> int:
         print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'python':>16} {'numpy':>16} {n:>16} {'N/1':>7} {'slowdown':>9}")
     for script in args.scripts:
         for mode in wait_modes:
-            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, workers=args.workers, shards=args.shards)
+            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, workers=args.workers, shards=args.shards, pageable_h2d=args.pageable_h2d)
             slowdown = "" if r["main_thread_slowdown_pct"] is None else f"{r['main_thread_slowdown_pct']:+.2f} %"
             maxes = f"{r['wait_ms_patched_max']:.2f} ({r['wait_ms_original_max']:.1f})"
             rates = [_rate(r, name) for name in ("python", "numpy", "workers")]
@@ -74,7 +75,7 @@ def main() -> int:
     if "op-bound" in modes:
         print(f"{'script':48} {'mean step ms':>17} {'median':>15} {'p99':>15} {'data ms':>8} {'recovered':>10} {'goal':>5} {'ops slowdown':>13} {'ops':>6}")
         for script in args.scripts:
-            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread="op-bound", data_dir=args.data_dir, workers=args.workers, shards=args.shards)
+            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread="op-bound", data_dir=args.data_dir, workers=args.workers, shards=args.shards, pageable_h2d=args.pageable_h2d)
             share = "-" if r["recovered_share"] is None else f"{100 * r['recovered_share']:.1f} %"
             print(
                 f"{Path(script).parent.name[-48:] or script:48} {_pair(r, 'mean'):>17} {_pair(r, 'median'):>15} {_pair(r, 'p99'):>15} "

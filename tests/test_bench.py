@@ -163,3 +163,30 @@ def test_op_bound_report(tmp_path, capsys):
     assert report["recovered_share"] == pytest.approx(expected, abs=rounding)
     code = main([str(FIXTURES / "tokenstream_readable.py"), "--steps", "6", "--compute-ms", "1", "--shard-tokens", "50000", "--main-thread", "op-bound", "--data-dir", str(tmp_path)])
     assert code == 0 and "recovered as a shorter step" in capsys.readouterr().out
+
+
+def test_the_pageable_h2d_copy_is_charged_to_the_original_alone():
+    batch = (torch.arange(6).reshape(2, 3), [torch.ones(2)], 7)
+    staged = bench._stage_pageable(batch)
+    assert type(staged) is tuple and type(staged[1]) is list and staged[2] == 7
+    for got, want in ((staged[0], batch[0]), (staged[1][0], batch[1][0])):
+        assert torch.equal(got, want) and got.untyped_storage().data_ptr() != want.untyped_storage().data_ptr()
+    original, inner, staged_sides = _RecordingLoader(), _RecordingLoader(), []
+
+    def stage(batch):
+        staged_sides.append(batch)
+        return bench._stage_pageable(batch)
+
+    build = [lambda: original, lambda: prefetch_loader._PrefetchLoader(lambda device: inner, "cpu", queue_depth=2)]
+    bench._alternate(build, (4,), 5, lambda: 0.0, stage_original=stage)
+    assert [int(b[0]) for b in staged_sides] == [1, 2, 3, 4, 5]  # the original's five batches, none of the patched side's
+
+
+def test_pageable_h2d_is_in_the_report(tmp_path, capsys):
+    argv = [str(FIXTURES / "tokenstream_readable.py"), "--steps", "6", "--compute-ms", "1", "--shard-tokens", "50000", "--main-thread", "op-bound", "--data-dir", str(tmp_path)]
+    assert main(argv + ["--pageable-h2d", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pageable_h2d"] is True
+    assert main(argv + ["--pageable-h2d"]) == 0
+    assert "the original charged its pageable H2D's host copy" in capsys.readouterr().out
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pageable_h2d"] is False

@@ -96,8 +96,14 @@ def run_bench(
     producer_batches: int = 30,
     torch_threads: int = 1,
     workers: int = 1,
+    pageable_h2d: bool = False,
 ) -> dict:
     """Benchmark one script. Returns the report dict (keys in the module docstring and README).
+
+    pageable_h2d: charge the original's `next_batch` one host copy of its batch, the copy
+    into the driver's staging buffer that its pageable `.to("cuda", non_blocking=True)`
+    makes on a GPU (`_stage_pageable`); the patched side's hand-out already copies (the
+    pinning copy it makes on a GPU), so both sides then pay what they pay in a CUDA run.
 
     Raises BenchError when the script has no training loader the patch prefetches.
     """
@@ -139,7 +145,7 @@ def run_bench(
         step, ops = _step_function(main_thread, compute_ms)
         measured = "workers" if variants["patched"] == "workers" else "default"
         _set_toggles(spaces[2], variants[variants["patched"]])
-        waits, work, spans = _alternate([build[0], build[2] if measured == "workers" else build[1]], args, steps + warmup, step)
+        waits, work, spans = _alternate([build[0], build[2] if measured == "workers" else build[1]], args, steps + warmup, step, stage_original=_stage_pageable if pageable_h2d else None)
         # Best of a few alternating rounds: the rate a side can reach on this machine.
         names = ["original", "default"] + [name for name in ("python", "numpy", "workers") if name in variants]
         # No assembly or worker toggles: the tuned patch runs the default's producer with a
@@ -163,6 +169,7 @@ def run_bench(
     report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
     report["ops_per_step"] = ops
     report["torch_threads"] = torch_threads
+    report["pageable_h2d"] = pageable_h2d
     _producer_report(report, rates, variants, workers)
     return report
 
@@ -337,13 +344,27 @@ def calibrate_ops(target_ms: float, run, tolerance: float = OP_CALIBRATION_TOLER
     return ops
 
 
-def _alternate(build, args, steps, step):
+def _stage_pageable(batch):
+    """A host copy of every tensor of `batch`: what a pageable H2D copy costs the calling
+    thread on a GPU, where `.to("cuda", non_blocking=True)` from pageable memory first
+    copies the bytes into the driver's pinned staging buffer (CUDA runtime API,
+    "API synchronization behavior"; a lower bound: the DMA is not modelled)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_stage_pageable(item) for item in batch)
+    return batch
+
+
+def _alternate(build, args, steps, step, stage_original=None):
     """Both loaders driven alternately, one step each, `steps` times.
 
     Takes: build: `[make_original, make_patched]`, each `() -> loader`; args: the
     `next_batch` arguments; step: `() -> ms`, one simulated training step, run on this
     (the main) thread after each `next_batch`, returning the ms of its main-thread
-    work. The original's `next_batch` runs here, inline, as in a run. Returns
+    work; stage_original: None, or `batch -> batch` run on the original's batch inside
+    its timed `next_batch` (`_stage_pageable`). The original's `next_batch` runs here,
+    inline, as in a run. Returns
     `(waits, work, spans)`, each `[original, patched]` lists of ms per step: the time
     in `next_batch`, the step's main-thread work, and the whole step (dropping the
     previous batch, `next_batch` and the simulated step).
@@ -364,6 +385,8 @@ def _alternate(build, args, steps, step):
                 held[side] = None
                 t0 = clock()
                 held[side] = loaders[side].next_batch(*args)
+                if side == 0 and stage_original is not None:
+                    held[side] = stage_original(held[side])
                 waits[side].append((clock() - t0) * 1e3)
                 work[side].append(step())
                 spans[side].append((clock() - start) * 1e3)
@@ -487,7 +510,8 @@ def _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, 
 
 def _print_table(report: dict, stream) -> None:
     print(f"{report['script']}: {report['steps']} steps ({report['warmup_steps_excluded']} warm-up steps left out), "
-          f"{report['compute_ms']} ms step, main thread {report['main_thread']}, queue depth {report['queue_depth']}, {report['torch_threads']} torch thread(s)", file=stream)
+          f"{report['compute_ms']} ms step, main thread {report['main_thread']}, queue depth {report['queue_depth']}, {report['torch_threads']} torch thread(s)"
+          + (", the original charged its pageable H2D's host copy" if report.get("pageable_h2d") else ""), file=stream)
     print(f"  {'wait per step (ms)':22} {'p50':>9} {'p99':>9} {'max':>9} {'total':>10}", file=stream)
     for name in ("original", "patched"):
         row = [report[f"wait_ms_{name}_{k}"] for k in ("p50", "p99", "max", "total")]
@@ -525,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="TRAIN_PREFETCH_WORKERS for the patched loader; above 1 the producer rate of N workers is reported against one (ShuffledSequenceLoader family)")
     parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3; rank 0 of 8 reads every 8th in the ShuffledSequenceLoader family)")
     parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
+    parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (the patched hand-out's copy is the pinning copy it makes there)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         args = parser.parse_args(argv)
@@ -532,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if exit.code else 0
     try:
         with running_clock(f"bench {args.script}: {args.steps} steps", wanted(args.json)):
-            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers)
+            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers, pageable_h2d=args.pageable_h2d)
     except (BenchError, SourceError) as error:
         print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
         return 2

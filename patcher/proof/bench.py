@@ -68,6 +68,7 @@ from patcher.patch import patch_source
 from patcher.progress import running_clock, wanted
 from patcher.proof.shards import write_shards
 from patcher.read.source import SourceError, read_script
+from templates.staging import _each_tensor
 
 PYTHON_WORK_MS = 5.0
 WORLD_SIZE = 8
@@ -349,11 +350,7 @@ def _stage_pageable(batch):
     thread on a GPU, where `.to("cuda", non_blocking=True)` from pageable memory first
     copies the bytes into the driver's pinned staging buffer (CUDA runtime API,
     "API synchronization behavior"; a lower bound: the DMA is not modelled)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.clone()
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_stage_pageable(item) for item in batch)
-    return batch
+    return _each_tensor(batch, torch.Tensor.clone)
 
 
 def _alternate(build, args, steps, step, stage_original=None):
@@ -451,12 +448,10 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
             t0 = time.perf_counter()
             kept = [loader.next_batch(*args) for _ in range(batches)]
             return len(kept) / (time.perf_counter() - t0)
-        lean = hasattr(loader, "taken")
-        if lean:  # templates/prefetch_lean.py: `batches` slots, the child starts at the first call
-            loader.depth = batches
+        _with_depth(loader, batches)  # `batches` slots or queue places, read at the first call
+        lean = hasattr(loader, "taken")  # templates/prefetch_lean.py
+        if lean:
             wait_full = lambda timeout: _wait_queued(loader.filled, batches, timeout)
-        else:
-            loader._depth = batches  # the worker starts at the first call, with this depth
         loader.next_batch(*args)  # cold start: worker start and its first batch
         t0 = time.perf_counter()
         if not lean:

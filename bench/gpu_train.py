@@ -327,8 +327,8 @@ def run_variant(script: Path, env: dict, cwd: Path, profile_trace: Path | None =
     """Run one training process until its last step's line (`is_last_step_line`), then
     stop it and its children: what a script does after training is not measured.
 
-    Returns parse_log's dict plus "rc" (0 when stopped after its last step line), "wall_s"
-    and "log_tail" (the end of stdout and stderr).
+    Returns parse_log's dict plus "rc" (0 when stopped after its last step line), "wall_s",
+    "log_tail" (the end of stdout and stderr) and "stderr" (all of it).
     """
     command = [sys.executable, str(script)]
     if profile_trace is not None:
@@ -358,7 +358,7 @@ def run_variant(script: Path, env: dict, cwd: Path, profile_trace: Path | None =
         errors = stderr.read()
     stdout = "".join(lines)
     report = parse_log(stdout, train_batch_tokens)
-    report.update(rc=0 if finished else proc.returncode, wall_s=round(time.perf_counter() - start, 1), log_tail=(stdout + errors)[-3000:])
+    report.update(rc=0 if finished else proc.returncode, wall_s=round(time.perf_counter() - start, 1), log_tail=(stdout + errors)[-3000:], stderr=errors)
     return report
 
 
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of {', '.join(VARIANTS)} (default {DEFAULT_VARIANTS})")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each --repeat-variants variant, alternated (default 1)")
     parser.add_argument("--repeat-variants", default=DEFAULT_VARIANTS, help=f"the variants --repeats applies to (default {DEFAULT_VARIANTS}); the others run once")
-    parser.add_argument("--sanitizer-steps", type=int, default=0, help="run the patched script this many steps under TORCH_CUDA_SANITIZER=1 (0: not)")
+    parser.add_argument("--sanitizer-steps", type=int, default=0, help="run the patched script this many steps under PyTorch's CUDA stream sanitizer, in the training process only (0: not)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile original and patched for this many steps (0: no profile)")
     parser.add_argument("--work-dir", default=None, help="shards, tokenizer and run folders (default: a temporary folder)")
     parser.add_argument("--tokenizer-path", default=None, help="SentencePiece model to use (default: train one of --vocab-size pieces; needs sentencepiece)")
@@ -496,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         which, extra = VARIANTS[name]
         run = run_variant(scripts[which], {**base_env, **extra, "RUN_ID": f"{name}_{index}"}, work / f"run_{name}_{index}", train_batch_tokens=args.train_batch_tokens)
         run["timing_means"] = timing_means(run.pop("timing"))
+        run.pop("stderr")  # its end is in log_tail
         runs.setdefault(name, []).append(run)
         print(f"{name:20} rc={run['rc']} step_avg={run['step_avg_ms']} ms wall={run['wall_s']} s timing={run['timing_means']}", flush=True)
         if run["rc"] != 0 or run["step_avg_ms"] is None:
@@ -505,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**base_env, "ITERATIONS": str(args.sanitizer_steps), "WARMUP_STEPS": "2", "TORCHDYNAMO_DISABLE": "1", "RUN_ID": "sanitizer"}
         env["TRAIN_LOG_EVERY"] = str(log_every(args.sanitizer_steps))
         run = run_variant(scripts["patched"], env, work / "run_sanitizer", train_batch_tokens=args.train_batch_tokens, sanitizer=True)
-        races = run["log_tail"].count(_RACE)
+        races = run.pop("stderr").count(_RACE)  # all of it: each race comes with stack traces longer than log_tail
         report["sanitizer"] = {"rc": run["rc"], "steps": run["steps"], "races": races, "log_tail": run["log_tail"]}
         print(f"sanitizer: rc={run['rc']} steps={run['steps']} data races reported: {races}", flush=True)
         if run["rc"] != 0 or races:
@@ -515,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             trace = work / f"trace_{which}.json"
             env = {**base_env, "ITERATIONS": str(args.profile_steps), "WARMUP_STEPS": "2", "RUN_ID": f"profile_{which}"}
             run = run_variant(scripts[which], env, work / f"run_profile_{which}", profile_trace=trace, train_batch_tokens=args.train_batch_tokens)
+            run.pop("stderr")
             if run["rc"] != 0:
                 print(run["log_tail"], flush=True)
                 continue

@@ -131,7 +131,8 @@ def test_catches_a_generator_that_ignores_a_sent_value(tmp_path):
 def test_generator_ranks_read_their_own_span(tmp_path):
     # dist.get_rank() inside the generator answers the simulated rank: rank 1's first
     # item is not rank 0's (a harness that ignored ranks would compare rank 0 twice).
-    from patcher.proof.harness import IteratorRecipe, SimulatedDist, load_definitions
+    from patcher.proof.harness import SimulatedDist, load_definitions
+    from patcher.proof.recipes import IteratorRecipe
     from patcher.check.import_smoke import definitions_only
 
     source = (FIXTURES / "generator_toplevel.py").read_text()
@@ -245,7 +246,7 @@ def test_bos_id_read_from_the_script_and_web_length_documents(tmp_path):
     import numpy as np
 
     from patcher.proof.shards import read_shard, write_shards
-    from patcher.proof.verify import WEB_DOC_LEN_RANGE, _script_bos_id
+    from patcher.proof.data import WEB_DOC_LEN_RANGE, script_bos_id as _script_bos_id
 
     script = types.ModuleType("script")
     assert _script_bos_id(script) is None
@@ -265,7 +266,8 @@ def test_a_name_reassigned_in_the_loop_is_evaluated_from_its_top_level_assignmen
     # from it, then `step_batch_size = new_step_batch_size` inside the training loop.
     import libcst
 
-    from patcher.proof.harness import HarnessError, evaluate_script_code
+    from patcher.proof.harness import HarnessError
+    from patcher.proof.script_eval import evaluate_script_code
     from patcher.survey.survey import survey
 
     source = (
@@ -292,7 +294,8 @@ def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assi
     # `if args.resume_from:`, then `DistributedTokenLoader(..., skip_tokens=resume_tokens_consumed)`.
     import libcst
 
-    from patcher.proof.harness import HarnessError, evaluate_script_code
+    from patcher.proof.harness import HarnessError
+    from patcher.proof.script_eval import evaluate_script_code
     from patcher.survey.survey import survey
 
     source = (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from patcher.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
-from patcher.proof.harness import LoaderRecipe, patched_constructions
+from patcher.proof.recipes import LoaderRecipe, patched_constructions
 from patcher.patch import patch_source
 from patcher.read.source import read_script, render
 from patcher.proof.verify import CannotVerify, verify

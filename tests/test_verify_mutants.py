@@ -22,7 +22,7 @@ import libcst as cst
 import libcst.matchers as m
 import pytest
 
-from patcher.proof.harness import _top_level_names
+from patcher.proof.recipes import top_level_names as _top_level_names
 from patcher.patch import patch_source
 from patcher.read.source import read_script, render
 from patcher.proof.verify import verify

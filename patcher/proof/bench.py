@@ -1,7 +1,7 @@
 """`patch-prefetch bench SCRIPT`: how long the training loop waits for data, original vs patched.
 
 The script is patched in memory; the original and the patched training loaders are
-built as the scripts build them (`patcher.proof.harness`, one rank) on synthetic shards of
+built as the scripts build them (`patcher.proof.recipes`, one rank) on synthetic shards of
 real size (3 x 100 M tokens by default, so shard loads happen), as rank 0 of an
 8-GPU run (the records' configuration) with one torch CPU thread (torchrun sets
 OMP_NUM_THREADS=1 when it starts several processes per node; with more, the worker's
@@ -63,7 +63,9 @@ import numpy as np
 import torch
 
 from patcher.transforms.features import TOGGLES
-from patcher.proof.harness import HarnessError, LoaderRecipe, hparams_factory, host_only_pinning, load_module, patched_constructions, swapped
+from patcher.proof.harness import HarnessError, hparams_factory, load_module, swapped
+from patcher.proof.host_cuda import host_only_pinning
+from patcher.proof.recipes import LoaderRecipe, patched_constructions
 from patcher.patch import patch_source
 from patcher.progress import running_clock, wanted
 from patcher.proof.shards import write_shards

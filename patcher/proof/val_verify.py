@@ -12,6 +12,7 @@ shape and bytes, in order. The model is never called.
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import libcst as cst
@@ -19,11 +20,68 @@ import libcst.matchers as m
 import torch
 
 from patcher.cst_walk import dotted_reads as _names_read, walk_own as _walk_own
-from patcher.proof.harness import HarnessError, evaluate_script_code, survey_of
+from patcher.proof.compare import Difference, first_difference
+from patcher.proof.data import val_tokens_for
+from patcher.proof.harness import HarnessError
+from patcher.proof.host_cuda import cuda_on_host, device_for
+from patcher.proof.rank_compare import Plan
+from patcher.proof.recipes import LoaderRecipe
+from patcher.proof.script_eval import evaluate_script_code, survey_of
 from patcher.survey.survey import Survey
 from patcher.survey.val_survey import ValLoop, find_val_loops
 
+
 BATCH_NAMES = ("x", "y")
+
+
+def compare_val_loops(recipe: LoaderRecipe, patched_source: str, load, plan: Plan, seed: int, notes: list[str]) -> tuple[int, Difference | None]:
+    """The (x, y) batches of every evaluation loop val_prefetch rewrote, for every rank.
+
+    load(rank) -> (original module, patched module) as that rank imports them; `plan`
+    gives the ranks' Hyperparameters; validation tokens come from `seed`. Returns (batches compared, first difference or None). A loop that cannot be driven
+    outside its function is noted, not failed.
+    """
+    try:
+        pairs = val_loop_pairs(recipe.survey, patched_source)
+    except HarnessError as error:
+        notes.append(f"validation batches not compared: {error}")
+        return 0, None
+    compared = 0
+    for site, patched_survey, patched_function, patched_loop in pairs:
+        for rank in range(plan.world_size):
+            modules = load(rank)
+            hparams = plan.hparams_for(rank)
+            tokens = val_tokens_for(hparams, plan.world_size, seed)
+            sides = ((recipe.survey, site.function_node, site.loop), (patched_survey, patched_function, patched_loop))
+
+            def batches_of(side: int, host_cuda: bool):
+                s, f, loop = sides[side]
+                with cuda_on_host(notes) if host_cuda else contextlib.nullcontext():
+                    return loop_batches(s, f, loop, function_namespace(modules[side], f, s.module.code_for_node, hparams, rank, plan.world_size, tokens, device_for(host_cuda)))
+
+            phase = f"val:{site.function}"
+            try:
+                reference, reference_changed = batches_of(0, True)
+                # The patched loop on the CUDA path driven with host memory (pinned staging,
+                # copy stream), and for rank 0 also on a CPU device.
+                runs = [(host_cuda, batches_of(1, host_cuda)) for host_cuda in ((True, False) if rank == 0 else (True,))]
+            except Exception as error:  # the script's own code outside its function
+                notes.append(f"validation batches of {site.function} (line {site.line}) not compared: {type(error).__name__}: {error}")
+                break
+            for host_cuda, (batches, changed) in runs:
+                where = "the CUDA path (host memory)" if host_cuda else "a CPU device"
+                if len(reference) != len(batches):
+                    return compared, Difference(rank, phase, min(len(reference), len(batches)), 0, f"{len(reference)} batches vs {len(batches)}", where)
+                for n, (expected, candidate) in enumerate(zip(reference, batches)):
+                    diff = first_difference(expected, candidate)
+                    if diff is not None:
+                        return compared, Difference(rank, phase, n, diff[0], diff[1], where)
+                if changed is not None and reference_changed is None:
+                    return compared, Difference(rank, phase, changed, None, "changed after it was handed out, before the next batch was taken", where)
+            compared += len(reference)
+        else:
+            notes.append(f"validation loop of {site.function} (line {site.line}): x, y of every batch compared on {plan.world_size} ranks, on the CUDA path driven with host memory (rank 0 also on a CPU device)")
+    return compared, None
 
 
 def val_loop_pairs(original: Survey, patched_source: str) -> list[tuple[ValLoop, Survey, cst.FunctionDef, cst.For]]:
@@ -43,15 +101,6 @@ def val_loop_pairs(original: Survey, patched_source: str) -> list[tuple[ValLoop,
         used[site.function] = index + 1
         pairs.append((site, patched, function, loops[index]))
     return pairs
-
-
-def val_tokens_for(hparams, world_size: int, seed: int) -> torch.Tensor:
-    """Synthetic validation tokens, uint16: about 4 batches per rank plus a partial one."""
-    seq_len = int(getattr(hparams, "eval_seq_len", 0) or getattr(hparams, "train_seq_len", 1024))
-    batch = int(getattr(hparams, "val_batch_size", 0) or getattr(hparams, "val_batch_tokens", 0) or 64 * seq_len)
-    n = world_size * 4 * batch + 3 * seq_len + 1
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), generator=g, dtype=torch.int32).to(torch.uint16)
 
 
 def function_namespace(module: types.ModuleType, function: cst.FunctionDef, code_of, hparams, rank: int, world_size: int, val_tokens: torch.Tensor, device: torch.device | None = None) -> dict:

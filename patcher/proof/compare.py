@@ -1,0 +1,214 @@
+"""Compare what the original and the patched data source hand out, and what they leave running.
+
+`first_difference` compares two batches field by field (dtype, shape, bytes);
+`compare_phases` builds both sides phase by phase and compares their draws in order;
+`harness_step` and `draw_deadline` keep a failure or a hang of the harness apart from
+a difference. The thread checks find a replaced loader's threads and child processes
+still alive after a rebuild. A comparison ends with None (no difference), a
+`Difference`, or `CannotVerify`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import multiprocessing
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from patcher.proof.harness import HarnessError
+
+
+class CannotVerify(Exception):
+    """Verification cannot run (one line, says why)."""
+
+
+@dataclass
+class Difference:
+    """The first mismatch: rank, phase ("warmup", "train", "val:<function>"), batch index (from 0), field index, what differs."""
+
+    rank: int
+    phase: str
+    batch: int
+    field: int | None  # index of the batch's tensor that differs; None: not one field (an exception, a thread left running)
+    what: str
+    configuration: str | None = None  # how the patched loader ran (producer threads, device)
+
+
+def first_difference(a, b) -> tuple[int, str] | None:
+    """The first field where batch `b` differs from batch `a`, as (field index, what
+    differs), or None when they are the same. A batch is a tuple or list of fields, or
+    one field; tensors compare by dtype, shape and bytes, numpy arrays by dtype, shape
+    and bytes, anything else with `==`."""
+    a = a if isinstance(a, (tuple, list)) else (a,)
+    b = b if isinstance(b, (tuple, list)) else (b,)
+    if len(a) != len(b):
+        return 0, f"{len(a)} fields vs {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.dtype != y.dtype:
+                return i, f"dtype {x.dtype} vs {y.dtype}"
+            if x.shape != y.shape:
+                return i, f"shape {tuple(x.shape)} vs {tuple(y.shape)}"
+            if not (x.dtype.is_floating_point or x.dtype.is_complex) and x.device == y.device and torch.equal(x, y):
+                continue  # integers: equal values are equal bytes
+            xb, yb = _bytes(x), _bytes(y)
+            if not torch.equal(xb, yb):
+                flat_x, flat_y = x.detach().cpu().reshape(-1), y.detach().cpu().reshape(-1)
+                unequal = (xb.view(-1, x.element_size()) != yb.view(-1, y.element_size())).any(dim=1)
+                at = int(unequal.nonzero()[0, 0]) if bool(unequal.any()) else 0
+                index = tuple(int(v) for v in np.unravel_index(at, tuple(x.shape))) if x.dim() else ()
+                return i, f"bytes differ: first at {list(index)}: {flat_x[at].item()!r} vs {flat_y[at].item()!r}"
+        elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)) or x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+                return i, "numpy arrays differ"
+        elif x != y:
+            return i, f"{x!r} vs {y!r}"
+    return None
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as uint8 (so -0.0 and 0.0, or two NaNs, compare as stored)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def copy_batch(batch):
+    """A private copy of a batch (tensors cloned, containers rebuilt)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.detach().clone()
+    if isinstance(batch, np.ndarray):
+        return batch.copy()
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(copy_batch(b) for b in batch)
+    return batch
+
+
+def compare_phases(rank: int, phases, build, draw, what: str, timeout_s: float) -> Difference | None:
+    """Build both sides for each (phase, construction index, count) and compare `count`
+    draws in order; the first difference, or None. build(side, index) -> source;
+    draw(source, n) -> the n-th batch of the phase. Both sides are closed at the end.
+    A draw that takes longer than `timeout_s` seconds raises CannotVerify (the patched
+    side hangs) or DrawTimeout (the original does)."""
+    sources = [None, None]
+    try:
+        for phase, index, count in phases:
+            for side in (0, 1):
+                close(sources[side])
+                sources[side] = harness_step(lambda: build(side, index), f"building the {'original' if side == 0 else 'patched'} {what} ({phase}) for rank {rank}")
+            for n in range(count):
+                with draw_deadline(timeout_s):
+                    reference = harness_step(lambda: draw(sources[0], n), f"the original {what}'s item {n} ({phase}) on rank {rank}")
+                try:
+                    with draw_deadline(timeout_s):
+                        candidate = draw(sources[1], n)
+                except DrawTimeout as error:
+                    raise CannotVerify(f"the patched {what} hangs here (rank {rank}, {phase} item {n}): {error}") from None
+                except Exception as error:
+                    return Difference(rank, phase, n, None, f"the patched {what} raised {type(error).__name__}: {one_line(error)}")
+                diff = first_difference(reference, candidate)
+                if diff is not None:
+                    return Difference(rank, phase, n, diff[0], diff[1])
+    finally:
+        for source in sources:
+            close(source)
+    return None
+
+
+def first_rank_difference(compare, world_size: int) -> Difference | None:
+    """`compare(rank)` for ranks 0, 1, ... until one differs; None when none does."""
+    for rank in range(world_size):
+        difference = compare(rank)
+        if difference is not None:
+            return difference
+    return None
+
+
+class DrawTimeout(Exception):
+    """A draw from a loader or generator did not return within its deadline."""
+
+
+@contextlib.contextmanager
+def draw_deadline(seconds: float):
+    """Raise `DrawTimeout` in the main thread if the body runs longer than `seconds`
+    (SIGALRM interrupts a wait on a lock or event there). A no-op off the main thread
+    or where SIGALRM does not exist."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise DrawTimeout(f"no batch after {seconds:.0f} s (the data source waits on data that never comes)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def harness_step(step, what: str):
+    """Run `step()`; an exception is the harness's problem, not a difference: CannotVerify
+    "needs MODULE" for a missing module, else one line naming `what`."""
+    try:
+        return step()
+    except (CannotVerify, DrawTimeout):
+        raise
+    except HarnessError as error:
+        raise CannotVerify(str(error)) from None
+    except ModuleNotFoundError as error:
+        raise CannotVerify(f"needs {error.name or error}: {what} imports it and it is not installed here") from None
+    except Exception as error:
+        raise CannotVerify(f"{what} fails here: {type(error).__name__}: {one_line(error)}") from None
+
+
+def one_line(error: BaseException) -> str:
+    """`error`'s message on one line, at most 300 characters."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def close(loader) -> None:
+    """Shut `loader` down where its class has `shutdown()` (a patched loader's producer); else nothing."""
+    shutdown = getattr(type(loader), "shutdown", None)
+    if shutdown is not None:
+        shutdown(loader)
+
+
+def thread_kind(thread: threading.Thread) -> str:
+    """A thread's name without its numbers (`ThreadPoolExecutor-2_0` -> `ThreadPoolExecutor-_`)."""
+    return "".join(c for c in thread.name if not c.isdigit())
+
+
+def script_threads() -> set:
+    """The threads (but the main one) and the child processes running here: a loader's
+    worker threads and (templates/prefetch_lean.py) its forked producer. Both kinds
+    have `name`, `join(timeout)` and `is_alive()`."""
+    return {t for t in threading.enumerate() if t is not threading.main_thread()} | set(multiprocessing.active_children())
+
+
+def still_alive(threads: set, grace_s: float) -> list:
+    """The threads and processes of `threads` still alive after waiting up to `grace_s` seconds in all."""
+    deadline = time.monotonic() + grace_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
+
+
+def unexcused(threads: list, excused: collections.Counter) -> list:
+    """The threads of `threads` beyond those of a kind (`thread_kind`) the original also left running, up to its count."""
+    left = collections.Counter(excused)
+    beyond = []
+    for thread in threads:
+        kind = thread_kind(thread)
+        if left[kind] > 0:
+            left[kind] -= 1
+        else:
+            beyond.append(thread)
+    return beyond

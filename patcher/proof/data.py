@@ -1,0 +1,150 @@
+"""Synthetic data for a verify run, sized and placed for the script being verified.
+
+Train shards for a loader class (sized from what the ranks read per call, so that the
+run crosses shard boundaries and wraps around) and for a data generator (where the
+script looks for them, with documents starting at the BOS id the script aligns to);
+validation tokens for the evaluation loops. The shard file format itself is
+`patcher.proof.shards`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import libcst as cst
+import libcst.matchers as m
+import torch
+
+from patcher.cst_walk import walk
+from patcher.proof.harness import HarnessError, point_at_shards
+from patcher.proof.recipes import IteratorRecipe
+from patcher.proof.shards import DOC_LEN_RANGE, write_shards
+
+
+# Document lengths (tokens, BOS included) for scripts sized for web text.
+WEB_DOC_LEN_RANGE = (128, 1024)
+
+
+def write_loader_shards(data_dir: str, read_per_call: int, per_rank_call: int, seq_len: int, calls: int, seed: int, shard_tokens: int | None = None) -> int:
+    """Write 4 train shards and 1 val shard for a loader class into `data_dir`
+    (vocabulary 256, documents starting with BOS 1); returns the tokens per shard.
+
+    The shards together hold about 3/5 of what all ranks read in `calls` calls (each
+    call reads `read_per_call` tokens: its global tokens over the gradient accumulation
+    steps, shared by the ranks), so every loader crosses shard boundaries, wraps around
+    and (per-rank shard lists) reshuffles within the run; each shard still holds two
+    per-rank batches of the largest call (`per_rank_call` tokens, rows of `seq_len` + 1).
+    `shard_tokens`, where given, is the size instead (at least two rows)."""
+    floor = 2 * (per_rank_call + seq_len + 1)
+    if shard_tokens is None:
+        tokens_per_shard = max(math.ceil(read_per_call * calls * 0.6 / 4), floor, 8 * (seq_len + 1))
+    else:
+        tokens_per_shard = max(int(shard_tokens), 2 * (seq_len + 1))
+    write_shards(data_dir, train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=256, seed=seed, bos_id=1)
+    return tokens_per_shard
+
+
+def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per_item: int, items: int, seed: int, notes: list[str]) -> None:
+    """Shards for a data generator where the scripts look: `Hyperparameters.train_files`
+    (pointed there in each of `modules`), or the glob literal of the construction
+    (relative to the working directory, `root`); enough for `items` items of
+    `tokens_per_item` tokens on every rank. Notes what it wrote."""
+    # Relative to the working directory (`root`): some scripts glob with Path.cwd().glob().
+    data_dir = "data"
+    call = cst.parse_expression(recipe.original[-1])
+    literals = [n.evaluated_value for n in m.findall(call, m.SimpleString()) if "*" in str(n.evaluated_value)]
+    if literals:
+        data_dir = os.path.dirname(literals[0]) or "."
+    hp_info = recipe.survey.hyperparameters
+    for module in modules:
+        cls = module.__dict__.get(hp_info.name) if hp_info is not None else None
+        for name in ("args", "h", "hparams", "hyperparameters"):
+            if name not in module.__dict__ and recipe.survey.collector.module_scope.bindings.get(name):
+                try:
+                    recipe.evaluate(name, module)
+                except HarnessError:
+                    continue
+            value = module.__dict__.get(name)
+            if cls is not None and isinstance(value, cls):
+                point_at_shards(value, data_dir, os.path.join(data_dir, "fineweb_train_*.bin"))
+    # Four shards holding 1.5 times what the run reads (a generator may walk the files
+    # once, without wrapping around); every shard crossed, each holds several items.
+    # An argument may be per rank (older generators: `batch_size` tokens for each of
+    # `world_size` ranks per item): sized as if every rank read it.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens_per_shard = max(math.ceil(tokens_per_item * world_size * items * 1.5 / 4), 4 * tokens_per_item * world_size + 2)
+    bos_id = script_bos_id(modules[0])
+    if bos_id is None:
+        bos_id = _literal_bos_id(recipe)
+    # A script that names its BOS id sizes buffers for web-text documents (modded-nanogpt:
+    # "median doc length is ~400"); short synthetic documents would overflow them.
+    doc_lens = DOC_LEN_RANGE if bos_id is None else WEB_DOC_LEN_RANGE
+    bos_id = 1 if bos_id is None else bos_id
+    write_shards(os.path.join(root, data_dir), train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=max(256, bos_id + 1), seed=seed, bos_id=bos_id, doc_len_range=doc_lens)
+    notes.append(f"4 shards x {tokens_per_shard} tokens in {data_dir}/, documents starting with BOS {bos_id}; {tokens_per_item} tokens per item")
+
+
+def generator_tokens_per_item(recipe: IteratorRecipe, module, sent: list) -> int:
+    """The tokens one item of the generator may hold: the largest int among the last
+    construction's arguments (65536 where it has none) and among the values in `sent`
+    (a batch-size schedule can ask for bigger items than the construction)."""
+    sent_ints = [v for value in sent for v in _ints_in(value)]
+    return max([_largest_int_argument(recipe, recipe.original[-1], module), *sent_ints])
+
+
+def _largest_int_argument(recipe: IteratorRecipe, code: str, module) -> int:
+    """The largest int among the construction's arguments (the tokens per item), or 65536."""
+    call = cst.parse_expression(code)
+    values = []
+    for arg in getattr(call, "args", []):
+        try:
+            value = recipe.evaluate(cst.Module([]).code_for_node(arg.value), module)
+        except HarnessError:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            values.append(value)
+    return max(values, default=65536)
+
+
+def _ints_in(value) -> list[int]:
+    """The ints in a sent value: the value itself, or the items of a tuple or list."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return [v for v in items if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def script_bos_id(module) -> int | None:
+    """The BOS token id the script aligns documents to: a module-level int whose name
+    says BOS (`BOS_ID = 50256` in modded-nanogpt), else None. Shards without that id
+    would leave a BOS-aligned generator with no document to start from."""
+    for name, value in vars(module).items():
+        if "BOS" in name.upper() and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0xFFFF:
+            return value
+    return None
+
+
+# GPT-2's end-of-text token: the document separator of modded-nanogpt's shards.
+GPT2_EOT = 50256
+
+
+def _literal_bos_id(recipe: IteratorRecipe) -> int | None:
+    """The BOS id a generator compares tokens with when no module-level name holds it:
+    a parameter default of the generator named like BOS (`bos_id=50256`), or GPT-2's
+    end-of-text id written as a literal in the script; else None."""
+    for function in recipe.survey.collector.functions:
+        for param in function.params.params:
+            if "bos" in param.name.value.lower() and m.matches(param.default, m.Integer()):
+                return int(param.default.value)
+    eot = str(GPT2_EOT)
+    if any(isinstance(node, cst.Integer) and node.value == eot for node in walk(recipe.survey.module)):
+        return GPT2_EOT
+    return None
+
+
+def val_tokens_for(hparams, world_size: int, seed: int) -> torch.Tensor:
+    """Synthetic validation tokens, uint16: about 4 batches per rank plus a partial one."""
+    seq_len = int(getattr(hparams, "eval_seq_len", 0) or getattr(hparams, "train_seq_len", 1024))
+    batch = int(getattr(hparams, "val_batch_size", 0) or getattr(hparams, "val_batch_tokens", 0) or 64 * seq_len)
+    n = world_size * 4 * batch + 3 * seq_len + 1
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.int32).to(torch.uint16)

@@ -1,0 +1,214 @@
+"""One rank of verify's drivers (`patcher.proof.verify.DRIVERS`): both data sources driven side by side.
+
+A loader class: the original's batches drawn once per rank (`reference_batches`), then
+the patched script's constructions run in one `Configuration` and every batch compared
+when handed out and again when the next is taken; the warm-up loader's threads must be
+gone after the script rebuilds it (`compare_loader_rank`). A data generator: both
+generators advanced item by item with `next()`, or `.send(value)` at the items of
+`send_schedule` (`compare_generator_rank`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from patcher.proof.compare import CannotVerify, Difference, DrawTimeout, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.harness import SimulatedDist
+from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
+from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
+
+
+@dataclass
+class Plan:
+    """How a loader class is driven on every rank: `hparams_for(rank)` -> that rank's
+    Hyperparameters instance (on the synthetic shards), the world size, the batches of
+    the warm-up (0 where the script builds its loader once) and after the rebuild, and
+    the sequence lengths a per-step `next_batch` argument cycles through."""
+
+    hparams_for: object
+    world_size: int
+    warmup: int
+    batches: int
+    seq_lens: list[int]
+
+
+@dataclass
+class Configuration:
+    """One way of running the patched loader: its toggles, the device it hands batches to, the ranks."""
+
+    label: str
+    env: dict
+    host_cuda: bool
+    ranks: object  # a container of ranks, or None for all
+
+
+def loader_phases(recipe: LoaderRecipe, plan: Plan) -> list[tuple[str, int, int]]:
+    """(phase, construction index, batches): the warm-up on the first construction, then the last one."""
+    if plan.warmup:
+        return [("warmup", 0, plan.warmup), ("train", len(recipe.constructions) - 1, plan.batches)]
+    return [("train", 0, plan.batches)]
+
+
+@dataclass
+class Reference:
+    """The original's batches of one rank: `batches[phase][n]`, a private copy of each
+    as handed out, and per phase whether the original itself changed a batch it had
+    handed out (a loader that reuses its buffers: then the later re-check is skipped);
+    leaked: the kinds of thread (`thread_kind`) of the original's warm-up loader still
+    running at the end of the phase after its rebuild, with their counts (a script
+    loader's own idle thread pool, which the patched script keeps as well)."""
+
+    batches: dict
+    reuses: dict
+    leaked: collections.Counter = field(default_factory=collections.Counter)
+
+
+def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes: list[str], timeout_s: float) -> Reference:
+    """Draw the original's batches of `rank` for every phase (on the CUDA path driven
+    with host memory). Raises CannotVerify when the original cannot be built or drawn
+    from here (a module it needs is missing, the configuration breaks its rules), and
+    DrawTimeout when a batch takes longer than `timeout_s` seconds."""
+    batches, reuses, leaked = {}, {}, collections.Counter()
+    with cuda_on_host(notes):
+        ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(True))
+        loader, started_with = None, script_threads()
+        try:
+            for p, (phase, index, count) in enumerate(loader_phases(recipe, plan)):
+                # The warm-up loader is dropped as the script drops it when it builds the next (not shut down).
+                earlier = script_threads() - started_with
+                loader = harness_step(lambda: recipe.build(recipe.constructions[index], ns), f"building the original loader ({recipe.constructions[index].target} = ..., line {recipe.constructions[index].line}) for rank {rank}")
+                drawn, copies, changed = [], [], False
+                for n in range(count):
+                    if drawn and not changed and first_difference(copies[-1], drawn[-1]) is not None:
+                        changed = True
+                    with draw_deadline(timeout_s):
+                        batch = harness_step(lambda: loader.next_batch(*recipe.arguments(ns, n, plan.seq_lens)), f"the original loader's batch {n} ({phase}) on rank {rank}")
+                    drawn.append(batch)
+                    copies.append(copy_batch(batch))
+                batches[phase], reuses[phase] = copies, changed
+                if p > 0:
+                    leaked.update(thread_kind(t) for t in earlier if t.is_alive())
+        finally:
+            close(loader)
+    return Reference(batches, reuses, leaked)
+
+
+# A replaced loader's worker threads have this long to end (its shutdown waits 1 s).
+REBUILD_GRACE_S = 3.0
+
+
+def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, plan: Plan, rank: int, reference: Reference, configuration: Configuration, notes: list[str], timeout_s: float) -> Difference | None:
+    """Run the patched script's constructions of `rank` in `configuration` and compare
+    every batch with the original's; the first difference, or None. Raises
+    CannotVerify when the patched loader hangs (no batch within `timeout_s` seconds).
+
+    The warm-up loader is not shut down here: the script's rebuild must do it (its
+    worker threads, found by `threading.enumerate()`, must be gone after it). Each
+    batch is compared when handed out and again just before the next is taken. An
+    exception from the patched loader is a difference at that batch.
+    """
+    loader = None
+    started_with = script_threads()
+    with contextlib.ExitStack() as context:
+        if configuration.host_cuda:
+            context.enter_context(cuda_on_host(notes))
+        else:  # what a CPU-only run sees; a loader that calls .cuda() itself keeps its batches on the host
+            context.enter_context(host_only_pinning(notes))
+            context.enter_context(cuda_as_host(notes))
+        ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(configuration.host_cuda))
+        try:
+            for p, (phase, index, count) in enumerate(loader_phases(recipe, plan)):
+                before_build = script_threads()
+                earlier = before_build - started_with
+                loader = harness_step(lambda: recipe.evaluate(patched_sites[index], ns, recipe.constructions[index].binding), f"building the patched loader (line {recipe.constructions[index].line}'s construction) for rank {rank}")
+                if p > 0:
+                    leaked = unexcused(still_alive(earlier, REBUILD_GRACE_S), reference.leaked)
+                    if leaked:
+                        names = ", ".join(sorted({t.name for t in leaked}))
+                        return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
+                held = None
+                for n in range(count):
+                    if held is not None and not reference.reuses[phase]:
+                        _producer_caught_up(loader)
+                        diff = first_difference(reference.batches[phase][n - 1], held)
+                        if diff is not None:
+                            return Difference(rank, phase, n - 1, diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
+                    try:
+                        with draw_deadline(timeout_s):
+                            candidate = loader.next_batch(*recipe.arguments(ns, n, plan.seq_lens))
+                    except DrawTimeout as error:
+                        raise CannotVerify(f"the patched loader hangs here (rank {rank}, {phase} batch {n}, {configuration.label}): {error}") from None
+                    except Exception as error:
+                        return Difference(rank, phase, n, None, f"the patched loader raised {type(error).__name__}: {one_line(error)}")
+                    diff = first_difference(reference.batches[phase][n], candidate)
+                    if diff is not None:
+                        return Difference(rank, phase, n, diff[0], diff[1])
+                    held = candidate
+                if held is not None and not reference.reuses[phase]:
+                    diff = first_difference(reference.batches[phase][count - 1], held)
+                    if diff is not None:
+                        return Difference(rank, phase, count - 1, diff[0], f"changed after it was handed out: {diff[1]}")
+                if p > 0 and rank == 0:
+                    alive = script_threads() - before_build
+                    notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended; {len(alive)} of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
+        finally:
+            close(loader)
+            still_alive(script_threads() - started_with, REBUILD_GRACE_S)
+    return None
+
+
+def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
+    """Wait until a lean runtime's child (templates/prefetch_lean.py) has filled every
+    free slot, at most `timeout_s` seconds: the slot of the batch handed out last is
+    then rewritten, so a batch that still views its slot shows it when compared again
+    (deterministically, not by the child's timing). Other runtimes: returns at once."""
+    filled, process = getattr(loader, "filled", None), getattr(loader, "process", None)
+    if filled is None or not process:
+        return
+    deadline = time.monotonic() + timeout_s
+    while filled.get_value() < loader.depth and process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.0005)
+
+
+def send_schedule(recipe: IteratorRecipe, modules, batches: int, notes: list[str]) -> dict:
+    """Where the comparison sends values, as the script does: {item: (original's value,
+    patched's value)}, each distinct value the script's `.send(...)` passes (evaluated
+    in each script's own module) at evenly spaced items of every phase."""
+    if not recipe.sent:
+        return {}
+    values = [recipe.sent_values(module) for module in modules]
+    if not values[0] or len(values[0]) != len(values[1]) or batches < 2:
+        notes.append(f"`{recipe.target}.send(...)`: no value it passes could be evaluated outside training ({', '.join(recipe.sent)}); items drawn with next() only (--send EXPR gives one)")
+        return {}
+    at = [(i + 1) * batches // (len(values[0]) + 1) for i in range(len(values[0]))]
+    notes.append(f"`{recipe.target}.send(...)` of {', '.join(map(repr, values[0]))} at item {', '.join(map(str, at))}")
+    return {n: pair for n, pair in zip(at, zip(*values))}
+
+
+def compare_generator_rank(recipe: IteratorRecipe, modules, rank: int, world_size: int, counts, sends: dict, timeout_s: float) -> Difference | None:
+    """Both generators of one rank, item by item; at the items in `sends` each side is
+    sent its own script's value instead of advanced with next(). `counts`: items per
+    construction (the warm-up builds, then the last); `modules`: (original, patched).
+    The first difference, or None; CannotVerify when an item takes longer than
+    `timeout_s` seconds."""
+    for module in modules:
+        if "dist" in module.__dict__:
+            module.__dict__["dist"] = SimulatedDist(rank, world_size)
+    phases = [("train" if index == len(counts) - 1 else "warmup", index, count) for index, count in enumerate(counts)]
+    codes = (recipe.original, recipe.patched)
+    sides = {}
+
+    def build(side, index):
+        iterator = recipe.evaluate(codes[side][index], modules[side])
+        sides[id(iterator)] = side
+        return iterator
+
+    def draw(iterator, n):
+        if n in sends:
+            return iterator.send(sends[n][sides[id(iterator)]])
+        return next(iterator)
+
+    return compare_phases(rank, phases, build, draw, "generator", timeout_s)

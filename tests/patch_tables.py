@@ -1,14 +1,16 @@
-"""`assert_patch`: the one helper of the before -> after and noop tables.
+"""`assert_patch` and `assert_noop`: the helpers of the before -> after and noop tables.
 
 A table row compares a whole output, not a substring of it, so a stray edit anywhere
 in the script fails the row. The injected runtime block (templates, tested on their
 own in test_templates.py and by the end-to-end runs) stands in the expected text as
-the one line `RUNTIME`.
+the one line `RUNTIME`. A noop row also names the reason the report gives for the
+skip, exactly, with its line.
 """
 
 from __future__ import annotations
 
 from patcher.patch import PatchResult, features_from, patch_source
+from patcher.transforms.base import Note
 from patcher.transforms.features import FEATURES
 
 RUNTIME = "#<runtime>\n"
@@ -46,3 +48,23 @@ def assert_refused_beside_others(source: str, feature: str) -> None:
     feature but `feature` (a noop row checked beside the others)."""
     others = set(FEATURES) - {feature}
     assert patch_source(source, set(FEATURES)).source == patch_source(source, others).source
+
+
+def notes_of(result: PatchResult, feature: str) -> list[tuple[bool, str | None, int | None]]:
+    """`feature`'s report lines in `result`, in order: (applied, reason, line) each."""
+    return [(n.applied, n.reason, n.line) for n in result.notes if n.feature == feature]
+
+
+def assert_noop(before: str, reason: str, line: int | None = None, only: str | list[str] | None = None, enabled: set[str] | None = None, feature: str | None = None, unfixable: bool = False) -> PatchResult:
+    """A noop row: patching `before` changes nothing, applies nothing, and `feature` says why.
+
+    only / enabled: as for `assert_patch`. feature: whose report line is checked
+    (default: `only` when it names one feature). The feature must give exactly one
+    note: skipped, with exactly `reason` and `line` (None: a note with no line), and
+    `unfixable` as given. Returns the result.
+    """
+    feature = feature if feature is not None else only if isinstance(only, str) else None
+    assert feature is not None, "name the feature whose reason the row checks"
+    result = assert_patch(before, None, only=only, enabled=enabled)
+    assert [n for n in result.notes if n.feature == feature] == [Note(feature, False, reason, line, unfixable)]
+    return result

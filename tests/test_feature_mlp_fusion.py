@@ -4,48 +4,80 @@ from __future__ import annotations
 
 import pytest
 import torch
-from patch_tables import assert_patch
+from patch_tables import assert_noop, assert_patch, notes_of
 
 from patcher.patch import features_from, patch_source
 
 
-@pytest.mark.parametrize(
-    "before, after",
-    [
-        pytest.param(
-            "        x = torch.relu(self.fc(x))\n        return self.proj(x.square())\n",
-            "        x = torch.relu(self.fc(x))\n        return self.proj(x * x)\n",
-            id="relu2-named",
-        ),
-        pytest.param(
-            "        return self.proj(F.leaky_relu(self.fc(x), negative_slope=0.5).square())\n",
-            "        h = F.leaky_relu(self.fc(x), negative_slope=0.5)\n        return self.proj(h * h)\n",
-            id="leaky-relu2-inline",
-        ),
-        pytest.param(
-            "        hidden = F.leaky_relu(F.linear(x, up_w.to(x.dtype)), negative_slope=0.5).square()\n        return F.linear(hidden, down_w.to(x.dtype))\n",
-            "        up_w_cast = up_w.to(x.dtype)\n        h = F.leaky_relu(F.linear(x, up_w_cast), negative_slope=0.5)\n        hidden = h * h\n        return F.linear(hidden, down_w.to(x.dtype))\n",
-            id="banked-cast-hoisted",
-        ),
-    ],
-)
-def test_rewrites(before, after):
-    head = "import torch\nimport torch.nn.functional as F\nclass MLP(torch.nn.Module):\n    def forward(self, x, up_w=None, down_w=None):\n"
-    result = assert_patch(head + before, head + after, only="mlp_fusion")
-    assert result.applied == ["mlp_fusion"]
+# Unchanged by every row: the rows differ in the forward's body only.
+HEAD = "import torch\nimport torch.nn.functional as F\nclass MLP(torch.nn.Module):\n    def forward(self, x, up_w=None, down_w=None):\n"
+
+REWRITES = [
+    pytest.param(
+        HEAD + "        x = torch.relu(self.fc(x))\n        return self.proj(x.square())\n",
+        HEAD + "        x = torch.relu(self.fc(x))\n        return self.proj(x * x)\n",
+        (True, "relu2 square at line 6 -> h * h", 6),
+        id="relu2-named",
+    ),
+    pytest.param(
+        HEAD + "        return self.proj(F.leaky_relu(self.fc(x), negative_slope=0.5).square())\n",
+        HEAD + "        h = F.leaky_relu(self.fc(x), negative_slope=0.5)\n        return self.proj(h * h)\n",
+        (True, "leaky_relu2 square at line 5 -> h * h", 5),
+        id="leaky-relu2-inline",
+    ),
+    pytest.param(
+        HEAD + "        hidden = F.leaky_relu(F.linear(x, up_w.to(x.dtype)), negative_slope=0.5).square()\n        return F.linear(hidden, down_w.to(x.dtype))\n",
+        HEAD + "        up_w_cast = up_w.to(x.dtype)\n        h = F.leaky_relu(F.linear(x, up_w_cast), negative_slope=0.5)\n        hidden = h * h\n        return F.linear(hidden, down_w.to(x.dtype))\n",
+        (True, "banked square at line 5 -> h * h", 5),
+        id="banked-cast-hoisted",
+    ),
+    pytest.param(
+        HEAD + "        h = self.norm(x)\n        return self.proj(F.gelu(self.fc(h)).square())\n",
+        HEAD + "        h = self.norm(x)\n        h2 = F.gelu(self.fc(h))\n        return self.proj(h2 * h2)\n",
+        (True, "act2 square at line 6 -> h * h", 6),
+        id="other-activation-h-taken-so-h2",
+    ),
+    pytest.param(
+        "import torch,torch.nn.functional as F\nclass MLP(torch.nn.Module):\n\tdef forward(self,x):return self.proj(F.leaky_relu(self.fc(x),negative_slope=.5).square())\n",
+        "import torch,torch.nn.functional as F\nclass MLP(torch.nn.Module):\n\tdef forward(self,x):h=F.leaky_relu(self.fc(x),negative_slope=.5);return self.proj(h*h)\n",
+        (True, "leaky_relu2 square at line 3 -> h * h", 3),
+        id="minified-one-line-body",
+    ),
+    pytest.param(
+        "import torch,torch.nn.functional as F\nclass MLP(torch.nn.Module):\n"
+        "\tdef forward(self,x,up_w,down_w):x=F.leaky_relu(F.linear(x,up_w.to(x.dtype)),negative_slope=.5).square();return F.linear(x,down_w.to(x.dtype))\n",
+        "import torch,torch.nn.functional as F\nclass MLP(torch.nn.Module):\n"
+        "\tdef forward(self,x,up_w,down_w):up_w_cast=up_w.to(x.dtype);h=F.leaky_relu(F.linear(x,up_w_cast),negative_slope=.5);x=h*h;return F.linear(x,down_w.to(x.dtype))\n",
+        (True, "banked square at line 3 -> h * h", 3),
+        id="minified-banked-only-the-casts-of-the-square-statement-hoisted",
+    ),
+]
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        pytest.param("        return x.square().mean(-1)\n", id="rmsnorm-square-not-activation"),
-        pytest.param("        return torch.exp(-t.square() / 2.0)\n", id="gaussian-window"),
-        pytest.param("        return (torch.relu(x).square() if x.numel() else x)\n", id="square-inside-a-conditional-expression"),
-        pytest.param("        return self.proj(x.square())\n", id="square-of-a-name-not-from-an-activation"),
-    ],
-)
-def test_noop(body):
-    assert_patch("import torch\nclass N(torch.nn.Module):\n    def forward(self, x, t=None):\n" + body, None, only="mlp_fusion")
+@pytest.mark.parametrize("before, after, note", REWRITES)
+def test_rewrites(before, after, note):
+    result = assert_patch(before, after, only="mlp_fusion")
+    assert notes_of(result, "mlp_fusion") == [note]
+
+
+NO_SQUARE = "no `act(x).square()` in an MLP forward"
+COMPOUND = "square() inside a compound expression statement"
+
+NOOPS = [
+    pytest.param(HEAD + "        return x.square().mean(-1)\n", NO_SQUARE, None, id="rmsnorm-square-not-activation"),
+    pytest.param(HEAD + "        return torch.exp(-up_w.square() / 2.0)\n", NO_SQUARE, None, id="gaussian-window"),
+    pytest.param(HEAD + "        return self.proj(x.square())\n", NO_SQUARE, None, id="square-of-a-name-not-from-an-activation"),
+    pytest.param(HEAD + "        x = torch.relu(self.fc(x))\n        x = x + 1\n        return self.proj(x.square())\n", NO_SQUARE, None, id="activation-name-rebound-before-the-square"),
+    pytest.param(HEAD + "        h = torch.relu(self.fc(x))\n        return self.proj(h * h)\n", NO_SQUARE, None, id="already-fused"),
+    pytest.param("import torch\ndef mlp(fc, x):\n    return torch.relu(fc(x)).square()\n", NO_SQUARE, None, id="square-outside-a-forward"),
+    pytest.param(HEAD + "        return (torch.relu(x).square() if x.numel() else x)\n", COMPOUND, 5, id="square-inside-a-conditional-expression"),
+    pytest.param(HEAD + "        f = lambda t: torch.relu(t).square()\n        return f(x)\n", COMPOUND, 5, id="square-inside-a-lambda"),
+]
+
+
+@pytest.mark.parametrize("source, reason, line", NOOPS)
+def test_noop(source, reason, line):
+    assert_noop(source, reason, line, only="mlp_fusion")
 
 
 MLP_FORMS = """

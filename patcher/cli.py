@@ -178,7 +178,8 @@ def _run(args) -> int:
     else:
         _print_report(done.report, done.patch, stream)
         if done.check is not None:
-            print(f"  check: {'ok' if done.check.ok else 'FAILED (exit 4)'}", file=stream)
+            exit_note = "" if done.check.ok else " (exit 4)"
+            print(f"  check: {done.check.summary}{exit_note}", file=stream)
             _print_check(done.check, stream, indent="    ")
     if done.over_cap is not None:
         print(f"patch-prefetch: error: {done.over_cap}", file=sys.stderr)
@@ -229,9 +230,12 @@ def _run_check(args) -> int:
         if args.json:
             print(json.dumps(result.as_dict()))
         else:
-            print(f"{name}: {'ok' if result.ok else 'FAILED'}")
+            print(f"{name}: {result.summary}")
             _print_check(result, sys.stdout, indent="  ")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+SKIPPED_SHOWN = 5  # skipped statements listed by line; the rest are counted
 
 
 def _print_check(result, stream, indent: str) -> None:
@@ -246,15 +250,26 @@ def _print_check(result, stream, indent: str) -> None:
         print(f"{pad}wrapper compile: {'ok' if w.ok else 'FAILED line ' + str(w.line) + ': ' + str(w.error)}", file=stream)
     imp = result.imports
     if imp is not None:
-        status = "ok" if imp.ok else f"FAILED: {imp.error}"
+        status = f"FAILED: {imp.error}" if not imp.ok else (f"partial: {imp.ran} of {imp.total} top-level statements" if imp.partial else "ok")
         extra = f"; stubbed: {', '.join(imp.stubbed)}" if imp.stubbed else ""
-        extra += f"; stopped before line {imp.stopped_at} (top-level training)" if imp.stopped_at else ""
         where = f", as if at {imp.as_path}" if imp.as_path else ""
         print(f"{pad}import smoke (ran the script's definitions in a child process{where}): {status}{extra}", file=stream)
         if imp.note:
             print(f"{pad}  ({imp.note})", file=stream)
+        if imp.partial:
+            shown = imp.skipped[:SKIPPED_SHOWN]
+            more = f" and {len(imp.skipped) - len(shown)} more" if len(imp.skipped) > len(shown) else ""
+            print(f"{pad}  skipped (they do work: training, I/O, process groups): {'; '.join(shown)}{more}", file=stream)
     else:
         print(f"{pad}import smoke: not run (compiled only; nothing of the script ran)", file=stream)
+    if result.undefined is None:
+        print(f"{pad}undefined names: not checked (the running Python cannot parse the code)", file=stream)
+    elif result.undefined:
+        print(f"{pad}undefined names (pyflakes): FAILED: {'; '.join(str(u) for u in result.undefined)}", file=stream)
+    else:
+        print(f"{pad}undefined names (pyflakes, every scope): none", file=stream)
+    if result.original is not None:
+        print(f"{pad}the original, checked the same way: {'FAILED too' if not result.original.ok else 'passes'}", file=stream)
     for warning in result.warnings:
         print(f"{pad}warning: {warning}", file=stream)
     print(f"{pad}code bytes: {result.code_bytes}", file=stream)

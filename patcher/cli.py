@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
     parser.add_argument("--no-byte-breakdown", action="store_true", help="report counted code bytes before and after only, not what each feature adds (that costs one more patch per feature; tree mode's default)")
-    parser.add_argument("--python", default="3.10", help="target Python for the check: a version (default 3.10) or an interpreter path")
+    parser.add_argument("--python", default=None, help="target Python for the check: a version or an interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     tree = parser.add_argument_group("tree mode (INPUT is a directory)")
     tree.add_argument("--out-dir", help="write each patched script to the same relative path here")
     tree.add_argument("--glob", default="train*.py", help="file names to patch (default train*.py)")
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.", epilog="Note: " + IMPORT_SMOKE_HELP + ". --no-import compiles only.")
     parser.add_argument("files", nargs="+", help="training scripts (plain or wrapped)")
-    parser.add_argument("--python", default="3.10", help="target version (default 3.10) or interpreter path")
+    parser.add_argument("--python", default=None, help="target version or interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
     parser.add_argument("--no-import", action="store_true", help="compile only: no import smoke (nothing of the script runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object per file, one per line")
@@ -157,10 +157,28 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_INPUT if exit.code else EXIT_OK
     run = {"check": _run_check, "verify": _run_verify}.get(command, _run)
     try:
+        if hasattr(args, "python"):
+            args.python = _target_python(args)
         return run(args)
     except (SourceError, UsageError) as error:
         print(f"patch-prefetch: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _target_python(args) -> str:
+    """The check's target: `--python` as given, once it is known to be installed (a
+    version or path that is not: UsageError, exit 2, since a check under another Python
+    would prove nothing about it); without `--python`, the default 3.10."""
+    from patcher.check.interpreters import DEFAULT_TARGET, find_python
+
+    if args.python is None:
+        return DEFAULT_TARGET
+    if getattr(args, "no_check", False):
+        return args.python
+    path, _version = find_python(args.python)
+    if path is None:
+        raise UsageError(f"--python {args.python}: no such interpreter on PATH or under pyenv root; install it or name an interpreter path (a check under another Python would prove nothing about {args.python})")
+    return args.python
 
 
 def _run(args) -> int:

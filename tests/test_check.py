@@ -753,3 +753,25 @@ def test_the_main_command_compares_a_failing_output_with_its_input(tmp_path):
     assert [u.name for u in done.check.undefined] == ["planted_undefined"]
     assert done.check.original is not None and not done.check.original.ok
     assert done.report["check"]["original_ok"] is False
+
+
+@pytest.mark.parametrize("command", [["check", "{path}"], ["{path}", "-o", "{out}"]], ids=["check", "main-command"])
+def test_a_target_python_that_is_not_installed_is_refused(tmp_path, capsys, command):
+    from patcher.cli import main
+
+    path, out = tmp_path / "train_gpt.py", tmp_path / "out.py"
+    path.write_text((Path(__file__).parent.parent / "fixtures" / "tokenstream_readable.py").read_text())
+    argv = [a.format(path=path, out=out) for a in command] + ["--python", "3.99"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("patch-prefetch: error: --python 3.99: no such interpreter")
+    assert not out.exists()
+
+
+def test_without_a_real_target_interpreter_the_check_is_partial(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_check, "find_python", lambda target: (None, ""))
+    path = tmp_path / "train_gpt.py"
+    path.write_text("import os\nif __name__ == '__main__':\n    print(os.sep)\n")
+    result = check_file(path, "3.10", run_import=False)
+    assert result.ok and result.verdict == "partial"
+    assert result.summary == "partial: no real target interpreter: grammar check under the running Python only"

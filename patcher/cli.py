@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
     parser.add_argument("--no-byte-breakdown", action="store_true", help="report counted code bytes before and after only, not what each feature adds (that costs one more patch per feature; tree mode's default)")
-    parser.add_argument("--python", default="3.10", help="target Python for the check: a version (default 3.10) or an interpreter path")
+    parser.add_argument("--python", default=None, help="target Python for the check: a version or an interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     tree = parser.add_argument_group("tree mode (INPUT is a directory)")
     tree.add_argument("--out-dir", help="write each patched script to the same relative path here")
     tree.add_argument("--glob", default="train*.py", help="file names to patch (default train*.py)")
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.", epilog="Note: " + IMPORT_SMOKE_HELP + ". --no-import compiles only.")
     parser.add_argument("files", nargs="+", help="training scripts (plain or wrapped)")
-    parser.add_argument("--python", default="3.10", help="target version (default 3.10) or interpreter path")
+    parser.add_argument("--python", default=None, help="target version or interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
     parser.add_argument("--no-import", action="store_true", help="compile only: no import smoke (nothing of the script runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object per file, one per line")
@@ -157,10 +157,28 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_INPUT if exit.code else EXIT_OK
     run = {"check": _run_check, "verify": _run_verify}.get(command, _run)
     try:
+        if hasattr(args, "python"):
+            args.python = _target_python(args)
         return run(args)
     except (SourceError, UsageError) as error:
         print(f"patch-prefetch: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _target_python(args) -> str:
+    """The check's target: `--python` as given, once it is known to be installed (a
+    version or path that is not: UsageError, exit 2, since a check under another Python
+    would prove nothing about it); without `--python`, the default 3.10."""
+    from patcher.check.interpreters import DEFAULT_TARGET, find_python
+
+    if args.python is None:
+        return DEFAULT_TARGET
+    if getattr(args, "no_check", False):
+        return args.python
+    path, _version = find_python(args.python)
+    if path is None:
+        raise UsageError(f"--python {args.python}: no such interpreter on PATH or under pyenv root; install it or name an interpreter path (a check under another Python would prove nothing about {args.python})")
+    return args.python
 
 
 def _run(args) -> int:
@@ -178,7 +196,8 @@ def _run(args) -> int:
     else:
         _print_report(done.report, done.patch, stream)
         if done.check is not None:
-            print(f"  check: {'ok' if done.check.ok else 'FAILED (exit 4)'}", file=stream)
+            exit_note = "" if done.check.ok else " (exit 4)"
+            print(f"  check: {done.check.summary}{exit_note}", file=stream)
             _print_check(done.check, stream, indent="    ")
     if done.over_cap is not None:
         print(f"patch-prefetch: error: {done.over_cap}", file=sys.stderr)
@@ -229,9 +248,12 @@ def _run_check(args) -> int:
         if args.json:
             print(json.dumps(result.as_dict()))
         else:
-            print(f"{name}: {'ok' if result.ok else 'FAILED'}")
+            print(f"{name}: {result.summary}")
             _print_check(result, sys.stdout, indent="  ")
     return EXIT_FAILED if failed else EXIT_OK
+
+
+SKIPPED_SHOWN = 5  # skipped statements listed by line; the rest are counted
 
 
 def _print_check(result, stream, indent: str) -> None:
@@ -246,15 +268,26 @@ def _print_check(result, stream, indent: str) -> None:
         print(f"{pad}wrapper compile: {'ok' if w.ok else 'FAILED line ' + str(w.line) + ': ' + str(w.error)}", file=stream)
     imp = result.imports
     if imp is not None:
-        status = "ok" if imp.ok else f"FAILED: {imp.error}"
+        status = f"FAILED: {imp.error}" if not imp.ok else (f"partial: {imp.ran} of {imp.total} top-level statements" if imp.partial else "ok")
         extra = f"; stubbed: {', '.join(imp.stubbed)}" if imp.stubbed else ""
-        extra += f"; stopped before line {imp.stopped_at} (top-level training)" if imp.stopped_at else ""
         where = f", as if at {imp.as_path}" if imp.as_path else ""
         print(f"{pad}import smoke (ran the script's definitions in a child process{where}): {status}{extra}", file=stream)
         if imp.note:
             print(f"{pad}  ({imp.note})", file=stream)
+        if imp.partial:
+            shown = imp.skipped[:SKIPPED_SHOWN]
+            more = f" and {len(imp.skipped) - len(shown)} more" if len(imp.skipped) > len(shown) else ""
+            print(f"{pad}  skipped (they do work: training, I/O, process groups): {'; '.join(shown)}{more}", file=stream)
     else:
         print(f"{pad}import smoke: not run (compiled only; nothing of the script ran)", file=stream)
+    if result.undefined is None:
+        print(f"{pad}undefined names: not checked (the running Python cannot parse the code)", file=stream)
+    elif result.undefined:
+        print(f"{pad}undefined names (pyflakes): FAILED: {'; '.join(str(u) for u in result.undefined)}", file=stream)
+    else:
+        print(f"{pad}undefined names (pyflakes, every scope): none", file=stream)
+    if result.original is not None:
+        print(f"{pad}the original, checked the same way: {'FAILED too' if not result.original.ok else 'passes'}", file=stream)
     for warning in result.warnings:
         print(f"{pad}warning: {warning}", file=stream)
     print(f"{pad}code bytes: {result.code_bytes}", file=stream)

@@ -115,7 +115,7 @@ def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> Fil
     report["seconds"] = round(time.perf_counter() - started, 3)
     check = None
     if wrote and options.check:
-        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options)
+        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
         report["check"] = check.as_dict()
     over_cap = f"{in_path}: {_over_cap_line(budget, report['code_bytes'])}" if budget is not None and budget.over else None
     if over_cap is not None or (check is not None and not check.ok):
@@ -138,18 +138,22 @@ def _written_script(script: Script, result, text: str, patched: str) -> Script:
     return Script(script.path, text, text, module=module if text == patched else None)
 
 
-def _check_written(text: str, written: Script, out_path, in_path: Path, options: FileOptions):
-    """Run `check` on what was written (a temporary copy for stdout)."""
-    from patcher.check.check import check_file
+def _check_written(text: str, written: Script, out_path, in_path: Path, options: FileOptions, original: Script):
+    """Run `check` on what was written (a temporary copy for stdout); when it fails, on
+    `original` (the input as read) too."""
+    from patcher.check.check import check_file, compare_with_original
 
     # the output is meant to stand where the input stands: imported with the input's `__file__`
     kwargs = dict(target=options.python, timeout=options.timeout, run_import=options.run_import, as_path=in_path.resolve())
     if out_path != "-":
-        return check_file(out_path, script=replace(written, path=Path(out_path)), **kwargs)
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = Path(tmp) / in_path.name
-        copy.write_text(text)
-        return check_file(copy, script=replace(written, path=copy), **kwargs)
+        checked = check_file(out_path, script=replace(written, path=Path(out_path)), **kwargs)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / in_path.name
+            copy.write_text(text)
+            checked = check_file(copy, script=replace(written, path=copy), **kwargs)
+    # A failure: check the input the same way, so the report says who introduced it.
+    return compare_with_original(checked, original, **kwargs)
 
 
 def _compile_like_input(script, patched: str) -> None:

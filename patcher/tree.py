@@ -44,7 +44,7 @@ class Row:
     input and of what was written (None when nothing was), counted as `counted_as`
     (wrapper | minified | raw, see patcher.code_size). artifact: {"cap", "before",
     "after", "over"} in bytes where a submission.json gives the record's artifact size,
-    else None. check: ok | FAILED | None (not run). error: the one-line error for bad
+    else None. check: ok | partial | FAILED | None (not run). error: the one-line error for bad
     input, a crash, or an artifact over the cap.
     """
 
@@ -95,7 +95,7 @@ def patch_one(source: str, target: str, relative: str, options: FileOptions) -> 
         skipped=[f"{s['feature']}: {s['reason']}" for s in report["skipped"]],
         bytes_before=report["code_bytes"]["before"],
         bytes_after=report["code_bytes"]["after"] if report["written"] else None,
-        check=None if check is None else ("ok" if check.ok else "FAILED"),
+        check=None if check is None else {"ok": "ok", "partial": "partial", "failed": "FAILED"}[check.verdict],
         error=done.over_cap,
         seconds=report["seconds"],
         counted_as=report["code_bytes"].get("counted_as"),

@@ -195,7 +195,7 @@ def test_dataclass_trap_naive_loader_fails_import_smoke_passes(tmp_path):
 
     result = import_smoke(DATACLASS_MODULE, "naive_mod.py")
     assert result.ok, result.error
-    assert result.stopped_at is None
+    assert not result.partial and result.ran == result.total
 
 
 def test_guarded_script_is_not_run_as_main(tmp_path):
@@ -204,7 +204,7 @@ def test_guarded_script_is_not_run_as_main(tmp_path):
     result = import_smoke(code, "train_gpt.py")
     assert result.ok, result.error
     assert not marker.exists()
-    assert result.stopped_at is None  # a guarded script is imported whole
+    assert not result.partial and result.ran == result.total == 3  # a guarded script is imported whole
 
 
 STUB_SCRIPT = _src(
@@ -394,26 +394,71 @@ FIRST_EXECUTABLE = {
 }
 
 
+# Definitions after the training code: they run too, and a later one may need a name
+# only the training code binds (then it is skipped as well, and named).
+TOP_LEVEL_TAIL = _src(
+    """
+    def later_helper(x):
+        return schedule(x) * 2
+
+    LATER_CONSTANT = len("abc")
+
+    class LaterModel(Model):
+        ran = open(os.environ["SMOKE_LATER"], "w").close()  # proves the definitions after the training code ran
+
+    def uses_the_model(lr=model):
+        return lr
+    """
+)
+
+
 @pytest.mark.parametrize("name", list(FIRST_EXECUTABLE), ids=list(FIRST_EXECUTABLE))
-def test_top_level_training_script_imports_only_its_definitions(name, tmp_path, monkeypatch):
-    marker = tmp_path / "marker.txt"
+def test_top_level_training_script_runs_every_definition_and_skips_the_work(name, tmp_path, monkeypatch):
+    marker, later = tmp_path / "marker.txt", tmp_path / "later.txt"
     monkeypatch.setenv("SMOKE_MARKER", str(marker))
-    code = TOP_LEVEL_HEAD + "\n" + FIRST_EXECUTABLE[name] + "\nstart_training()\nfor step in range(3):\n    start_training()\n"
-    expected_stop = len(TOP_LEVEL_HEAD.splitlines()) + 2
-    assert code.splitlines()[expected_stop - 1] == FIRST_EXECUTABLE[name].splitlines()[0]
+    monkeypatch.setenv("SMOKE_LATER", str(later))
+    work = FIRST_EXECUTABLE[name] + "\nmodel = Model()\nstart_training()\nfor step in range(3):\n    start_training()\n"
+    code = TOP_LEVEL_HEAD + "\n" + work + "\n" + TOP_LEVEL_TAIL
+    first_work = len(TOP_LEVEL_HEAD.splitlines()) + 2
+    assert code.splitlines()[first_work - 1] == FIRST_EXECUTABLE[name].splitlines()[0]
 
     result = import_smoke(code, "train_gpt.py")
     assert result.ok, result.error
     assert not marker.exists(), "importing started training"
-    assert result.stopped_at == expected_stop
+    assert later.exists(), "the definitions after the training code did not run"
+    assert result.partial
+    # Skipped: the first executable, model = Model(), the call, the loop, and the
+    # function whose default needs `model`; nothing else.
+    skipped_lines = [int(s.split(":")[0].removeprefix("line ")) for s in result.skipped]
+    assert skipped_lines[0] == first_work
+    assert any("uses_the_model" in s and "needs model" in s for s in result.skipped), result.skipped
+    assert not any("later_helper" in s or "LaterModel" in s or "LATER_CONSTANT" in s for s in result.skipped)
+    assert len(result.skipped) == 5 and result.ran == result.total - 5
     assert "flash_attn_interface" in result.stubbed
 
 
-def test_top_level_stop_keeps_line_numbers_for_errors():
-    code = "import os\n\ndef f():\n    raise KeyError('RANK')\n\nX = f  # cheap\nf()\n"
-    # No guard: the import stops at `f()` (line 7), so nothing raises.
+def test_an_error_in_a_definition_after_the_training_code_is_found_at_its_line():
+    code = "import os\n\nstart = os.getpid()\nprint('training')\n\ndef f():\n    return 1\n\nX = undefined_at_import\n"
     result = import_smoke(code, "train_gpt.py")
-    assert result.ok and result.stopped_at == 7
+    assert not result.ok
+    assert "NameError" in result.error and result.line == 9
+    assert result.skipped == ["line 3: start = os.getpid()", "line 4: print('training')"]
+
+
+def test_top_level_skips_keep_line_numbers_for_errors():
+    code = "import os\n\ndef f():\n    raise KeyError('RANK')\n\nf()\nX = f  # cheap\nY = {}['a']\n"
+    # f() (line 6) does work and is skipped; the subscript of a literal at line 8 is
+    # cheap and runs, and its KeyError names line 8 of the script, not of a shortened copy.
+    result = import_smoke(code, "train_gpt.py")
+    assert not result.ok and result.line == 8 and result.skipped == ["line 6: f()"]
+
+
+def test_launcher_environment_reads_are_work():
+    code = "import os\nrank = int(os.environ['RANK'])\nworld = rank + 1\ndef f(r=world):\n    return r\n"
+    result = import_smoke(code, "train_gpt.py")
+    assert result.ok, result.error
+    assert [s.split(":")[0] for s in result.skipped] == ["line 2", "line 3", "line 4"]
+    assert result.ran == 1 and result.total == 4
 
 
 # --------------------------------------------------------------------------- check_file
@@ -539,7 +584,9 @@ def test_as_dict_has_the_documented_keys(tmp_path):
     json.dumps(data)
     assert {"file", "compile", "import", "code_bytes", "warnings"} <= set(data)
     assert {"python", "ok", "error", "line"} <= set(data["compile"])
-    assert {"ok", "stubbed", "stopped_at", "error"} <= set(data["import"])
+    assert {"ok", "partial", "total", "ran", "skipped", "stubbed", "error"} <= set(data["import"])
+    assert {"verdict", "skipped", "undefined", "original_ok"} <= set(data)
+    assert data["verdict"] == "ok" and data["undefined"] == [] and data["original_ok"] is None
     assert data["file"] == str(path) and data["code_bytes"] == path.stat().st_size
     assert check_file(path, "3.10", run_import=False).as_dict()["import"] is None
 
@@ -632,3 +679,99 @@ def test_the_patched_tree_gives_what_parsing_the_output_gives(name, tmp_path):
     fresh = analyses(compile_check.EMPTY)
     assert analyses({source: tree}) == fresh
     assert any("imports helper" in w for w in fresh[2])
+
+
+# --------------------------------------------------------------------------- verdicts earned
+
+UNDEFINED_IN_FUNCTION = "import os\n\ndef train():\n    return os.sep + misspelt_name\n\nif __name__ == '__main__':\n    train()\n"
+
+
+def test_an_undefined_name_in_a_function_body_fails_the_check(tmp_path):
+    path = tmp_path / "train_gpt.py"
+    path.write_text(UNDEFINED_IN_FUNCTION)
+    result = check_file(path, "3.10")
+    assert result.imports.ok  # importing runs no function body: only the static check sees it
+    assert [(u.name, u.line, u.col) for u in result.undefined] == [("misspelt_name", 4, 21)]
+    assert not result.ok and result.verdict == "failed" and result.summary == "FAILED"
+
+
+def test_an_undefined_name_in_skipped_training_code_fails_the_check(tmp_path):
+    path = tmp_path / "train_gpt.py"
+    path.write_text("import os\nrank = int(os.environ['RANK'])\nfor step in range(3):\n    print(step, lossx)\n")
+    result = check_file(path, "3.10")
+    assert result.imports.ok and result.imports.partial
+    assert [u.name for u in result.undefined] == ["lossx"] and result.verdict == "failed"
+
+
+def test_a_top_level_script_is_partial_never_ok(tmp_path):
+    path = tmp_path / "train_gpt.py"
+    path.write_text("import os\n\ndef f():\n    return 1\n\nrank = int(os.environ['RANK'])\nprint(rank)\n")
+    result = check_file(path, "3.10")
+    assert result.ok and result.verdict == "partial"
+    assert result.summary == "partial: import smoke ran 2 of 4 top-level statements"
+    assert result.as_dict()["skipped"] == ["import smoke ran 2 of 4 top-level statements"]
+
+
+def test_check_command_prints_partial_and_the_skipped_lines(tmp_path, capsys):
+    from patcher.cli import main
+
+    path = tmp_path / "train_gpt.py"
+    path.write_text("import os\n\ndef f():\n    return 1\n\nrank = int(os.environ['RANK'])\nprint(rank)\n")
+    assert main(["check", str(path), "--python", sys.executable]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: partial: import smoke ran 2 of 4 top-level statements" in out.splitlines()
+    assert "skipped (they do work: training, I/O, process groups): line 6: rank = int(os.environ['RANK']); line 7: print(rank)" in out
+
+
+def test_a_failed_check_says_whether_the_original_fails_too(tmp_path):
+    from patcher.check.check import compare_with_original
+    from patcher.read.source import read_script
+
+    original, broken = tmp_path / "train_gpt.py", tmp_path / "out.py"
+    original.write_text("import os\nif __name__ == '__main__':\n    print(os.sep)\n")
+    broken.write_text("import os\nif __name__ == '__main__':\n    print(os.sep, planted)\n")
+    result = compare_with_original(check_file(broken, "3.10", run_import=False), read_script(original), target="3.10", run_import=False)
+    assert result.original is not None and result.original.ok
+    assert result.summary == "FAILED (introduced by the patch: the original passes)"
+    assert result.as_dict()["original_ok"] is True
+
+    original.write_text("import os\nif __name__ == '__main__':\n    print(os.sep, planted)\n")
+    result = compare_with_original(check_file(broken, "3.10", run_import=False), read_script(original), target="3.10", run_import=False)
+    assert result.summary == "FAILED (the original fails too)"
+
+
+def test_the_main_command_compares_a_failing_output_with_its_input(tmp_path):
+    from patcher.patch_file import FileOptions, patch_file
+    from patcher.patch import features_from
+
+    script = tmp_path / "train_gpt.py"
+    fixture = (Path(__file__).parent.parent / "fixtures" / "tokenstream_readable.py").read_text()
+    script.write_text(fixture + "\n\ndef _unused():\n    return planted_undefined\n")
+    options = FileOptions(enabled=frozenset(features_from(None, None)), run_import=False)
+    done = patch_file(script, tmp_path / "out.py", options)
+    assert done.status == "check failed"
+    assert [u.name for u in done.check.undefined] == ["planted_undefined"]
+    assert done.check.original is not None and not done.check.original.ok
+    assert done.report["check"]["original_ok"] is False
+
+
+@pytest.mark.parametrize("command", [["check", "{path}"], ["{path}", "-o", "{out}"]], ids=["check", "main-command"])
+def test_a_target_python_that_is_not_installed_is_refused(tmp_path, capsys, command):
+    from patcher.cli import main
+
+    path, out = tmp_path / "train_gpt.py", tmp_path / "out.py"
+    path.write_text((Path(__file__).parent.parent / "fixtures" / "tokenstream_readable.py").read_text())
+    argv = [a.format(path=path, out=out) for a in command] + ["--python", "3.99"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("patch-prefetch: error: --python 3.99: no such interpreter")
+    assert not out.exists()
+
+
+def test_without_a_real_target_interpreter_the_check_is_partial(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile_check, "find_python", lambda target: (None, ""))
+    path = tmp_path / "train_gpt.py"
+    path.write_text("import os\nif __name__ == '__main__':\n    print(os.sep)\n")
+    result = check_file(path, "3.10", run_import=False)
+    assert result.ok and result.verdict == "partial"
+    assert result.summary == "partial: no real target interpreter: grammar check under the running Python only"

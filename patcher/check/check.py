@@ -13,9 +13,12 @@ payload inside a compressed exec wrapper, see `patcher.read.source`):
 2. **Does it import?** `import_smoke` (patcher/check/import_smoke.py) loads the code in a child process under a module
    name other than `__main__`, registered in `sys.modules` before it runs (the dataclass
    trap), with missing GPU-only packages (`flash_attn_interface`, `triton`, ...) replaced by
-   stubs that are reported. Scripts that train at top level (modded-nanogpt) are cut
-   before their first executable statement, so importing them never starts training.
-3. **Is it one file?** `self_contained_warnings` (patcher/check/self_contained.py): warnings for imports of modules that sit beside the script and
+   stubs that are reported. Of a script that trains at top level (modded-nanogpt) every
+   definition runs, from the whole file, and each statement that does work is skipped and
+   named, so importing it never starts training; such a run is "partial", never "ok".
+3. **Are all its names defined?** `undefined_names` (patcher/check/undefined.py): pyflakes,
+   statically, over every scope of the file, function bodies and skipped training code included.
+4. **Is it one file?** `self_contained_warnings` (patcher/check/self_contained.py): warnings for imports of modules that sit beside the script and
    for code files read through a path built from `__file__`.
 
 Nothing here executes the script in this process; all code search uses libcst.
@@ -32,9 +35,10 @@ from typing import Mapping
 import libcst as cst
 
 from patcher.check.compile_check import EMPTY, CompileResult, compile_source
-from patcher.check.import_smoke import ImportResult, import_smoke, importable_part
+from patcher.check.import_smoke import ImportResult, import_smoke, runnable_part
 from patcher.check.interpreters import DEFAULT_TARGET, find_python
 from patcher.check.self_contained import self_contained_warnings
+from patcher.check.undefined import UndefinedName, undefined_names
 from patcher.read.source import Script, code_bytes, read_script
 from patcher.transforms.py310_fstrings import requote
 
@@ -46,7 +50,8 @@ __all__ = [
     "compile_source",
     "import_smoke",
     "check_file",
-    "importable_part",
+    "runnable_part",
+    "undefined_names",
     "self_contained_warnings",
 ]
 
@@ -62,8 +67,11 @@ class CheckResult:
 
     file: the path as given. compile: the code (the payload for a wrapped script).
     wrapper_compile: the wrapper file itself, None for a plain script. imports: the
-    import smoke test, None when not run. code_bytes: size of the file as written, in
-    bytes (what counts toward the artifact cap). warnings: one line each.
+    import smoke test, None when not run. undefined: every use of an undefined name
+    (pyflakes), None when the code could not be parsed for it. code_bytes: size of the
+    file as written, in bytes (what counts toward the artifact cap). warnings: one line
+    each. original: for a patched script that failed, the same check of the script it
+    was patched from (`compare_with_original`), else None.
     """
 
     file: str
@@ -72,19 +80,59 @@ class CheckResult:
     imports: ImportResult | None
     code_bytes: int
     warnings: list[str] = field(default_factory=list)
+    undefined: list[UndefinedName] | None = field(default_factory=list)
+    original: "CheckResult | None" = None
 
     @property
     def ok(self) -> bool:
-        """Compiles (payload and wrapper) and, where run, imports."""
+        """Nothing failed: compiles (payload and wrapper), imports where run, no undefined name.
+        True for a partial check too (see `verdict`)."""
         wrapper_ok = self.wrapper_compile is None or self.wrapper_compile.ok
         import_ok = self.imports is None or self.imports.ok
-        return self.compile.ok and wrapper_ok and import_ok
+        return self.compile.ok and wrapper_ok and import_ok and not self.undefined
+
+    @property
+    def skipped(self) -> list[str]:
+        """What the check did not cover although it was asked to, one phrase each."""
+        out = []
+        if self.compile.ok and not self.compile.python:
+            out.append("no real target interpreter: grammar check under the running Python only")
+        if self.imports is not None and self.imports.partial:
+            out.append(f"import smoke ran {self.imports.ran} of {self.imports.total} top-level statements")
+        if self.undefined is None:
+            out.append("undefined names not checked: the running Python cannot parse the code")
+        return out
+
+    @property
+    def verdict(self) -> str:
+        """"failed" (something failed), "partial" (nothing failed, but `skipped` is not
+        empty: never reported as ok), or "ok"."""
+        if not self.ok:
+            return "failed"
+        return "partial" if self.skipped else "ok"
+
+    @property
+    def summary(self) -> str:
+        """The verdict in words: "ok", "partial: import smoke ran 40 of 52 top-level
+        statements", "FAILED"; a failure says whether the original fails the same way."""
+        if self.verdict == "partial":
+            return "partial: " + "; ".join(self.skipped)
+        if self.verdict == "ok":
+            return "ok"
+        if self.original is None:
+            return "FAILED"
+        return "FAILED (the original fails too)" if not self.original.ok else "FAILED (introduced by the patch: the original passes)"
 
     def as_dict(self) -> dict:
-        """JSON-ready dict: file, ok, compile, wrapper_compile, import, code_bytes, warnings."""
+        """JSON-ready dict: file, ok, verdict, skipped, compile, wrapper_compile, import,
+        undefined, code_bytes, warnings, original_ok (None unless compared)."""
         return {
             "file": self.file,
             "ok": self.ok,
+            "verdict": self.verdict,
+            "skipped": self.skipped,
+            "undefined": None if self.undefined is None else [u.as_dict() for u in self.undefined],
+            "original_ok": None if self.original is None else self.original.ok,
             "compile": self.compile.as_dict(),
             "wrapper_compile": self.wrapper_compile.as_dict() if self.wrapper_compile else None,
             "import": self.imports.as_dict() if self.imports else None,
@@ -136,7 +184,17 @@ def check_file(
         imports=imports,
         code_bytes=code_bytes(script.raw),
         warnings=self_contained_warnings(script.source, script.path, script.wrapped, known),
+        undefined=undefined_names(script.source, name),
     )
+
+
+def compare_with_original(result: CheckResult, original: Script, **check_options) -> CheckResult:
+    """When the patched script's check `result` failed, check `original` (the script it
+    was patched from, as read) the same way and keep that as `result.original`, so the
+    report says whether the patch introduced the failure. Returns `result`."""
+    if not result.ok:
+        result.original = check_file(original.path, script=original, **check_options)
+    return result
 
 
 def _import_if_compiles(source: str, filename: str, timeout: float, known: Mapping[str, cst.Module], as_path) -> ImportResult:

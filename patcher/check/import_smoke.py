@@ -1,7 +1,7 @@
 """Does it import? `import_smoke` loads the code in a child process under a module name
 other than `__main__`, registered in `sys.modules` first (the dataclass trap), with
 missing GPU-only packages stubbed; a script that trains at top level is cut before its
-first run-time statement (`importable_part`, `definitions_only`).
+statements that do work, everywhere in the file (`runnable_part`; `definitions_only` for verify).
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ _BOM = "\ufeff"
 class ImportResult:
     """Outcome of the import smoke test.
 
-    ok: the module body ran to the end (or to `stopped_at`) without an exception.
+    ok: what ran (`ran` of `total` top-level statements) ran without an exception.
     stubbed: full names of the missing modules replaced by stubs, in import order
-    (e.g. ["flash_attn_interface", "some_pkg", "some_pkg.sub"]). stopped_at: 1-based
-    line of the first top-level statement not imported (a script that trains at top
-    level, with no `if __name__ == "__main__":`), None when the whole module ran.
+    (e.g. ["flash_attn_interface", "some_pkg", "some_pkg.sub"]). total, ran: the
+    script's top-level statements and how many of them the smoke ran; skipped: the
+    statements it left out (a script that trains at top level, with no
+    `if __name__ == "__main__":`), `"line N: <first line>"` each (`Runnable`).
     error: one line, "ExcType: message (line N in func)", or why it could not run.
     seconds: wall time of the child process. line: line of the error in the script
     (payload lines for a wrapped script), None when unknown or ok.
@@ -48,7 +49,9 @@ class ImportResult:
 
     ok: bool
     stubbed: list[str] = field(default_factory=list)
-    stopped_at: int | None = None
+    total: int | None = None
+    ran: int | None = None
+    skipped: list[str] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
     line: int | None = None
@@ -56,13 +59,21 @@ class ImportResult:
     # the path the script was imported as (its `__file__` and `sys.argv[0]`): where it stands
     as_path: str | None = None
 
+    @property
+    def partial(self) -> bool:
+        """Some top-level statements were not run (`skipped`)."""
+        return bool(self.skipped)
+
     def as_dict(self) -> dict:
-        """JSON-ready dict: ok, stubbed, stopped_at, error, line, seconds, note, as_path."""
+        """JSON-ready dict: ok, partial, total, ran, skipped, stubbed, error, line, seconds, note, as_path."""
         return {
             "note": self.note,
             "ok": self.ok,
+            "partial": self.partial,
+            "total": self.total,
+            "ran": self.ran,
+            "skipped": list(self.skipped),
             "stubbed": list(self.stubbed),
-            "stopped_at": self.stopped_at,
             "error": self.error,
             "line": self.line,
             "seconds": round(self.seconds, 3),
@@ -106,7 +117,7 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mappi
     directory), under the module name `_smoke_<stem>`, never `__main__`, registered in
     `sys.modules` before it executes. Missing packages imported by the script are stubbed
     (`stubbed`). Without an `if __name__ == "__main__":` guard only the leading
-    definitions run (`stopped_at`). timeout: seconds before the child, its process
+    definitions run (`skipped`). timeout: seconds before the child, its process
     group and every process it started (even in a new session) are killed; the result
     then says "timed out after N s". Processes the script starts and leaves running are
     killed when the import ends. Never raises for problems in the script. known: as
@@ -117,7 +128,8 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mappi
     """
     as_path = os.path.abspath(str(filename if as_path is None else as_path))
     source = source[1:] if source.startswith(_BOM) else source
-    body, stopped_at = importable_part(source, known)
+    runnable = runnable_part(source, known)
+    body = runnable.code
     stem = _safe_stem(filename)
     with tempfile.TemporaryDirectory(prefix="patch-prefetch-smoke-") as tmp:
         script = os.path.join(tmp, stem + ".py")
@@ -125,7 +137,7 @@ def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mappi
             f.write(body)
         run = _fork_child if _FORKED_SMOKE else _run_child
         result = run(script, f"_smoke_{stem}", tmp, timeout, as_path)
-    result.stopped_at = stopped_at
+    result.total, result.ran, result.skipped = runnable.total, runnable.ran, runnable.skipped
     result.as_path = as_path
     return result
 
@@ -275,35 +287,177 @@ _CHEAP_CALLS = frozenset(
 )
 
 
-def importable_part(source: str, known: Mapping[str, cst.Module] = EMPTY) -> tuple[str, int | None]:
-    """(code to import, line where it was cut or None).
+@dataclass
+class Runnable:
+    """What the import smoke runs of a script, and what it leaves out.
+
+    code: the text to import: the whole source, or, for a script that trains at top
+    level, every top-level statement that only defines things (imports, functions,
+    classes, dataclasses, cheap constant assignments) with each statement that does work
+    replaced by as many empty lines, so that line numbers do not move. total: the
+    script's top-level statements; ran: how many of them `code` runs. skipped: one entry
+    per statement left out, `"line N: <its first line>"` (a statement that needs a name
+    only a skipped statement binds is left out too, and says so).
+    """
+
+    code: str
+    total: int
+    ran: int
+    skipped: list[str] = field(default_factory=list)
+
+
+def runnable_part(source: str, known: Mapping[str, cst.Module] = EMPTY) -> Runnable:
+    """The part of `source` the import smoke may run (`Runnable`).
 
     A script with an `if __name__ == "__main__":` guard, or one that libcst cannot
-    parse, is returned whole. Otherwise the code is cut before the first top-level
-    statement that is not an import, definition, docstring, cheap assignment,
-    `if TYPE_CHECKING:` or try-import block, or that calls `torch.cuda.*` or
-    `init_process_group` while defining (decorators, defaults, class bodies).
-    The kept text is byte-identical, so line numbers do not move. known: as for `_parse`.
+    parse, runs whole. Otherwise every top-level statement that is not an import,
+    definition, docstring, cheap assignment, `if TYPE_CHECKING:` or try-import block,
+    or that calls `torch.cuda.*` or `init_process_group` while defining (decorators,
+    defaults, class bodies), is skipped, from the whole file (not only up to the first
+    one), and so is every statement that reads, while it runs, a name that only skipped
+    statements bind (a `def f(lr=args.lr)` after a skipped `args = Hyperparameters()`).
+    known: as for `_parse`.
     """
     module = parse_known(source, known)
-    if module is None or _has_main_guard(module):
-        return source, None
+    if module is None:
+        return Runnable(source, 0, 0)
     body = list(module.body)
-    cut = next((i for i, stmt in enumerate(body) if not _is_definition(stmt)), None)
-    if cut is None:
-        return source, None
-    prefix = module.with_changes(body=body[: cut + 1])
-    positions = MetadataWrapper(prefix, unsafe_skip_copy=True).resolve(PositionProvider)
-    stop = body[cut]
-    first = stop.decorators[0] if getattr(stop, "decorators", None) else stop
-    line = positions[first].start.line
-    return module.with_changes(body=body[:cut], footer=()).code, line
+    if _has_main_guard(module):
+        return Runnable(source, len(body), len(body))
+    kept = [_is_definition(stmt) for stmt in body]
+    bound_by_kept: set[str] = set()
+    bound_by_skipped: set[str] = set()
+    because: dict[int, str] = {}
+    for index, stmt in enumerate(body):
+        names = _ImportTimeNames()
+        cst_walk.visit(stmt, names)
+        if kept[index]:
+            missing = sorted((names.read - bound_by_kept) & bound_by_skipped)
+            if missing:
+                kept[index] = False
+                because[index] = f" (needs {', '.join(missing[:3])}, bound only by skipped statements)"
+        (bound_by_kept if kept[index] else bound_by_skipped).update(names.bound)
+    if all(kept):
+        return Runnable(source, len(body), len(body))
+    texts = [module.code_for_node(stmt) for stmt in body]
+    header = "".join(module.code_for_node(empty) for empty in module.header)
+    footer = "".join(module.code_for_node(empty) for empty in module.footer)
+    if header + "".join(texts) + footer != source:  # not expected; then run nothing rather than misplace lines
+        return Runnable("", len(body), 0, ["line 1: the file could not be split into statements"])
+    pieces, skipped, line = [header], [], 1 + header.count("\n")
+    for index, stmt in enumerate(body):
+        text = texts[index]
+        if kept[index]:
+            pieces.append(text)
+        else:
+            lead = len(stmt.leading_lines) if hasattr(stmt, "leading_lines") else 0
+            first = text.splitlines()[lead] if len(text.splitlines()) > lead else ""
+            first = " ".join(first.split())
+            skipped.append(f"line {line + lead}: {first[:60] + ('…' if len(first) > 60 else '')}{because.get(index, '')}")
+            pieces.append("\n" * text.count("\n"))
+        line += text.count("\n")
+    pieces.append(footer)
+    return Runnable("".join(pieces), len(body), sum(kept), skipped)
+
+
+class _ImportTimeNames(cst.CSTVisitor):
+    """Names a top-level statement binds, and the names it reads while it runs.
+
+    Function and lambda bodies do not run at import: their reads are not counted
+    (decorators, defaults and annotations are). Attribute names and keyword names are
+    not reads. Over-counting a read only makes the smoke skip more (and say so).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bound: set[str] = set()
+        self.read: set[str] = set()
+        self._not_reads: set[int] = set()
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.bound.add(node.name.value)
+        for part in (*node.decorators, node.params, node.returns):
+            if part is not None:
+                cst_walk.visit(part, self)
+        return False
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        self.bound.add(node.name.value)
+        for part in (*node.decorators, *node.bases, *node.keywords):
+            cst_walk.visit(part, self)
+        body = _ImportTimeNames()  # the class body runs now, in a scope of its own
+        cst_walk.visit(node.body, body)
+        self.read |= body.read - body.bound
+        return False
+
+    def visit_Lambda(self, node: cst.Lambda) -> bool:
+        cst_walk.visit(node.params, self)
+        return False
+
+    def visit_Param(self, node: cst.Param) -> None:
+        self._not_reads.add(id(node.name))
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self._not_reads.add(id(node.attr))
+
+    def visit_Arg(self, node: cst.Arg) -> None:
+        if node.keyword is not None:
+            self._not_reads.add(id(node.keyword))
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
+        bound = node.asname.name if node.asname is not None else node.name
+        while isinstance(bound, cst.Attribute):
+            bound = bound.value
+        if isinstance(bound, cst.Name):
+            self.bound.add(bound.value)
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        if not isinstance(node.names, cst.ImportStar):
+            for alias in node.names:
+                alias.visit(self)
+        return False
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._bind(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._bind(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        if isinstance(node.target, cst.Name):
+            self.bound.add(node.target.value)  # read, then bound: the read is counted too
+
+    def visit_For(self, node: cst.For) -> None:
+        self._bind(node.target)
+
+    def visit_CompFor(self, node: cst.CompFor) -> None:
+        self._bind(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> None:
+        self._bind(node.name)
+
+    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
+        self._bind(node.target)
+
+    def _bind(self, target: cst.CSTNode) -> None:
+        if isinstance(target, cst.Name):
+            self.bound.add(target.value)
+            self._not_reads.add(id(target))
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for element in target.elements:
+                self._bind(element.value)
+        elif isinstance(target, cst.StarredElement):
+            self._bind(target.value)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if id(node) not in self._not_reads:
+            self.read.add(node.value)
 
 
 def definitions_only(source: str, known: Mapping[str, cst.Module] = EMPTY) -> str:
     """`source` without its top-level training code: every top-level statement that
-    `importable_part` would keep (imports, definitions, cheap assignments), from the
-    whole file, not only before the first one it cuts at. A script with a
+    `runnable_part` would keep for itself (imports, definitions, cheap assignments). A script with a
     `__main__` guard, or one libcst cannot parse, is returned whole. For `verify`,
     which needs the functions a top-level script defines after its first run-time
     statement (`args = Hyperparameters()`), and evaluates such statements itself.
@@ -375,6 +529,8 @@ def _is_cheap_expr(node: cst.CSTNode) -> bool:
     if isinstance(node, cst.Call):
         name = dotted(node.func, partial=False)
         return name in _CHEAP_CALLS and all(_is_cheap_expr(a.value) for a in node.args)
+    if isinstance(node, cst.Subscript) and dotted(node.value, partial=False) in ("os.environ", "environ"):
+        return False  # `os.environ["RANK"]`: set by the launcher (torchrun), not by an import
     cheap_kinds = (
         cst.Attribute, cst.ConcatenatedString, cst.FormattedString, cst.FormattedStringExpression,
         cst.Tuple, cst.List, cst.Set, cst.Dict, cst.UnaryOperation, cst.BinaryOperation,

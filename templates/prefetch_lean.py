@@ -64,31 +64,27 @@ import torch
 from templates.copy_stream import _h2d
 from templates.staging import _each_tensor
 
-# For the cut (patcher/render/cut.py): a default patch passes no queue_depth (the
-# TRAIN_PREFETCH_QUEUE toggle comes with the producer toggles), so the depth is 2.
-_CUT_OPTIONS = {"queue_depth": 2}
-
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
     device: where batches must end up; prefetch: bool (`TRAIN_PREFETCH`); queue_depth:
     int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
-    (`TRAIN_COPY_STREAM`); slot: the variable name, so that a rebuild shuts the
+    (`TRAIN_COPY_STREAM`); name: the variable's name, so that a rebuild shuts the
     previous producer down first.
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
-    old = _live_prefetchers.pop(slot, None)
+    old = _live_prefetchers.pop(name, None)
     if old:
         old.shutdown()
     if not prefetch:
         return make_loader(device)
-    loader = _live_prefetchers[slot] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream)
+    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream)
     return loader
 
 

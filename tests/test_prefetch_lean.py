@@ -133,7 +133,7 @@ def test_prefetch_off_is_the_original_loader():
     assert type(loader) is Stream and not producers()
 
 
-def test_rebuilding_the_same_slot_stops_the_previous_producer():
+def test_rebuilding_the_same_variable_stops_the_previous_producer():
     first = _make_train_loader(lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
     child = first.process
@@ -248,7 +248,7 @@ def test_other_arguments_or_a_call_after_shutdown_raise():
     assert not child.is_alive()
     with pytest.raises(RuntimeError):
         loader.next_batch(*ARGS)
-    never_started = _make_train_loader(lambda d: Stream(d), CPU, slot="other")
+    never_started = _make_train_loader(lambda d: Stream(d), CPU, name="other")
     never_started.shutdown()
     with pytest.raises(RuntimeError):
         never_started.next_batch(*ARGS)
@@ -282,9 +282,9 @@ def test_a_script_exits_promptly_with_a_producer_waiting_and_on_ctrl_c(tmp_path)
             assert run.returncode == -signal.SIGINT and "KeyboardInterrupt" in run.stderr and "Fatal" not in run.stderr
 
 
-def _cut_runtime(passed: set[str]) -> dict:
-    """The lean runtime a script passing the keywords `passed` receives, executed as a module."""
-    facts = render.cut_facts(["prefetch_lean"], passed)
+def _cut_runtime(options: dict) -> dict:
+    """The lean runtime a script whose one call passes `options` receives, executed as a module."""
+    facts = render.cut_facts(["prefetch_lean"], {"_make_train_loader": [options]})
     body = render.runtime_block(["prefetch_lean"], set(), False, ["TRAIN_PREFETCH"], facts, {"_make_train_loader", "next_batch"})
     namespace: dict = {"__name__": "cut_runtime"}
     exec(compile(cst.Module(body=body).code, "<cut runtime>", "exec"), namespace)
@@ -292,7 +292,7 @@ def _cut_runtime(passed: set[str]) -> dict:
 
 
 def test_the_cut_copy_hands_out_the_loaders_batches():
-    runtime = _cut_runtime(set())
+    runtime = _cut_runtime({})
     want = direct(12)
     first = runtime["_make_train_loader"](lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
@@ -302,7 +302,7 @@ def test_the_cut_copy_hands_out_the_loaders_batches():
     for w in want:
         assert same(loader.next_batch(*ARGS), w)
     # The error path too: every name it needs (multiprocessing.pool) is imported in the cut copy.
-    failing = runtime["_make_train_loader"](lambda d: Stream(d, fail_at=2), CPU, slot="other")
+    failing = runtime["_make_train_loader"](lambda d: Stream(d, fail_at=2), CPU, name="other")
     failing.next_batch(*ARGS)
     with pytest.raises(ValueError, match="shard broken at call 2") as raised:
         failing.next_batch(*ARGS)
@@ -313,7 +313,7 @@ def test_the_cut_copy_hands_out_the_loaders_batches():
 
 
 def test_the_cut_copy_has_only_what_a_default_script_uses():
-    facts = render.cut_facts(["prefetch_lean"], set())
+    facts = render.cut_facts(["prefetch_lean"], {"_make_train_loader": [{"prefetch": True, "copy_stream": True}]})
     code = cst.Module(body=render.runtime_block(["prefetch_lean"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
     for gone in ('"""', "# ", "_stage", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line

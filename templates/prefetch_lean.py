@@ -41,8 +41,8 @@ memory), for a loader whose order must not change.
 
 Contracts: at most `queue_depth` batches are built ahead (in the slots); a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
-traceback as its cause (`_reraise`; an exception that cannot be rebuilt in the
-caller arrives as a RuntimeError naming its type, with that cause); a child that dies (killed, out of memory) raises RuntimeError
+traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
+a RuntimeError naming its type, with that cause); a child that dies (killed, out of memory) raises RuntimeError
 with its exit code; building the loader again for the same variable (the warm-up
 reset) kills the previous child first; children are daemons, terminated at exit, and
 leave by themselves when the training process is gone. Arguments that differ from the
@@ -126,8 +126,8 @@ class _PrefetchLoader:
                     error = None
                 if error or code is not None:
                     self.shutdown()
-                    if error:
-                        _reraise(*error)
+                    if error:  # (the exception, the child's formatted traceback)
+                        raise error[0] from RuntimeError(error[1])
                     raise RuntimeError(f"prefetch: producer exit code {code}")
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             batch = _each_tensor(self.slots[self.taken % self.depth], lambda t: t.pin_memory() if pin else t.clone())
@@ -157,14 +157,17 @@ class _PrefetchLoader:
                         raise RuntimeError("prefetch: batch shape changed; set TRAIN_PREFETCH=0")
                     into.copy_(tensor)
                 self.filled.release()
-        except BaseException as error:  # re-raised in the training process (`_reraise`)
-            # Sent as builtins: a wrapper class of the script's own would be pickled by
-            # reference to a module that may not be importable, and the send would fail.
+        except BaseException as error:  # re-raised in the training process
+            # As torch.utils.data's ExceptionWrapper: the exception travels with its
+            # formatted traceback, which becomes its cause there. One that the caller
+            # could not rebuild (it does not pickle, or its class cannot be rebuilt from
+            # its args: an `__init__` with other required arguments) travels as a
+            # RuntimeError naming its type, not as an error of the pipe.
             try:
-                pickled = pickle.dumps(error)
-            except Exception:  # its type's name and traceback still travel
-                pickled = None
-            self.sender.send((pickled, type(error).__qualname__, traceback.format_exc()))
+                pickle.loads(pickle.dumps(error))
+            except Exception:
+                error = RuntimeError(f"prefetch: {type(error).__qualname__} in the producer")
+            self.sender.send((error, traceback.format_exc()))  # the exception this block handles
 
     def shutdown(self):
         """Kill the child process and wait for it."""
@@ -173,16 +176,3 @@ class _PrefetchLoader:
             process.kill()
             process.join()
 
-
-def _reraise(pickled, name, text):
-    """Raise a child's exception as `_produce` sends it (as torch.utils.data's
-    `ExceptionWrapper` carries it): pickled: the exception pickled, None where it does
-    not pickle; name: its type's qualified name; text: its formatted traceback. The
-    exception is raised with the child's traceback as its cause; where it cannot be
-    rebuilt here (it did not pickle, or its class cannot be rebuilt from its args: an
-    `__init__` with other required arguments), a RuntimeError naming its type is."""
-    try:
-        error = pickle.loads(pickled)  # None fails here too
-    except Exception:
-        error = RuntimeError(f"prefetch: {name} in the producer")
-    raise error from RuntimeError(text)

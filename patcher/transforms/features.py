@@ -37,7 +37,6 @@ def discover() -> list[Feature]:
 
 
 UNITS: list[Feature] = discover()
-BY_NAME: dict[str, Feature] = {u.name: u for u in UNITS}
 FEATURES: list[str] = [u.name for u in UNITS]
 # Diagnostics only add code until a toggle is set, so a default patch leaves them out
 # (every added byte counts against the artifact cap): `--with FEATURE` or `--diagnostics`.

@@ -9,10 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import libcst as cst
-import libcst.matchers as m
 
 from patcher.render import render
-from patcher.cst_walk import walk
 from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
 from patcher.survey.survey import Survey, survey
 from patcher.transforms.base import Context, Note
@@ -119,10 +117,8 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
             block.append(cst.parse_statement("import os\n"))
         block.extend(cst.SimpleStatementLine(body=[s]) for s in ctx.constants)
     if ctx.templates:
-        toggles = [n for n in ctx.toggles_used]
-        passed, read, calls = _keywords_reads_and_calls(module)
-        facts = render.cut_facts(ctx.templates, passed, render.always_passed(ctx.templates, calls))
-        runtime = render.runtime_block(ctx.templates, imports, ctx.minified, toggles, facts, read | ctx.keep)
+        facts = render.cut_facts(ctx.templates, ctx.runtime_calls)
+        runtime = render.runtime_block(ctx.templates, imports, ctx.minified, list(ctx.toggles_used), facts, _runtime_used(ctx))
         block.extend(runtime)
     if block and not ctx.minified and at < len(body) and not body[at].leading_lines:
         body[at] = body[at].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
@@ -130,29 +126,13 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
     return module, "".join(module.code_for_node(stmt) for stmt in runtime)
 
 
-def _keywords_reads_and_calls(module: cst.Module) -> tuple[set[str], set[str], list[cst.Call]]:
-    """Keyword names passed in calls; what the script may use of the runtime: every
-    name it reads other than attribute names, and the attributes it reads on names that
-    hold a runtime object (`train_loader.next_batch`, `_step_timer.time`); and the calls
-    of a plain name (`_make_train_loader(...)`), for `render.always_passed`. One walk."""
-    keywords, names, attributes, holders, calls = set(), set(), [], set(), []
-    attribute_names = set()
-    for node in walk(module):
-        if isinstance(node, cst.Arg) and node.keyword is not None:
-            keywords.add(node.keyword.value)
-        elif isinstance(node, cst.Attribute):
-            attribute_names.add(id(node.attr))
-            if isinstance(node.value, cst.Name):
-                attributes.append((node.value.value, node.attr.value))
-        elif isinstance(node, cst.Name) and id(node) not in attribute_names:
-            names.add(node.value)
-        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name):
-            calls.append(node)
-        elif m.matches(node, m.Assign(value=m.Call(func=m.Name()))) and node.value.func.value.startswith("_"):
-            holders |= {t.target.value for t in node.targets if isinstance(t.target, cst.Name)}
-    # Runtime objects: the variables built by a runtime call, and the runtime's own
-    # module-level names (`_step_timer.next_step`), which all start with "_".
-    return keywords, names | {attr for base, attr in attributes if base in holders or base.startswith("_")}, calls
+def _runtime_used(ctx: Context) -> set[str]:
+    """What the patched script uses of the runtime (the cut's roots): the names the new
+    code reads (`ctx.runtime_reads`), the attributes the script reads on a variable that
+    holds a runtime object (`train_loader.next_batch`: from the survey of the original,
+    by name in any scope), and the names kept for benchmarks (`ctx.keep`)."""
+    held = {use.attr for use in ctx.survey.collector.attribute_uses if use.base in ctx.runtime_holders}
+    return ctx.runtime_reads | held | ctx.keep
 
 
 def _top_level_imports(module: cst.Module) -> set[str]:

@@ -40,24 +40,24 @@ import threading
 
 import torch
 
-from templates.prefetch_loader import _free_slot, _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_workers
+from templates.prefetch_loader import _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_previous, _stop_workers
 
 
-def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
+def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
     """Build the training data iterator, running it ahead when `prefetch` is on.
 
     Takes: make_iterator: `() -> iterator`, the script's own expression; prefetch:
     bool (`TRAIN_PREFETCH`); queue_depth: int >= 1, items built ahead
     (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool (`TRAIN_COPY_STREAM`), run the
-    iterator's H2D copies on a side CUDA stream; slot: the variable name, so that
+    iterator's H2D copies on a side CUDA stream; name: the variable's name, so that
     building it again shuts the previous worker down first.
     Returns: `make_iterator()` itself when prefetch is off, else a `_PrefetchIterator`.
     """
-    _free_slot(slot)
+    _stop_previous(name)
     if not prefetch:
         return make_iterator()
     iterator = _PrefetchIterator(make_iterator(), queue_depth, copy_stream, remake=make_iterator)
-    _live_prefetchers[slot] = iterator
+    _live_prefetchers[name] = iterator
     return iterator
 
 
@@ -202,7 +202,7 @@ def _record_stream(value, stream):
             _record_stream(v, stream)
 
 
-def _prefetch_next_batch(make_loader, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
+def _prefetch_next_batch(make_loader, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
     """Build a training loader whose `next_batch()` moves batches to the GPU itself, run ahead.
 
     For loader classes built without a device (modded-nanogpt's older
@@ -210,11 +210,11 @@ def _prefetch_next_batch(make_loader, prefetch=True, queue_depth=2, copy_stream=
     `() -> loader`, the script's own construction; the toggles as `_prefetch_iterator`.
     Returns: `make_loader()` itself when prefetch is off, else a `_CallsAhead`.
     """
-    _free_slot(slot)
+    _stop_previous(name)
     if not prefetch:
         return make_loader()
     loader = _CallsAhead(make_loader, queue_depth, copy_stream)
-    _live_prefetchers[slot] = loader
+    _live_prefetchers[name] = loader
     return loader
 
 

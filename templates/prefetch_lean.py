@@ -41,7 +41,8 @@ memory), for a loader whose order must not change.
 
 Contracts: at most `queue_depth` batches are built ahead (in the slots); a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
-traceback as its cause; a child that dies (killed, out of memory) raises RuntimeError
+traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
+a RuntimeError naming its type, with that cause); a child that dies (killed, out of memory) raises RuntimeError
 with its exit code; building the loader again for the same variable (the warm-up
 reset) kills the previous child first; children are daemons, terminated at exit, and
 leave by themselves when the training process is gone. Arguments that differ from the
@@ -55,40 +56,38 @@ Scripts with per-step arguments, attribute reads or the producer tuning toggles 
 """
 
 import itertools
-import multiprocessing.pool
+import multiprocessing
 import os
+import pickle
 import time
+import traceback
 
 import torch
 
 from templates.copy_stream import _h2d
 from templates.staging import _each_tensor
 
-# For the cut (patcher/render/cut.py): a default patch passes no queue_depth (the
-# TRAIN_PREFETCH_QUEUE toggle comes with the producer toggles), so the depth is 2.
-_CUT_OPTIONS = {"queue_depth": 2}
-
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, slot="train_loader"):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
     device: where batches must end up; prefetch: bool (`TRAIN_PREFETCH`); queue_depth:
     int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
-    (`TRAIN_COPY_STREAM`); slot: the variable name, so that a rebuild shuts the
+    (`TRAIN_COPY_STREAM`); name: the variable's name, so that a rebuild shuts the
     previous producer down first.
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
-    old = _live_prefetchers.pop(slot, None)
+    old = _live_prefetchers.pop(name, None)
     if old:
         old.shutdown()
     if not prefetch:
         return make_loader(device)
-    loader = _live_prefetchers[slot] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream)
+    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream)
     return loader
 
 
@@ -127,7 +126,9 @@ class _PrefetchLoader:
                     error = None
                 if error or code is not None:
                     self.shutdown()
-                    raise error or RuntimeError(f"prefetch: producer exit code {code}")
+                    if error:  # (the exception, the child's formatted traceback)
+                        raise error[0] from RuntimeError(error[1])
+                    raise RuntimeError(f"prefetch: producer exit code {code}")
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             batch = _each_tensor(self.slots[self.taken % self.depth], lambda t: t.pin_memory() if pin else t.clone())
             self.taken += 1
@@ -157,7 +158,16 @@ class _PrefetchLoader:
                     into.copy_(tensor)
                 self.filled.release()
         except BaseException as error:  # re-raised in the training process
-            self.sender.send(multiprocessing.pool.ExceptionWithTraceback(error, error.__traceback__))
+            # As torch.utils.data's ExceptionWrapper: the exception travels with its
+            # formatted traceback, which becomes its cause there. One that the caller
+            # could not rebuild (it does not pickle, or its class cannot be rebuilt from
+            # its args: an `__init__` with other required arguments) travels as a
+            # RuntimeError naming its type, not as an error of the pipe.
+            try:
+                pickle.loads(pickle.dumps(error))
+            except Exception:
+                error = RuntimeError(f"prefetch: {type(error).__qualname__} in the producer")
+            self.sender.send((error, traceback.format_exc()))  # the exception this block handles
 
     def shutdown(self):
         """Kill the child process and wait for it."""
@@ -165,3 +175,4 @@ class _PrefetchLoader:
         if process:
             process.kill()
             process.join()
+

@@ -32,9 +32,11 @@ Several workers (`TRAIN_PREFETCH_WORKERS`): each batch is planned under one lock
 call order (the loader advances), finished on any of the threads, and taken by its
 sequence number (`_OrderedWorker`, templates/ordered_handoff.py).
 
-A script gets only the code paths its patch uses (patcher/render/cut.py): each option in
-`_CUT_OPTIONS` that no call site passes is the constant given there, and the code
-behind it is cut; a `_CUT_HOOKS` name is filled only by the named template.
+A script gets only the code paths its patch uses (patcher/render/cut.py): each option
+of `_make_train_loader` that the feature declares (`OPTIONS` in
+patcher/transforms/train_prefetch.py) and no call site passes is the default of its
+parameter, and the code behind it is cut; a `_CUT_HOOKS` name is filled only by the
+named template.
 """
 
 import atexit
@@ -59,8 +61,6 @@ _running_workers = set()
 _POLL_S = 0.1
 # [_OrderedWorker] where templates/ordered_handoff.py is injected (several workers).
 _ORDERED_WORKER = []
-# Options of `_make_train_loader`, and the value of one that no call site passes.
-_CUT_OPTIONS = {"reshape_arg": None, "rollback": False, "host_copy": True, "workers": 1, "assembly": None, "attrs": False, "replay": False}
 _CUT_HOOKS = {"_ORDERED_WORKER": "ordered_handoff"}
 
 
@@ -89,14 +89,14 @@ def _start_worker(worker):
         thread.start()
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, slot="train_loader", rollback=False, host_copy=True, workers=1, assembly=None, attrs=False, replay=False):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, name="train_loader", rollback=False, host_copy=True, workers=1, assembly=None, attrs=False, replay=False):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
     device: where batches must end up; prefetch: bool (`TRAIN_PREFETCH`); queue_depth:
     int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
     (`TRAIN_COPY_STREAM`); reshape_arg: index of a `next_batch` argument used only as
-    the trailing dimension of `.reshape(-1, n)`, or None; slot: the variable name,
+    the trailing dimension of `.reshape(-1, n)`, or None; name: the variable's name,
     so that a rebuild (the warm-up reset) shuts the previous worker down first;
     rollback: snapshot the loader before each batch built ahead, so that a changed
     argument discards the queued batches by restoring a snapshot instead of a replay
@@ -117,18 +117,18 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     Returns: `make_loader(device)` itself when prefetch is off (the original
     behaviour), else a `_PrefetchLoader`.
     """
-    _free_slot(slot)
+    _stop_previous(name)
     if not prefetch:
         return make_loader(device)
     if attrs and not replay:
         raise ValueError("prefetch: attrs=True needs replay=True")
-    loader = _live_prefetchers[slot] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, workers=workers, assembly=assembly, replay=replay)
+    loader = _live_prefetchers[name] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, workers=workers, assembly=assembly, replay=replay)
     return loader
 
 
-def _free_slot(slot):
-    """Shut down the prefetcher built before for the variable `slot`, if any."""
-    old = _live_prefetchers.pop(slot, None)
+def _stop_previous(name):
+    """Shut down the prefetcher built before for the variable `name`, if any."""
+    old = _live_prefetchers.pop(name, None)
     if old is not None:
         old.shutdown()
 

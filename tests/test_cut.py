@@ -16,9 +16,9 @@ import libcst as cst
 import pytest
 import torch
 
-from patcher.cst_walk import walk
 from patcher.render import render
 from patcher.render.cut import PASSED, CutError, fold, prune
+from patcher.transforms.base import Code
 
 
 def _fold(code: str, facts: dict) -> str:
@@ -211,24 +211,31 @@ def test_fold(before, facts, after):
     assert _fold(before, facts) == textwrap.dedent(after)
 
 
-def _calls(code: str) -> list[cst.Call]:
-    return [node for node in walk(cst.parse_module(code)) if isinstance(node, cst.Call)]
+TRAIN = "_make_train_loader"
+NUMPY_ON = Code("Hyperparameters.train_prefetch_numpy")
 
 
-ENTRY = "train_loader = _make_train_loader(lambda d: L(d), device, queue_depth=2, {})\n"
-
-
-@pytest.mark.parametrize("code, passed", [
-    pytest.param(ENTRY.format("assembly='_get'") * 2, {"assembly"}, id="every-call-a-string"),
-    pytest.param(ENTRY.format("assembly='_get'") + ENTRY.format("queue_depth=3"), set(), id="one-call-leaves-it-out"),
-    pytest.param(ENTRY.format("assembly=None"), set(), id="passed-as-none"),
-    pytest.param(ENTRY.format("assembly='_get' if numpy_on else None"), set(), id="may-be-none"),
-    pytest.param(ENTRY.format("host_copy=False"), {"host_copy"}, id="a-literal-false-is-not-none"),
-    pytest.param("x = other(assembly='_get')\n", set(), id="not-a-runtime-function"),
+# What each call passes -> the facts of assembly, host_copy and workers ("-": none, the code stays).
+@pytest.mark.parametrize("calls, facts", [
+    pytest.param({}, {"assembly": None, "host_copy": True, "workers": 1}, id="no-call-the-entry-functions-defaults"),
+    pytest.param({TRAIN: [{"assembly": "_get"}] * 2}, {"assembly": PASSED, "host_copy": True, "workers": 1}, id="every-call-a-string"),
+    pytest.param({TRAIN: [{"assembly": "_get"}, {"queue_depth": 3}]}, {"assembly": "-", "host_copy": True, "workers": 1}, id="one-call-leaves-it-out"),
+    pytest.param({TRAIN: [{"assembly": None}]}, {"assembly": "-", "host_copy": True, "workers": 1}, id="passed-as-none"),
+    pytest.param({TRAIN: [{"assembly": Code(f"'_get' if {NUMPY_ON} else None")}]}, {"assembly": "-", "host_copy": True, "workers": 1}, id="may-be-none"),
+    pytest.param({TRAIN: [{"host_copy": False}]}, {"assembly": None, "host_copy": PASSED, "workers": 1}, id="a-literal-false-is-not-none"),
+    pytest.param({TRAIN: [{"workers": NUMPY_ON}]}, {"assembly": None, "host_copy": True, "workers": "-"}, id="a-toggle-is-not-a-literal"),
+    pytest.param({"_other": [{"assembly": "_get"}]}, {"assembly": None, "host_copy": True, "workers": 1}, id="not-the-entry-function"),
 ])
-def test_always_passed(code, passed):
-    found = render.always_passed(["prefetch_loader"], _calls(code))
-    assert found & {"assembly", "host_copy"} == passed
+def test_cut_facts_come_from_the_options_each_call_passed(calls, facts):
+    found = render.cut_facts(["prefetch_loader"], calls)
+    assert {option: found.get(option, "-") for option in facts} == facts
+
+
+def test_an_option_default_is_the_entry_functions_own():
+    assert render.option_default("prefetch_loader", "rollback") == (TRAIN, False)
+    assert render.option_default("prefetch_lean", "queue_depth") == (TRAIN, 2)
+    with pytest.raises(CutError, match="no single module-level function"):
+        render.option_default("prefetch_loader", "no_such_option")
 
 
 def test_fold_refuses_an_option_passed_with_another_value():
@@ -317,10 +324,10 @@ class Stream:
         return chunk[:-1].reshape(-1, seq_len).to(self.device), chunk[1:].reshape(-1, seq_len).to(self.device)
 
 
-def _runtime(templates: list[str], passed: set[str]) -> dict:
-    """The runtime a script passing the keywords `passed` gets, executed as a module."""
-    facts = render.cut_facts(templates, passed)
-    roots = {"_make_train_loader", "next_batch"} | ({"pos"} if "attrs" in passed else set())
+def _runtime(templates: list[str], options: dict) -> dict:
+    """The runtime a script whose one call passes `options` gets, executed as a module."""
+    facts = render.cut_facts(templates, {TRAIN: [options]})
+    roots = {"_make_train_loader", "next_batch"} | ({"pos"} if "attrs" in options else set())
     body = render.runtime_block(templates, set(), False, ["TRAIN_PREFETCH"], facts, roots)
     code = cst.Module(body=body).code
     namespace: dict = {"__name__": "cut_runtime"}
@@ -344,7 +351,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("templates, options", VARIANTS)
 def test_cut_runtime_hands_out_the_loaders_batches(templates, options):
-    rt = _runtime(templates, set(options))
+    rt = _runtime(templates, options)
     cpu = torch.device("cpu")
     seq_lens = [8, 8, 16, 16, 16, 8, 8] if "reshape_arg" in options else [8] * 7
     args = [(64, s) for s in seq_lens] * 3
@@ -353,7 +360,7 @@ def test_cut_runtime_hands_out_the_loaders_batches(templates, options):
     first = rt["_make_train_loader"](lambda d: Stream(d), cpu, queue_depth=2, **options)
     for a in args[:3]:
         first.next_batch(*a)
-    # The warm-up rebuild: the same slot, built again; the first worker must stop.
+    # The warm-up rebuild: the same variable, built again; the first worker must stop.
     loader = rt["_make_train_loader"](lambda d: Stream(d), cpu, queue_depth=2, **options)
     direct = Stream(cpu)
     want = [direct.next_batch(*a) for a in args]
@@ -376,7 +383,7 @@ def test_cut_runtime_hands_out_the_loaders_batches(templates, options):
 
 
 def test_lean_cut_keeps_no_option_code():
-    facts = render.cut_facts(["prefetch_loader"], set())
+    facts = render.cut_facts(["prefetch_loader"], {TRAIN: [{"prefetch": Code("TRAIN_PREFETCH")}]})
     code = cst.Module(body=render.runtime_block(["prefetch_loader"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
     for gone in ("_snapshot", "_SettlingLoader", "_ORDERED_WORKER", "reshape", "assembly", "rollback", "workers=", "self._workers", '"""', "wait_full", "qsize", "_handed_out", "_rewind", "warnings", "_Built"):
         assert gone not in code, gone

@@ -180,7 +180,7 @@ def test_builds_at_most_depth_plus_two_items_ahead(clean):
     assert len(made) == depth + 2
 
 
-def test_rebuilding_the_slot_stops_the_previous_worker(clean):
+def test_rebuilding_the_variable_stops_the_previous_worker(clean):
     first = _prefetch_iterator(lambda: token_generator(), queue_depth=2)
     next(first)
     thread = first._worker.thread

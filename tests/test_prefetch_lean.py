@@ -39,12 +39,14 @@ FORK = multiprocessing.get_context("fork")
 class Stream:
     """TokenStream-like: `next_batch(global_tokens, seq_len)`; `count` (shared) counts
     calls in whichever process makes them and `called[n]` is set at call n; `fail_at`:
-    the call number that raises; `reuse`: hand out views of one buffer it rewrites;
-    `reshape_at`: the call number from which batches have another shape."""
+    the call number that raises, `error`: what it raises there (call number -> exception);
+    `reuse`: hand out views of one buffer it rewrites; `reshape_at`: the call number from
+    which batches have another shape."""
 
-    def __init__(self, device, n_tokens=1000, fail_at=None, reuse=False, reshape_at=None):
+    def __init__(self, device, n_tokens=1000, fail_at=None, reuse=False, reshape_at=None, error=None):
         self.tokens = torch.from_numpy((np.arange(n_tokens, dtype=np.int64) * 7919 + 13) % 50257)
         self.device, self.pos, self.fail_at, self.reuse, self.reshape_at = device, 0, fail_at, reuse, reshape_at
+        self.error = error or (lambda calls: ValueError(f"shard broken at call {calls}"))
         self.buffer = torch.empty(0, dtype=torch.int64)
         self.count = FORK.Value("i", 0)
         self.called = [FORK.Event() for _ in range(60)]
@@ -54,7 +56,7 @@ class Stream:
         calls = self.count.value
         self.called[min(calls, 59)].set()
         if calls == self.fail_at:
-            raise ValueError(f"shard broken at call {calls}")
+            raise self.error(calls)
         k = global_tokens + 1
         if self.pos + k > self.tokens.numel():
             self.pos = 0
@@ -133,7 +135,7 @@ def test_prefetch_off_is_the_original_loader():
     assert type(loader) is Stream and not producers()
 
 
-def test_rebuilding_the_same_slot_stops_the_previous_producer():
+def test_rebuilding_the_same_variable_stops_the_previous_producer():
     first = _make_train_loader(lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
     child = first.process
@@ -160,6 +162,39 @@ def test_a_producer_error_reaches_the_caller_at_its_batch_with_its_traceback():
     assert not child.is_alive()
     with pytest.raises(RuntimeError, match="shutdown"):
         loader.next_batch(*ARGS)
+
+
+class NeedsTwoArguments(Exception):
+    """Pickles, but its class cannot be rebuilt from its args (one message, two parameters)."""
+
+    def __init__(self, shard, call):
+        super().__init__(f"shard {shard} broken at call {call}")
+
+
+class HoldsALock(Exception):
+    """Does not pickle: it holds a lock."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize("error, last_line", [
+    pytest.param(lambda calls: NeedsTwoArguments(7, calls), "NeedsTwoArguments: shard 7 broken at call 3", id="class-not-rebuilt-from-its-args"),
+    pytest.param(lambda calls: HoldsALock(f"no lock at call {calls}"), "HoldsALock: no lock at call 3", id="does-not-pickle"),
+])
+def test_an_error_that_cannot_be_rebuilt_arrives_as_its_type_name_and_traceback(error, last_line):
+    # Neither an unpickling TypeError in the caller nor a child that dies sending it
+    # ("exit code 1"): the type's name and the child's formatted traceback arrive.
+    loader = _make_train_loader(lambda d: Stream(d, fail_at=3, error=error), CPU, queue_depth=2)
+    loader.next_batch(*ARGS)
+    loader.next_batch(*ARGS)
+    with pytest.raises(RuntimeError, match=f"^prefetch: {last_line.split(':')[0]} in the producer$") as raised:
+        loader.next_batch(*ARGS)
+    remote = str(raised.value.__cause__)  # the child's formatted traceback
+    assert remote.startswith("Traceback (most recent call last)") and "in next_batch" in remote.split("in _produce", 1)[1]
+    assert remote.rstrip().splitlines()[-1].endswith(last_line)  # module-qualified, as Python prints it
+    assert not loader.process
 
 
 def test_a_producer_that_dies_is_an_error_with_its_exit_code():
@@ -248,7 +283,7 @@ def test_other_arguments_or_a_call_after_shutdown_raise():
     assert not child.is_alive()
     with pytest.raises(RuntimeError):
         loader.next_batch(*ARGS)
-    never_started = _make_train_loader(lambda d: Stream(d), CPU, slot="other")
+    never_started = _make_train_loader(lambda d: Stream(d), CPU, name="other")
     never_started.shutdown()
     with pytest.raises(RuntimeError):
         never_started.next_batch(*ARGS)
@@ -282,9 +317,9 @@ def test_a_script_exits_promptly_with_a_producer_waiting_and_on_ctrl_c(tmp_path)
             assert run.returncode == -signal.SIGINT and "KeyboardInterrupt" in run.stderr and "Fatal" not in run.stderr
 
 
-def _cut_runtime(passed: set[str]) -> dict:
-    """The lean runtime a script passing the keywords `passed` receives, executed as a module."""
-    facts = render.cut_facts(["prefetch_lean"], passed)
+def _cut_runtime(options: dict) -> dict:
+    """The lean runtime a script whose one call passes `options` receives, executed as a module."""
+    facts = render.cut_facts(["prefetch_lean"], {"_make_train_loader": [options]})
     body = render.runtime_block(["prefetch_lean"], set(), False, ["TRAIN_PREFETCH"], facts, {"_make_train_loader", "next_batch"})
     namespace: dict = {"__name__": "cut_runtime"}
     exec(compile(cst.Module(body=body).code, "<cut runtime>", "exec"), namespace)
@@ -292,7 +327,7 @@ def _cut_runtime(passed: set[str]) -> dict:
 
 
 def test_the_cut_copy_hands_out_the_loaders_batches():
-    runtime = _cut_runtime(set())
+    runtime = _cut_runtime({})
     want = direct(12)
     first = runtime["_make_train_loader"](lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
@@ -301,8 +336,8 @@ def test_the_cut_copy_hands_out_the_loaders_batches():
     assert not child.is_alive()
     for w in want:
         assert same(loader.next_batch(*ARGS), w)
-    # The error path too: every name it needs (multiprocessing.pool) is imported in the cut copy.
-    failing = runtime["_make_train_loader"](lambda d: Stream(d, fail_at=2), CPU, slot="other")
+    # The error path too: every name it needs (pickle, traceback) is imported in the cut copy.
+    failing = runtime["_make_train_loader"](lambda d: Stream(d, fail_at=2), CPU, name="other")
     failing.next_batch(*ARGS)
     with pytest.raises(ValueError, match="shard broken at call 2") as raised:
         failing.next_batch(*ARGS)
@@ -313,9 +348,9 @@ def test_the_cut_copy_hands_out_the_loaders_batches():
 
 
 def test_the_cut_copy_has_only_what_a_default_script_uses():
-    facts = render.cut_facts(["prefetch_lean"], set())
+    facts = render.cut_facts(["prefetch_lean"], {"_make_train_loader": [{"prefetch": True, "copy_stream": True}]})
     code = cst.Module(body=render.runtime_block(["prefetch_lean"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
     for gone in ('"""', "# ", "_stage", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    assert len(code.encode()) < 4400, len(code.encode())  # bytes a raw-counted script pays (4,244 today)
+    assert len(code.encode()) < 4600, len(code.encode())  # bytes a raw-counted script pays (4,497 today)

@@ -6,7 +6,7 @@
   that cross shards and use them all up (the reshuffle).
 - `templates/prefetch_loader.py` with `workers > 1`: batches handed out in order
   whichever thread finishes first; the lifecycle guarantees of one worker (errors
-  with the worker's traceback, prompt shutdown, one set of threads per slot, memory
+  with the worker's traceback, prompt shutdown, one set of threads per loader variable, memory
   bounded by the queue depth plus one batch per thread).
 - `patcher/survey/assembly.py`: the known `next_batch` is recognised in minified and readable
   form; altered shapes are not, and the patch then keeps the script's own `next_batch`.

@@ -215,7 +215,7 @@ def test_exact_sequence_property(n_tokens, seq_len, rows, grad_accum, world_size
     args = (global_tokens, seq_len, grad_accum)
     make = lambda d: FakeTokenLoader(n_tokens, d, rank=world_size - 1, world_size=world_size)
     want, _ = direct_batches(make, [args] * n_calls)
-    wrapper = _make_train_loader(make, CPU, queue_depth=queue_depth, slot="hypothesis")
+    wrapper = _make_train_loader(make, CPU, queue_depth=queue_depth, name="hypothesis")
     try:
         for i in range(n_calls):
             assert_batch_equal(wrapper.next_batch(*args), want[i])
@@ -246,7 +246,7 @@ def test_prefetch_off_returns_plain_loader():
         assert_batch_equal(loader.next_batch(*ARGS), w)
 
 
-def test_prefetch_off_still_shuts_down_previous_in_slot():
+def test_prefetch_off_still_shuts_down_the_previous_one_of_its_name():
     first = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU)
     first.next_batch(*ARGS)
     thread = first._worker.thread
@@ -257,11 +257,11 @@ def test_prefetch_off_still_shuts_down_previous_in_slot():
 
 
 # ---------------------------------------------------------------------------
-# 3. Rebuilding a slot shuts the previous worker down
+# 3. Rebuilding a loader variable shuts the previous worker down
 # ---------------------------------------------------------------------------
 
 
-def test_rebuild_same_slot_shuts_previous_worker(clean_prefetchers):
+def test_rebuild_same_name_shuts_previous_worker(clean_prefetchers):
     _, created = clean_prefetchers
     make = lambda d: FakeTokenLoader(1000, d)
     first = _make_train_loader(make, CPU, queue_depth=2)
@@ -286,11 +286,11 @@ def test_rebuild_same_slot_shuts_previous_worker(clean_prefetchers):
     assert prefetch_threads()[0] is second._worker.thread
 
 
-def test_different_slots_are_independent(clean_prefetchers):
+def test_different_names_are_independent(clean_prefetchers):
     _, created = clean_prefetchers
     make = lambda d: FakeTokenLoader(1000, d)
-    a = _make_train_loader(make, CPU, slot="a")
-    b = _make_train_loader(make, CPU, slot="b")
+    a = _make_train_loader(make, CPU, name="a")
+    b = _make_train_loader(make, CPU, name="b")
     created += [a, b]
     want, _ = direct_batches(make, [ARGS] * 4)
     for w in want:

@@ -6,10 +6,12 @@ keyword parameter of an entry function such as `_make_train_loader`, stored on t
 instance as `self._<option>` and tested where it matters. A script whose patch never
 passes an option gets the code without it:
 
-1. **Facts.** An option left out by every call site in the patched script has its
-   default value; `fold` replaces each read of it (`rollback`, `self._rollback`) with
-   that constant. An option every call site passes as a literal other than None is
-   `PASSED`: only its tests against None (`self.assembly is not None`) are folded.
+1. **Facts** (`render.cut_facts`, from the options each call site was written with:
+   `Context.runtime_call` records them). An option that no call site passes has the
+   default of the entry function's parameter; `fold` replaces each read of it
+   (`rollback`, `self._rollback`) with that constant. An option every call site passes
+   as a literal other than None is `PASSED`: only its tests against None
+   (`self.assembly is not None`) are folded.
 2. **Folding.** `not`, `is None`, `and`/`or`, conditional expressions and `if`
    statements over constants are evaluated; the branch that cannot run is dropped,
    with parameters, keyword arguments and assignments of the option itself, and the

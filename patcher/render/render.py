@@ -18,14 +18,16 @@ import ast
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Mapping
 
 import libcst as cst
 import libcst.matchers as m
 import python_minifier
 
 import templates
-from patcher.render.cut import PASSED, StripDocsAndComments, constant_value, fold, names_read, prune
-from patcher.transforms.features import TEMPLATE_DEPENDENCIES
+from patcher.render.cut import PASSED, CutError, StripDocsAndComments, constant_value, fold, names_read, prune
+from patcher.transforms.base import Code
+from patcher.transforms.features import TEMPLATE_DEPENDENCIES, TEMPLATE_OPTIONS
 
 TEMPLATE_DIR = Path(templates.__file__).parent
 
@@ -86,55 +88,55 @@ def styled(body: list[cst.BaseStatement], minified: bool) -> list[cst.BaseStatem
     return [s.with_changes(leading_lines=[]) for s in body]
 
 
-def _declared(name: str, variable: str) -> dict:
-    """A template's `_CUT_OPTIONS` / `_CUT_HOOKS` dict literal, evaluated ({} when absent)."""
+def _hooks(name: str) -> dict:
+    """A template's `_CUT_HOOKS` dict literal (hook -> the template that fills it), evaluated ({} when absent)."""
     for stmt in _template_module(name).body:
-        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name(variable))])])):
+        if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name("_CUT_HOOKS"))])])):
             return ast.literal_eval(cst.Module([]).code_for_node(stmt.body[0].value))
     return {}
 
 
-def cut_facts(names: list[str], passed_keywords: set[str], always_passed: set[str] = frozenset()) -> dict:
+@lru_cache(maxsize=None)
+def option_default(template: str, option: str) -> tuple[str, object]:
+    """(entry function, default) of option `option` of template `template`: the
+    template's module-level function that takes that parameter, and its default.
+
+    Raises CutError unless exactly one such function exists and the default is a literal.
+    """
+    found = []
+    for stmt in template_statements(template):
+        if isinstance(stmt, cst.FunctionDef):
+            found += [(stmt.name.value, p.default) for p in (*stmt.params.params, *stmt.params.kwonly_params) if p.name.value == option]
+    known, value = constant_value(found[0][1]) if len(found) == 1 and found[0][1] is not None else (False, None)
+    if not known:
+        raise CutError(f"option {option} of templates/{template}.py: no single module-level function takes it with a literal default")
+    return found[0][0], value
+
+
+def cut_facts(names: list[str], calls: Mapping[str, list[Mapping[str, object]]]) -> dict:
     """The constants the cut may assume for templates `names` (dependencies included).
 
-    An option (a template's `_CUT_OPTIONS`) that no call site passes as a keyword
-    (`passed_keywords`) has its declared value; one that every call site passes as a
-    literal other than None (`always_passed`, see `always_passed`) is `PASSED`; a hook
-    (`_CUT_HOOKS`: name -> the template that fills it) is empty unless that template is
-    injected.
+    calls: runtime function -> the options of each call the patch writes, {keyword:
+    value} (`Context.runtime_calls`). An option of a template (`Feature.options`) that
+    no call of its entry function passes has the default of that function's parameter;
+    one that every call passes as a literal other than None is `PASSED` (a `Code`
+    value may be anything at run time). A hook (`_CUT_HOOKS`: name -> the template that
+    fills it) is empty unless that template is injected.
     """
     ordered = with_dependencies(names)
     facts = {}
     for name in ordered:
-        for option, value in _declared(name, "_CUT_OPTIONS").items():
-            if option not in passed_keywords:
-                facts[option] = value
-            elif option in always_passed:
+        for option in TEMPLATE_OPTIONS.get(name, ()):
+            entry, default = option_default(name, option)
+            given = [options[option] for options in calls.get(entry, []) if option in options]
+            if not given:
+                facts[option] = default
+            elif len(given) == len(calls[entry]) and not any(isinstance(v, Code) or v is None for v in given):
                 facts[option] = PASSED
-        for hook, filler in _declared(name, "_CUT_HOOKS").items():
+        for hook, filler in _hooks(name).items():
             if filler not in ordered:
                 facts[hook] = []
     return facts
-
-
-def always_passed(names: list[str], calls: list[cst.Call]) -> set[str]:
-    """Parameters of the templates' functions (templates `names`, dependencies included)
-    that every call in `calls` (the script's calls) of a function taking them passes as
-    a keyword with a literal value other than None (`assembly="_get_shard_memmap"`)."""
-    signatures = {}
-    for name in with_dependencies(names):
-        for stmt in template_statements(name):
-            if isinstance(stmt, cst.FunctionDef):
-                signatures[stmt.name.value] = [p.name.value for p in (*stmt.params.params, *stmt.params.kwonly_params)]
-    verdict: dict[str, bool] = {}
-    for call in calls:
-        if not isinstance(call.func, cst.Name) or call.func.value not in signatures:
-            continue
-        given = {a.keyword.value: a.value for a in call.args if a.keyword is not None}
-        for param in signatures[call.func.value]:
-            known, value = constant_value(given[param]) if param in given else (False, None)
-            verdict[param] = verdict.get(param, True) and known and value is not None
-    return {param for param, every in verdict.items() if every}
 
 
 def with_dependencies(names: list[str]) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import libcst as cst
 
@@ -17,14 +17,14 @@ class Toggle:
     name: the environment variable (`TRAIN_PREFETCH`); its attribute in the
     Hyperparameters idiom is the lower-cased name. default: its value when unset; its
     type is the toggle's type (an int is read through `int(...)`, a str as is). doc:
-    one line saying what it switches. slot: its place among the toggle lines a patch
+    one line saying what it switches. position: its place among the toggle lines a patch
     writes (fixed, so the same script patches to the same bytes from version to version).
     """
 
     name: str
     default: int | str
     doc: str
-    slot: int
+    position: int
 
     @property
     def attr(self) -> str:
@@ -42,7 +42,10 @@ class Feature:
     name: what `--only`/`--skip`/`--with` take. apply: `(module, ctx) -> (module, notes)`.
     order: its place in the pipeline (lower runs first; later features see the edits of
     earlier ones). toggles: the switches its code reads. runtime: the templates it may
-    inject, each with the templates that one uses (injected before it). injected: the
+    inject, each with the templates that one uses (injected before it). options: for a
+    template, the parameters of its entry function that the feature chooses per call
+    site and whose code the cut drops when no call chooses them (patcher/render/cut.py;
+    their defaults are the entry function's own). injected: the
     module-level name its runtime defines (its presence means the script is already
     patched). diagnostic: only with `--with`/`--diagnostics`. analyse: `survey -> facts`,
     the feature's own reading of the script, run on the unpatched module before any
@@ -54,6 +57,7 @@ class Feature:
     order: int
     toggles: tuple[Toggle, ...] = ()
     runtime: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    options: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     injected: str | None = None
     diagnostic: bool = False
     analyse: Callable[[Survey], object] | None = None
@@ -88,6 +92,10 @@ class Context:
     does not use them (benchmarks).
     producer_toggles: add the producer tuning toggles (`TRAIN_PREFETCH_QUEUE`; and
     `TRAIN_PREFETCH_WORKERS`, `TRAIN_PREFETCH_NUMPY` where the loader family has them).
+    What the new code uses of the runtime, for the renderer (`runtime_call`):
+    runtime_calls: runtime function -> the options of each call written, {keyword:
+    value}; runtime_reads: runtime names and attribute names the new code reads;
+    runtime_holders: script variables that hold a runtime object (`train_loader`).
     """
 
     survey: Survey
@@ -100,6 +108,9 @@ class Context:
     constants: list = field(default_factory=list)
     keep: set = field(default_factory=set)
     producer_toggles: bool = False
+    runtime_calls: dict[str, list[dict]] = field(default_factory=dict)
+    runtime_reads: set[str] = field(default_factory=set)
+    runtime_holders: set[str] = field(default_factory=set)
 
     @property
     def minified(self) -> bool:
@@ -117,6 +128,11 @@ class Context:
         if env_name not in self.toggles_used:
             self.toggles_used.append(env_name)
         return f"{self.survey.hyperparameters.name}.{toggle.attr}" if self.toggle_home == "class" else env_name
+
+    def toggle_value(self, env_name: str) -> "Code | int | str":
+        """Toggle `env_name` as an option value (`runtime_call`): the expression that
+        reads it at run time, or its default itself where env_toggles is off."""
+        return self.toggles[env_name].default if self.toggle_home == "literal" else Code(self.toggle(env_name))
 
     @property
     def toggle_home(self) -> str:
@@ -141,6 +157,36 @@ class Context:
 
     def code(self, readable: str, minified: str) -> str:
         return minified if self.minified else readable
+
+    def runtime_call(self, function: str, arguments: Sequence[str] = (), options: Mapping[str, object] | None = None, holder: str | None = None) -> cst.Call:
+        """The call `function(*arguments, **options)` of the injected runtime, recorded.
+
+        function: a runtime function, or a method of a runtime object
+        (`_step_timer.next_step`). arguments: the positional arguments' source, written
+        as is. options: keyword -> value, written in this order: a literal (None, bool,
+        int, str: written with repr) or `Code` (source read at run time: a toggle).
+        holder: the script variable the call's result is assigned to, whose attributes
+        the script reads (`train_loader.next_batch`).
+        Records the options under `function` (the cut's facts: `render.cut_facts`), the
+        names the call reads, and the holder. Returns the call in the script's style.
+        """
+        options = dict(options or {})
+        self.runtime_calls.setdefault(function, []).append(options)
+        self.runtime_reads.update(function.split("."))
+        if holder is not None:
+            self.runtime_holders.add(holder)
+        keywords = [f"{keyword}={value if isinstance(value, Code) else repr(value)}" for keyword, value in options.items()]
+        return cst.parse_expression(f"{function}({self.code(', ', ',').join([*arguments, *keywords])})")
+
+    def uses_runtime(self, *names: str) -> None:
+        """Record runtime names (module-level or attribute names) that new code built
+        without `runtime_call` reads (`_step_timer`, `time`)."""
+        self.runtime_reads.update(names)
+
+
+class Code(str):
+    """An option value given as source (`Hyperparameters.train_prefetch`): an expression
+    evaluated at run time, written as is, never a literal the cut may rely on."""
 
 
 class Tracking(cst.CSTTransformer):

@@ -42,11 +42,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             notes.append(Note(FEATURE, False, f"{name}.next_batch has no `.to(self.device, non_blocking=True)` copy", cls.line))
             continue
         toggle = ctx.toggle("TRAIN_COPY_STREAM")
-        sep = ctx.code(", ", ",")
         for call in cls.h2d_calls:
             tensor = module.code_for_node(call.func.value)
             device = module.code_for_node(call.args[0].value)
-            replacements[call] = cst.parse_expression(f"_h2d({tensor}{sep}{device}{sep}{toggle})")
+            replacements[call] = ctx.runtime_call("_h2d", [tensor, device, toggle])
         lines = ", ".join(sorted({str(survey.line_of(c)) for c in cls.h2d_calls}, key=int))
         notes.append(Note(FEATURE, True, f"{name}.next_batch H2D at line {lines} on the copy stream", cls.line))
     if replacements:
@@ -56,4 +55,4 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 
 
 # after train_prefetch: its notes say which copies the prefetch thread makes
-UNIT = Feature(FEATURE, apply, order=20, toggles=(Toggle("TRAIN_COPY_STREAM", 1, "host-to-device copies of training batches on a dedicated CUDA stream", slot=2),), runtime={"copy_stream": ()}, injected="_h2d")
+UNIT = Feature(FEATURE, apply, order=20, toggles=(Toggle("TRAIN_COPY_STREAM", 1, "host-to-device copies of training batches on a dedicated CUDA stream", position=2),), runtime={"copy_stream": ()}, injected="_h2d")

@@ -72,9 +72,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     parts = [("batch", step.batch), ("forward", step.forward), ("backward", step.backward)]
     parts += [("optimizer", c) for c in step.optimizer] + [("val", c) for c in step.val]
     module = replace_nodes(module, {call: _timed(phase, ctx.resolve(call), ctx) for phase, call in parts}, ctx)
-    sep = ctx.code(", ", ",")
-    args = sep.join([ctx.toggle("TRAINING_TIMING_BREAKDOWN"), ctx.toggle("TRAINING_TIMING_EVERY"), log_name])
-    first = cst.parse_statement(f"_step_timer.next_step({args})\n").body[0]
+    first = cst.Expr(ctx.runtime_call("_step_timer.next_step", [ctx.toggle("TRAINING_TIMING_BREAKDOWN"), ctx.toggle("TRAINING_TIMING_EVERY"), log_name]))
     loop = ctx.resolve(step.loop)
     module = edit_tops(module, ctx, {survey.top_level_of(step.loop)}, ReplaceNodes({step.loop: _prepend(loop, first)}))
     ctx.need("step_timing")
@@ -86,8 +84,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 
 # order 40: times the calls the training-loader rewrites left in the loop
 UNIT = Feature(FEATURE, apply, order=40, diagnostic=True, injected="_step_timer", runtime={"step_timing": ("copy_stream",)}, toggles=(
-    Toggle("TRAINING_TIMING_BREAKDOWN", 0, "log the time of each training-step phase (batch, forward, backward, optimizer)", slot=3),
-    Toggle("TRAINING_TIMING_EVERY", 200, "steps between two timing lines", slot=4),
+    Toggle("TRAINING_TIMING_BREAKDOWN", 0, "log the time of each training-step phase (batch, forward, backward, optimizer)", position=3),
+    Toggle("TRAINING_TIMING_EVERY", 200, "steps between two timing lines", position=4),
 ))
 
 
@@ -273,6 +271,7 @@ def _visible(survey, log_fn: cst.FunctionDef, function: cst.FunctionDef | None) 
 
 def _timed(phase: str, call: cst.BaseExpression, ctx: Context) -> cst.Call:
     """`_step_timer.time("<phase>", lambda: <call>)`, keeping `call`'s own nodes."""
+    ctx.uses_runtime("_step_timer", "time")
     space = cst.SimpleWhitespace(ctx.code(" ", ""))
     return cst.Call(
         func=cst.Attribute(value=cst.Name("_step_timer"), attr=cst.Name("time")),

@@ -47,7 +47,7 @@ import libcst.matchers as m
 
 from patcher.survey.assembly import Recognition, recognise_shuffled
 from patcher.cst_walk import walk
-from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
+from patcher.transforms.base import Code, Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
 
@@ -240,59 +240,53 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
     args = list(site.call.args)
     args[index] = args[index].with_changes(value=cst.Name("loader_device"))
     inner = module.code_for_node(site.call.with_changes(args=args))
-    sep = ctx.code(", ", ",")
-    parts = [
-        ctx.code(f"lambda loader_device: {inner}", f"lambda loader_device:{inner}"),
-        device_expr,
-        f"prefetch={ctx.toggle('TRAIN_PREFETCH')}",
-        *_queue_depth(ctx),
-        f"copy_stream={ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
-    ]
+    options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH"), **_queue_depth(ctx), "copy_stream": _copy_stream(ctx)}
     if reshape_arg is not None:
-        parts.append(f"reshape_arg={reshape_arg}")
+        options["reshape_arg"] = reshape_arg
     if rollback:
-        parts.append("rollback=True")
+        options["rollback"] = True
     if cls.writes_arrays is None and full:  # the lean runtime always copies out of its slots
-        parts.append("host_copy=False")
+        options["host_copy"] = False
     if site.target != "train_loader":
-        parts.append(f"slot={site.target!r}")
+        options["name"] = site.target
     if attrs:
-        parts.append(ctx.code("attrs=True, replay=True", "attrs=True,replay=True"))
+        options.update(attrs=True, replay=True)
     if recognition is not None and ctx.producer_toggles:
         ctx.need("ordered_handoff")
-        parts.append(f"workers={ctx.toggle('TRAIN_PREFETCH_WORKERS')}")
+        options["workers"] = ctx.toggle_value("TRAIN_PREFETCH_WORKERS")
     if recognition is not None and recognition.recognised:
         ctx.need("shuffled_assembly")
-        assembly = repr(recognition.getter)
+        assembly = recognition.getter
         if ctx.producer_toggles:
             numpy_on = ctx.toggle("TRAIN_PREFETCH_NUMPY")
-            assembly = ctx.code(f"{assembly} if {numpy_on} else None", f"{assembly}if {numpy_on} else None")
-        parts.append(f"assembly={assembly}")
-    return cst.parse_expression(f"_make_train_loader({sep.join(parts)})")
+            assembly = Code(ctx.code(f"{assembly!r} if {numpy_on} else None", f"{assembly!r}if {numpy_on} else None"))
+        options["assembly"] = assembly
+    lambda_ = ctx.code(f"lambda loader_device: {inner}", f"lambda loader_device:{inner}")
+    return ctx.runtime_call("_make_train_loader", [lambda_, device_expr], options, holder=site.target)
 
 
-def _queue_depth(ctx: Context) -> list[str]:
-    """The `queue_depth=` argument: the `TRAIN_PREFETCH_QUEUE` toggle with the producer
+def _queue_depth(ctx: Context) -> dict:
+    """The `queue_depth=` option: the `TRAIN_PREFETCH_QUEUE` toggle with the producer
     toggles, else none (the runtime's depth of 2). A tuning knob, not an off switch: in a
     default patch it would cost 40-60 counted bytes of a wrapped record (toggle, log
     entry, header and call-site argument)."""
-    return [f"queue_depth={ctx.toggle('TRAIN_PREFETCH_QUEUE')}"] if ctx.producer_toggles else []
+    return {"queue_depth": ctx.toggle_value("TRAIN_PREFETCH_QUEUE")} if ctx.producer_toggles else {}
+
+
+def _copy_stream(ctx: Context):
+    """The `copy_stream=` option: the `TRAIN_COPY_STREAM` toggle, False without the copy_stream feature."""
+    return ctx.toggle_value("TRAIN_COPY_STREAM") if "copy_stream" in ctx.enabled else False
 
 
 def _runner_call(runner: str, site, ctx: Context, module: cst.Module) -> cst.Call:
     """`<runner>(lambda: <the script's call>, prefetch=…, copy_stream=…)` (`queue_depth=…` with the producer toggles):
     `_prefetch_iterator` for a data generator, `_prefetch_next_batch` for a loader whose
     next_batch() moves batches to the GPU itself."""
-    sep = ctx.code(", ", ",")
-    parts = [
-        ctx.code(f"lambda: {module.code_for_node(site.call)}", f"lambda:{module.code_for_node(site.call)}"),
-        f"prefetch={ctx.toggle('TRAIN_PREFETCH')}",
-        *_queue_depth(ctx),
-        f"copy_stream={ctx.toggle('TRAIN_COPY_STREAM') if 'copy_stream' in ctx.enabled else 'False'}",
-    ]
+    options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH"), **_queue_depth(ctx), "copy_stream": _copy_stream(ctx)}
     if site.target != "train_loader":
-        parts.append(f"slot={site.target!r}")
-    return cst.parse_expression(f"{runner}({sep.join(parts)})")
+        options["name"] = site.target
+    lambda_ = ctx.code(f"lambda: {module.code_for_node(site.call)}", f"lambda:{module.code_for_node(site.call)}")
+    return ctx.runtime_call(runner, [lambda_], options, holder=site.target)
 
 
 def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
@@ -306,10 +300,10 @@ def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
 
 
 TOGGLES = (
-    Toggle("TRAIN_PREFETCH", 1, "build training batches ahead in a forked child process (or a thread)", slot=0),
-    Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", slot=1),
-    Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", slot=9),
-    Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", slot=10),
+    Toggle("TRAIN_PREFETCH", 1, "build training batches ahead in a forked child process (or a thread)", position=0),
+    Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", position=1),
+    Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", position=9),
+    Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", position=10),
 )
 RUNTIME = {
     "staging": (),
@@ -319,4 +313,11 @@ RUNTIME = {
     "ordered_handoff": ("prefetch_loader",),
     "shuffled_assembly": (),
 }
-UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, injected="_make_train_loader")
+# The options of `_make_train_loader` whose code a script gets only where a call site
+# chooses them. The lean runtime's depth is one: a default patch passes none (the
+# TRAIN_PREFETCH_QUEUE toggle comes with the producer toggles), so the depth is 2.
+OPTIONS = {
+    "prefetch_lean": ("queue_depth",),
+    "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "workers", "assembly", "attrs", "replay"),
+}
+UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected="_make_train_loader")

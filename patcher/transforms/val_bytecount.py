@@ -53,15 +53,14 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 
 
 # before val_prefetch, which rebuilds the loops whose statements this edits
-UNIT = Feature(FEATURE, apply, order=50, toggles=(Toggle("VAL_BYTECOUNT_DEVICE", "cuda", "where validation counts target bytes: cuda, or cpu from the host slice", slot=7),), runtime={"val_bytecount": ()}, injected="_val_byte_count", diagnostic=True)
+UNIT = Feature(FEATURE, apply, order=50, toggles=(Toggle("VAL_BYTECOUNT_DEVICE", "cuda", "where validation counts target bytes: cuda, or cpu from the host slice", position=7),), runtime={"val_bytecount": ()}, injected="_val_byte_count", diagnostic=True)
 
 
 def _host_branch(site, module: cst.Module, ctx: Context) -> cst.If:
     """`if <toggle> == "cpu": acc += _val_byte_count(...)` with an empty else, filled in later."""
-    sep = ctx.code(", ", ",")
     quote = ctx.code('"', "'")
     toggle = ctx.toggle("VAL_BYTECOUNT_DEVICE")
-    call = f"_val_byte_count({sep.join([module.code_for_node(site.window)] + site.bytes.luts)})"
+    call = cst.Module([]).code_for_node(ctx.runtime_call("_val_byte_count", [module.code_for_node(site.window)] + site.bytes.luts))
     acc = site.bytes.accumulator
     if ctx.minified:
         code = f"if {toggle}=={quote}cpu{quote}:{acc}+={call}\nelse:pass\n"

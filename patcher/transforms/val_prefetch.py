@@ -65,8 +65,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 
 
 UNIT = Feature(FEATURE, apply, order=60, runtime={"prefetch_val": ("copy_stream",)}, injected="_val_prefetch", toggles=(
-    Toggle("VAL_PREFETCH", 1, "build the next validation batch ahead into pinned memory", slot=5),
-    Toggle("VAL_COPY_STREAM", 1, "host-to-device copies of validation batches on a dedicated CUDA stream", slot=6),
+    Toggle("VAL_PREFETCH", 1, "build the next validation batch ahead into pinned memory", position=5),
+    Toggle("VAL_COPY_STREAM", 1, "host-to-device copies of validation batches on a dedicated CUDA stream", position=6),
 ))
 
 
@@ -88,9 +88,9 @@ def _free_name(base: str, taken: set[str]) -> str:
 def _iterable(site: ValLoop, slice_name: str, ctx: Context, module: cst.Module) -> cst.BaseExpression:
     sep = ctx.code(", ", ",")
     to_kwargs = f"dict({sep.join(f'{a.keyword.value}={module.code_for_node(a.value)}' for a in site.to_call.args)})"
-    copy_stream = ctx.toggle("VAL_COPY_STREAM") if "copy_stream" in ctx.enabled else "False"
-    parts = [module.code_for_node(site.loop.iter), slice_name, to_kwargs, f"prefetch={ctx.toggle('VAL_PREFETCH')}", f"copy_stream={copy_stream}"]
-    return cst.parse_expression(f"_val_prefetch({sep.join(parts)})")
+    copy_stream = ctx.toggle_value("VAL_COPY_STREAM") if "copy_stream" in ctx.enabled else False
+    options = {"prefetch": ctx.toggle_value("VAL_PREFETCH"), "copy_stream": copy_stream}
+    return ctx.runtime_call("_val_prefetch", [module.code_for_node(site.loop.iter), slice_name, to_kwargs], options)
 
 
 def _slice_function(site: ValLoop, slice_name: str, ctx: Context) -> cst.FunctionDef:

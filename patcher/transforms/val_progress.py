@@ -16,7 +16,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
+from patcher.transforms.base import Code, Context, Feature, Note, Toggle, Tracking, edit_tops
 from patcher.survey.val_survey import find_val_loops
 
 FEATURE = "val_progress"
@@ -45,7 +45,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 
 
 # wraps the iterable val_prefetch built
-UNIT = Feature(FEATURE, apply, order=70, toggles=(Toggle("VAL_PROGRESS_LOG_EVERY", 0, "validation batches between two progress lines (0: none)", slot=8),), runtime={"val_progress": ()}, injected="_val_progress", diagnostic=True)
+UNIT = Feature(FEATURE, apply, order=70, toggles=(Toggle("VAL_PROGRESS_LOG_EVERY", 0, "validation batches between two progress lines (0: none)", position=8),), runtime={"val_progress": ()}, injected="_val_progress", diagnostic=True)
 
 
 class _WrapIterable(Tracking):
@@ -61,13 +61,12 @@ class _WrapIterable(Tracking):
         site = self.by_loop.get(id(original_node))
         if site is None:
             return updated_node
-        sep = self.ctx.code(", ", ",")
         iterable = cst.Module([]).code_for_node(updated_node.iter)
         every = self.ctx.toggle("VAL_PROGRESS_LOG_EVERY")
         quote = self.ctx.code('"', "'")
-        parts = [iterable, site.log, every, quote + site.function + quote]
+        options = {}
         if m.matches(updated_node.iter, m.Call(func=m.Name("_val_prefetch"))):
             # Prefetched batches are a generator: the total is the number of starts.
-            parts.append(f"total=len({cst.Module([]).code_for_node(updated_node.iter.args[0].value)})")
-        code = f"_val_progress({sep.join(parts)})"
-        return updated_node.with_changes(iter=cst.parse_expression(code))
+            options["total"] = Code(f"len({cst.Module([]).code_for_node(updated_node.iter.args[0].value)})")
+        call = self.ctx.runtime_call("_val_progress", [iterable, site.log, every, quote + site.function + quote], options)
+        return updated_node.with_changes(iter=call)

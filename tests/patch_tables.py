@@ -46,3 +46,15 @@ def assert_refused_beside_others(source: str, feature: str) -> None:
     feature but `feature` (a noop row checked beside the others)."""
     others = set(FEATURES) - {feature}
     assert patch_source(source, set(FEATURES)).source == patch_source(source, others).source
+
+
+def assert_noop_reason(before: str, reason: str, only: str, line: int | None = None) -> PatchResult:
+    """A noop row with its reason: `only` applied alone (as in `assert_patch`) leaves
+    `before` byte-identical, and its report is the one skip note `reason`, exactly (at
+    `line` too, when given). Returns the result."""
+    result = assert_patch(before, None, only=only)
+    notes = [n for n in result.notes if n.feature == only]
+    assert [n.reason for n in notes] == [reason]
+    if line is not None:
+        assert notes[0].line == line
+    return result

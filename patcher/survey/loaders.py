@@ -49,7 +49,7 @@ class LoaderClass:
     name: str
     node: cst.ClassDef
     line: int
-    family: str = "custom"
+    family: str = ""
     related: list[cst.ClassDef] = field(default_factory=list)
     called: set[str] = field(default_factory=set)
     next_batch_params: list[str] = field(default_factory=list)

@@ -8,7 +8,7 @@
   whichever thread finishes first; the lifecycle guarantees of one worker (errors
   with the worker's traceback, prompt shutdown, one set of threads per loader variable, memory
   bounded by the queue depth plus one batch per thread).
-- `patcher/survey/assembly.py`: the known `next_batch` is recognised in minified and readable
+- `patcher/families/shuffled.py`: the known `next_batch` is recognised in minified and readable
   form; altered shapes are not, and the patch then keeps the script's own `next_batch`.
 - verify: identical on the fixture with TRAIN_PREFETCH_WORKERS 1/2/4 and TRAIN_PREFETCH_NUMPY 0/1.
 """
@@ -32,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from patcher.survey.assembly import recognise_shuffled
+from patcher.families.shuffled import recognise_shuffled
 from patcher.demo import STEP_LINE
 from patcher.proof.harness import load_module
 from patcher.patch import patch_source

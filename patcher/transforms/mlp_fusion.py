@@ -79,7 +79,6 @@ def find_squares(survey: Survey) -> list[SquareSite]:
             elif isinstance(receiver, cst.Name) and receiver.value in act_names:
                 kind = act_names[receiver.value]
             if kind is not None:
-                collector.top_of[node] = collector.top_of[fn]
                 sites.append(SquareSite(node=node, function=fn, line=survey.line_of(node), kind=kind))
     return sites
 

@@ -1,122 +1,100 @@
 """Transform `train_prefetch`: build training batches ahead, off the training thread.
 
-Every construction of the training loader, `train_loader = Loader(..., device)`,
-becomes `train_loader = _make_train_loader(lambda loader_device: Loader(...,
-loader_device), device, prefetch=…, copy_stream=…)` (`queue_depth=…` too with the
-producer toggles); the runtime is
-`templates/prefetch_lean.py` where every call passes run constants and the script
-uses the variable for nothing but `.next_batch` (a forked child process runs the
-loader, so it costs the training loop no GIL time), else `templates/prefetch_loader.py`
-(a thread; replay, rollback, reshape at hand-out, settling on attribute reads,
-several workers). The loader class itself is not touched.
+For every variable that holds the training data (`train_loader`), its family
+(`patcher/families/<name>.py`, see `patcher/families/base.py`) says what to do: leave
+it alone, with the reason, or which producer builds its batches ahead and with which
+options (a `Plan`). This transform writes what the families decided:
 
-A data generator (`train_loader = gen(...)`, advanced with `next(train_loader)`)
-becomes `_prefetch_iterator(lambda: gen(...), ...)` (`templates/prefetch_iterator.py`),
-unless it receives `.send(...)`, draws from a global RNG, calls a collective, or
-already loads in the background.
+- `_make_train_loader`: every construction `train_loader = Loader(..., device)` becomes
+  `train_loader = _make_train_loader(lambda loader_device: Loader(..., loader_device),
+  device, prefetch=…, copy_stream=…)` (`queue_depth=…` too with the producer toggles).
+  The runtime is the families' forked one, `templates/prefetch_lean.py` (a child
+  process runs the loader, so it costs the training loop no GIL time), unless a
+  variable needs the thread runtime `templates/prefetch_loader.py` (replay, rollback,
+  reshape at hand-out, settling on attribute reads, several workers) or a runner's
+  template uses it: the two define the same names, so a script gets one of them. On
+  the thread runtime, a loader that never writes into an array it keeps gets
+  `host_copy=False`: on a host device its batches are handed out as built, without a
+  defensive copy. A variable the script uses for more than `.next_batch(...)` gets
+  `attrs=True`; others get no settling code at all (patcher/render/cut.py cuts what no
+  call site asks for).
+- a runner (`_prefetch_iterator`, `_prefetch_next_batch`): the script's own call runs
+  ahead on a thread, `train_loader = _prefetch_iterator(lambda: gen(...), ...)`
+  (`templates/prefetch_iterator.py`).
 
-Skipped, with the reason, where the data could differ: a loader that already
-prefetches, draws from a global RNG, calls torch.distributed, or uses its device
-for more than the final H2D copy; a `next_batch` argument that changes during the
-run, for a loader that changes arrays in place (its state cannot be snapshot cheaply).
-A changing argument the loader only reshapes with (`seq_len` in the TokenStream
-family) is applied at hand-out; any other changing argument gets `rollback=True`:
-the worker snapshots the loader before each batch and a change restores it.
-On the full runtime, a loader that never writes into an array it keeps gets
-`host_copy=False`: on a host device its batches are handed out as built, without a
-defensive copy.
-A script that uses the loader variable for more than `.next_batch(...)` (reads an
-attribute, passes it to a function whose parameter has another name) gets
-`attrs=True`: such reads settle the loader where the caller is. Others get no settling
-code at all (patcher/render/cut.py cuts what no call site asks for).
-
-With `producer_toggles` (`--producer-toggles`, and `bench`), the ShuffledSequenceLoader
-family runs on the full runtime with the tuning toggles `TRAIN_PREFETCH_WORKERS`
-(several threads, batches handed out in order) and, when its `next_batch` is exactly
-the known shape (`patcher/survey/assembly.py`), `TRAIN_PREFETCH_NUMPY`: the batch is
-planned (the RNG draws, in order) and gathered in numpy
-(`templates/shuffled_assembly.py`). A default patch leaves them out: the lean
-runtime's child process runs the script's own `next_batch` at no GIL cost to the
-training loop, and every byte counts against the artifact cap.
+The loader class itself is not touched. With `producer_toggles` (`--producer-toggles`,
+and `bench`) the producer's tuning toggles come along where the family asks for them.
 """
 
 from __future__ import annotations
 
-import libcst as cst
-import libcst.matchers as m
+from typing import TYPE_CHECKING
 
-from patcher.survey.assembly import Recognition, recognise_shuffled
-from patcher.cst_walk import walk
+import libcst as cst
+
+from patcher.families.base import MAKE_TRAIN_LOADER, DataVariable
+from patcher.families.registry import BY_NAME
 from patcher.transforms.base import Code, Context, Feature, Note, Toggle, replace_nodes
 
+if TYPE_CHECKING:
+    from patcher.families.shuffled import Recognition
+
 FEATURE = "train_prefetch"
+THREAD_RUNTIME = "prefetch_loader"
 
 
 def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
-    """Rewrite the training loader's construction sites. Returns (module, notes)."""
+    """Rewrite the constructions of the training data variables as their families plan. Returns (module, notes)."""
     survey = ctx.survey
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
-    sites = survey.training_constructions()
-    iterators = [i for i in survey.iterators if i.training]
-    if not sites and not iterators:
+    variables = _data_variables(survey)
+    if not variables:
         return module, [Note(FEATURE, False, _no_site_reason(survey), _first_line(survey))]
     notes: list[Note] = []
     replacements: dict[cst.CSTNode, cst.CSTNode] = {}
-    # Per-step arguments (reshape, rollback) or attribute reads need the full runtime
-    # (templates/prefetch_loader.py); constant arguments alone get templates/prefetch_lean.py.
-    needs_full = False
-    for target in sorted({i.target for i in iterators}):
-        group = [i for i in iterators if i.target == target]
-        for site in group:
-            replacements[site.call] = _runner_call("_prefetch_iterator", site, ctx, module)
-        lines = ", ".join(str(i.line) for i in group)
-        notes.append(Note(FEATURE, True, f"`{target}` (generator {group[0].function}) built at line {lines} runs ahead on a background thread", group[0].line))
-        ctx.need("prefetch_iterator")
-    # First pass: what each loader variable needs, so that the runtime (lean or full)
-    # is known before its call sites are written; the lean one takes fewer options.
+    # First pass: each variable's plan, runners written at once, so that the runtime
+    # of `_make_train_loader` (forked or thread) is known before its call sites are
+    # written; the forked one takes fewer options.
     wrapped = []
-    for target in sorted({c.target for c in sites}):
-        group = [c for c in sites if c.target == target]
-        cls = survey.loader_classes[group[0].class_name]
-        if cls.device_index is None and cls.cuda_in_next_batch and not cls.prefetches and not cls.unsafe:
-            reason, line = _calls_ahead_blocker(group, survey)
-            if reason is not None:
-                notes.append(Note(FEATURE, False, reason, line))
-                continue
-            for site in group:
-                replacements[site.call] = _runner_call("_prefetch_next_batch", site, ctx, module)
-            lines = ", ".join(str(c.line) for c in group)
-            notes.append(Note(FEATURE, True, f"`{target}` built at line {lines}: next_batch() runs ahead on a background thread, its own .cuda() copies on the copy stream", group[0].line))
-            ctx.need("prefetch_iterator")
-            continue
-        reason, line, reshape_arg, rollback = _blocker(group, ctx)
-        if reason is not None:
-            notes.append(Note(FEATURE, False, reason, line))
-            continue
-        # The numpy assembly and the producer toggles (ShuffledSequenceLoader family)
-        # come with the producer toggles only, on the full runtime.
-        recognition = _assembly(cls, ctx) if ctx.producer_toggles else None
-        attrs = _read_beyond_next_batch(survey.module, target)
-        needs_full = needs_full or reshape_arg is not None or bool(rollback) or attrs or recognition is not None
-        wrapped.append((target, group, cls, reshape_arg, rollback, recognition, attrs))
-    # `prefetch_iterator` needs the full loader runtime, whose names the lean one shares.
-    full = needs_full or "prefetch_iterator" in ctx.templates
-    for target, group, cls, reshape_arg, rollback, recognition, attrs in wrapped:
-        for site in group:
-            replacements[site.call] = _wrapped_call(site, ctx, reshape_arg, rollback, module, recognition, attrs, full)
-        lines = ", ".join(str(c.line) for c in group)
-        extra = _assembly_note(cls, recognition, ctx) if full else "; a forked child process builds the batches"
-        direct = _direct_uses(survey, group)
-        if direct:
-            extra += f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
-        if rollback:
-            extra += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
-        notes.append(Note(FEATURE, True, f"`{target}` built at line {lines} prefetches{extra}", group[0].line))
+    for variable in variables:
+        plan = variable.family.plan(variable, ctx)
+        if plan.refusal is not None:
+            notes.append(Note(FEATURE, False, plan.refusal, plan.line))
+        elif variable.family.producer == MAKE_TRAIN_LOADER:
+            wrapped.append((variable, plan))
+        else:
+            for site in variable.sites:
+                replacements[site.call] = _runner_call(variable.family.producer, site, ctx, module)
+            notes.append(Note(FEATURE, True, plan.note, variable.line))
+            ctx.need(variable.family.runtime)
+    # A runner's template that uses the thread runtime brings it for every variable.
+    full = any(plan.thread for _, plan in wrapped) or any(THREAD_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
+    for variable, plan in wrapped:
+        for site in variable.sites:
+            replacements[site.call] = _wrapped_call(site, ctx, plan.reshape_arg, plan.rollback, module, plan.recognition, plan.attrs, full)
+        notes.append(Note(FEATURE, True, plan.note if full else plan.forked_note, variable.line))
     if replacements:
-        ctx.need("prefetch_loader" if full else "prefetch_lean")
+        ctx.need(THREAD_RUNTIME if full else wrapped[0][0].family.runtime)
         module = replace_nodes(module, replacements, ctx)
     return module, notes
+
+
+def _data_variables(survey) -> list[DataVariable]:
+    """The training data variables, each with its training constructions and its family:
+    the data generators first, then the loaders, each kind by variable name."""
+    variables = []
+    iterators = [i for i in survey.iterators if i.training]
+    for target in sorted({i.target for i in iterators}):
+        sites = [i for i in iterators if i.target == target]
+        variables.append(DataVariable(target, sites, BY_NAME[sites[0].family]))
+    constructions = survey.training_constructions()
+    for target in sorted({c.target for c in constructions}):
+        sites = [c for c in constructions if c.target == target]
+        loader = survey.loader_classes[sites[0].class_name]
+        device_args = [_device_arg(site.call, loader) for site in sites] if loader.device_index is not None else []
+        variables.append(DataVariable(target, sites, BY_NAME[loader.family], loader, device_args))
+    return variables
 
 
 def _no_site_reason(survey) -> str:
@@ -134,76 +112,6 @@ def _first_line(survey) -> int | None:
     return min(lines) if lines else None
 
 
-def _blocker(group, ctx: Context) -> tuple[str | None, int | None, int | None, str | None]:
-    """Why this loader variable cannot be prefetched exactly, else (None, None, reshape_arg, rollback).
-
-    rollback names the per-step arguments (beyond a reshape-only one) that need the
-    snapshot rollback; it is allowed for loaders that change no array in place.
-    """
-    survey = ctx.survey
-    cls = survey.loader_classes[group[0].class_name]
-    if cls.prefetches:
-        return f"{cls.name} already prefetches (threads in the loader); not wrapped again", cls.line, None, None
-    if cls.unsafe:
-        return cls.unsafe, cls.line, None, None
-    if cls.device_index is None:
-        return f"{cls.name}.__init__ takes no `device` parameter to build it on the CPU", cls.line, None, None
-    for site in group:
-        if _device_arg(site.call, cls) is None:
-            return f"`{site.target} = {cls.name}(...)` passes no device argument", site.line, None, None
-    reshape_arg, rollback = None, []
-    for call in (c for site in group for c in survey.calls_on(site)):
-        changing = [i for i, const in enumerate(call.constant) if not const]
-        if cls.reshape_only is not None and cls.reshape_only in changing:
-            reshape_arg = cls.reshape_only
-            changing.remove(cls.reshape_only)
-        if not changing:
-            continue
-        names = ", ".join(f"`{call.args[i]}`" for i in changing)
-        if cls.in_place is not None:
-            return (
-                f"next_batch gets per-step argument {names} and {cls.in_place}, so queued batches cannot be rolled back cheaply",
-                call.line,
-                None,
-                None,
-            )
-        rollback.append(names)
-    return None, None, reshape_arg, ", ".join(sorted(set(rollback))) or None
-
-
-def _read_beyond_next_batch(module: cst.Module, target: str) -> bool:
-    """Whether the script uses the name `target` other than to assign it or call
-    `.next_batch` on it (an attribute read, an argument, ...): then its loader is built
-    with `attrs=True`, which settles it on such reads. By name, whatever the scope, so
-    that a doubt keeps the settling code."""
-    nodes = list(walk(module))
-    # Script functions whose parameter of the same name receives the loader: their
-    # uses of that name are counted here like the caller's.
-    params = {n.name.value: [p.name.value for p in (*n.params.posonly_params, *n.params.params)] for n in nodes if isinstance(n, cst.FunctionDef)}
-    names = accounted = 0
-    for node in nodes:
-        if isinstance(node, cst.Name) and node.value == target:
-            names += 1
-        elif m.matches(node, m.Attribute(value=m.Name(target), attr=m.Name("next_batch")) | m.AssignTarget(target=m.Name(target)) | m.Param(name=m.Name(target))):
-            accounted += 1
-        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value in params:
-            for index, arg in enumerate(node.args):
-                if m.matches(arg.value, m.Name(target)) and not arg.star:
-                    name = arg.keyword.value if arg.keyword is not None else (params[node.func.value] + [None] * (index + 1))[index]
-                    accounted += name == target and (arg.keyword is not None or index < len(params[node.func.value]))
-    return names > accounted
-
-
-def _direct_uses(survey, group) -> list[str]:
-    """`train_loader.<attr>` reads other than next_batch (served after a replay)."""
-    return sorted({f"{a.base}.{a.attr}" for a in _attribute_uses(survey, group) if a.attr != "next_batch"})
-
-
-def _attribute_uses(survey, group):
-    binding = group[0].binding
-    return [a for a in survey.collector.attribute_uses if a.base == group[0].target and a.scope.resolve(a.base) is binding]
-
-
 def _device_arg(call: cst.Call, cls) -> int | None:
     """Index in call.args of the device argument (positional at device_index, or device=)."""
     for index, arg in enumerate(call.args):
@@ -213,24 +121,6 @@ def _device_arg(call: cst.Call, cls) -> int | None:
     if cls.device_index < len(positional):
         return positional[cls.device_index]
     return None
-
-
-def _assembly(cls, ctx: Context) -> Recognition | None:
-    """For the ShuffledSequenceLoader family, whether numpy can assemble its batches; else None."""
-    if cls.family != "shuffled":
-        return None
-    return recognise_shuffled(cls.node, ctx.survey.module)
-
-
-def _assembly_note(cls, recognition: Recognition | None, ctx: Context) -> str:
-    if recognition is None:
-        return ""
-    workers = " (TRAIN_PREFETCH_WORKERS threads, batches handed out in order)" if ctx.producer_toggles else ""
-    if recognition.recognised:
-        numpy_toggle = " (TRAIN_PREFETCH_NUMPY)" if ctx.producer_toggles else ""
-        return f"{workers}; {cls.name}.next_batch recognised: batches planned in its RNG order and gathered in numpy{numpy_toggle}"
-    where = f" at line {ctx.survey.line_of(recognition.node)}" if recognition.node is not None else ""
-    return f"{workers}; numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
 
 
 def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None, attrs: bool = False, full: bool = True) -> cst.Call:
@@ -287,16 +177,6 @@ def _runner_call(runner: str, site, ctx: Context, module: cst.Module) -> cst.Cal
         options["name"] = site.target
     lambda_ = ctx.code(f"lambda: {module.code_for_node(site.call)}", f"lambda:{module.code_for_node(site.call)}")
     return ctx.runtime_call(runner, [lambda_], options, holder=site.target)
-
-
-def _calls_ahead_blocker(group, survey) -> tuple[str | None, int | None]:
-    """Why a loader that moves batches to the GPU itself cannot run ahead exactly, else (None, None)."""
-    for call in (c for site in group for c in survey.calls_on(site)):
-        changing = [call.args[i] for i, const in enumerate(call.constant) if not const]
-        if changing:
-            names = ", ".join(f"`{a}`" for a in changing)
-            return f"next_batch gets per-step argument {names} and moves batches to the GPU itself; only constant arguments run ahead", call.line
-    return None, None
 
 
 TOGGLES = (

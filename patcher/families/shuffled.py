@@ -1,5 +1,21 @@
-"""Strict recognition of the ShuffledSequenceLoader `next_batch` whose batches numpy can assemble.
+"""Family `shuffled`: parameter-golf's `ShuffledSequenceLoader(h, device)` (April records).
 
+Recognised: a loader class named `ShuffledSequenceLoader` that uses no threads
+(`next_batch(global_tokens, grad_accum_steps)`, per-rank shards, its own
+`np.random.Generator`, a module-level memmap cache). Refusals: those of every loader
+rebuilt on the CPU (`loader_plan.py`); the GPTQ calibration loader `calib_loader` is
+not the training loader (survey).
+
+Producer: `_make_train_loader`, on the forked producer `prefetch_lean` by default: the
+child process runs the script's own `next_batch` at no GIL cost to the training loop,
+and every byte counts against the artifact cap. With `--producer-toggles` it runs on
+the thread runtime `prefetch_loader` with the tuning toggles `TRAIN_PREFETCH_WORKERS`
+(several threads, batches handed out in order) and, when its `next_batch` is exactly
+the known shape (below), `TRAIN_PREFETCH_NUMPY`: the batch is planned (the RNG draws,
+in order) and gathered in numpy (`templates/shuffled_assembly.py`).
+Verify: the "loader_class" driver.
+
+Strict recognition of the `next_batch` whose batches numpy can assemble:
 `templates/shuffled_assembly.py` rebuilds one known `next_batch` in two steps (the
 RNG draws in their order, then a vectorised gather of the token windows). That is
 exact only for that very code, so a class is recognised only when its `next_batch`
@@ -24,6 +40,8 @@ from dataclasses import dataclass
 import libcst as cst
 
 from patcher.cst_walk import small_statements
+from patcher.families.base import MAKE_TRAIN_LOADER, DataVariable, Family, Plan
+from patcher.families.loader_plan import plan_rebuilt_on_cpu
 
 GETTER = "MEMMAP_GETTER"  # the pattern's placeholder for the shard getter's name
 
@@ -179,3 +197,29 @@ def _describe(node) -> str:
         text = code[0].replace(GETTER, "<shard getter>") if code else ""
         return f"`{text[:60]}`" if text else type(node).__name__
     return repr(node)
+
+
+def recognise(loader) -> bool:
+    """A `ShuffledSequenceLoader` that uses no threads."""
+    return not loader.prefetches and loader.name == "ShuffledSequenceLoader"
+
+
+def plan(variable: DataVariable, ctx) -> Plan:
+    """That of every loader rebuilt on the CPU; with the producer toggles, the numpy
+    assembly where `next_batch` is the known shape (`recognise_shuffled`)."""
+    recognition = recognise_shuffled(variable.loader.node, ctx.survey.module) if ctx.producer_toggles else None
+    return plan_rebuilt_on_cpu(variable, ctx, recognition, _assembly_note(variable.loader, recognition, ctx))
+
+
+def _assembly_note(cls, recognition: Recognition | None, ctx) -> str:
+    """What the report says of the workers and the numpy assembly ("" without the producer toggles)."""
+    if recognition is None:
+        return ""
+    workers = " (TRAIN_PREFETCH_WORKERS threads, batches handed out in order)"
+    if recognition.recognised:
+        return f"{workers}; {cls.name}.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)"
+    where = f" at line {ctx.survey.line_of(recognition.node)}" if recognition.node is not None else ""
+    return f"{workers}; numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
+
+
+UNIT = Family("shuffled", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=40)

@@ -1,0 +1,126 @@
+"""The plan of the families whose loader `_make_train_loader` rebuilds on the CPU.
+
+`train_loader = Loader(..., device)` becomes `_make_train_loader(lambda loader_device:
+Loader(..., loader_device), device, ...)`: a producer builds the batches on the CPU and
+hands them out in order. By default the producer is a forked child process
+(`templates/prefetch_lean.py`: it holds no GIL of the training loop); the thread
+runtime (`templates/prefetch_loader.py`) where the variable needs what only it has:
+a `next_batch` argument that changes during the run (applied at hand-out when the
+loader only reshapes with it, else a snapshot rollback), or reads of the loader beyond
+`.next_batch` (settled where the caller is).
+
+Refused, with the reason, where the batches could differ: a loader that already
+prefetches, draws from a global RNG, calls torch.distributed, or uses its device for
+more than the final H2D copy; a loader with no `device` parameter, or a construction
+that passes none; a per-step argument on a loader that changes arrays in place (its
+state cannot be snapshot cheaply).
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+
+from patcher.cst_walk import walk
+from patcher.families.base import DataVariable, Plan, refused
+
+
+def already_prefetches(loader) -> Plan:
+    """The refusal of a loader that builds batches ahead itself."""
+    return refused(f"{loader.name} already prefetches (threads in the loader); not wrapped again", loader.line)
+
+
+def plan_rebuilt_on_cpu(variable: DataVariable, ctx, recognition=None, detail: str = "") -> Plan:
+    """The plan for `variable`, whose loader is rebuilt on the CPU by `_make_train_loader`.
+
+    recognition: the numpy assembly's verdict (ShuffledSequenceLoader family, producer
+    toggles), which needs the thread runtime; detail: what the report adds on the
+    thread runtime (the assembly's note). Returns a refusal or the wrap's options.
+    """
+    survey = ctx.survey
+    reason, line, reshape_arg, rollback = _blocker(variable, survey)
+    if reason is not None:
+        return refused(reason, line)
+    attrs = _read_beyond_next_batch(survey.module, variable.target)
+    head = f"`{variable.target}` built at line {variable.lines} prefetches"
+    tail = ""
+    direct = _direct_uses(survey, variable)
+    if direct:
+        tail += f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
+    if rollback:
+        tail += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
+    return Plan(
+        note=f"{head}{detail}{tail}",
+        forked_note=f"{head}; a forked child process builds the batches{tail}",
+        reshape_arg=reshape_arg,
+        rollback=rollback,
+        attrs=attrs,
+        recognition=recognition,
+        thread=reshape_arg is not None or bool(rollback) or attrs or recognition is not None,
+    )
+
+
+def _blocker(variable: DataVariable, survey) -> tuple[str | None, int | None, int | None, str | None]:
+    """Why this loader variable cannot be prefetched exactly, else (None, None, reshape_arg, rollback).
+
+    rollback names the per-step arguments (beyond a reshape-only one) that need the
+    snapshot rollback; it is allowed for loaders that change no array in place.
+    """
+    cls = variable.loader
+    if cls.prefetches:
+        return already_prefetches(cls).refusal, cls.line, None, None
+    if cls.unsafe:
+        return cls.unsafe, cls.line, None, None
+    if cls.device_index is None:
+        return f"{cls.name}.__init__ takes no `device` parameter to build it on the CPU", cls.line, None, None
+    for site, device_arg in zip(variable.sites, variable.device_args):
+        if device_arg is None:
+            return f"`{site.target} = {cls.name}(...)` passes no device argument", site.line, None, None
+    reshape_arg, rollback = None, []
+    for call in (c for site in variable.sites for c in survey.calls_on(site)):
+        changing = [i for i, const in enumerate(call.constant) if not const]
+        if cls.reshape_only is not None and cls.reshape_only in changing:
+            reshape_arg = cls.reshape_only
+            changing.remove(cls.reshape_only)
+        if not changing:
+            continue
+        names = ", ".join(f"`{call.args[i]}`" for i in changing)
+        if cls.in_place is not None:
+            return (
+                f"next_batch gets per-step argument {names} and {cls.in_place}, so queued batches cannot be rolled back cheaply",
+                call.line,
+                None,
+                None,
+            )
+        rollback.append(names)
+    return None, None, reshape_arg, ", ".join(sorted(set(rollback))) or None
+
+
+def _read_beyond_next_batch(module: cst.Module, target: str) -> bool:
+    """Whether the script uses the name `target` other than to assign it or call
+    `.next_batch` on it (an attribute read, an argument, ...): then its loader is built
+    with `attrs=True`, which settles it on such reads. By name, whatever the scope, so
+    that a doubt keeps the settling code."""
+    nodes = list(walk(module))
+    # Script functions whose parameter of the same name receives the loader: their
+    # uses of that name are counted here like the caller's.
+    params = {n.name.value: [p.name.value for p in (*n.params.posonly_params, *n.params.params)] for n in nodes if isinstance(n, cst.FunctionDef)}
+    names = accounted = 0
+    for node in nodes:
+        if isinstance(node, cst.Name) and node.value == target:
+            names += 1
+        elif m.matches(node, m.Attribute(value=m.Name(target), attr=m.Name("next_batch")) | m.AssignTarget(target=m.Name(target)) | m.Param(name=m.Name(target))):
+            accounted += 1
+        elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value in params:
+            for index, arg in enumerate(node.args):
+                if m.matches(arg.value, m.Name(target)) and not arg.star:
+                    name = arg.keyword.value if arg.keyword is not None else (params[node.func.value] + [None] * (index + 1))[index]
+                    accounted += name == target and (arg.keyword is not None or index < len(params[node.func.value]))
+    return names > accounted
+
+
+def _direct_uses(survey, variable: DataVariable) -> list[str]:
+    """`train_loader.<attr>` reads other than next_batch (served after a replay)."""
+    binding = variable.sites[0].binding
+    uses = [a for a in survey.collector.attribute_uses if a.base == variable.target and a.scope.resolve(a.base) is binding]
+    return sorted({f"{a.base}.{a.attr}" for a in uses if a.attr != "next_batch"})

@@ -1,0 +1,458 @@
+"""Family `custom` (patcher/families/custom.py): recognition, and train_prefetch's
+before -> after and noop tables, whole outputs (runtime block as `RUNTIME`).
+
+Any other class with `next_batch` (the catch-all) is rebuilt on the CPU by
+`_make_train_loader` where that is exact: the refusals here are those every loader
+rebuilt on the CPU has (patcher/families/loader_plan.py), a loader that already uses
+threads first among them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from patch_tables import RUNTIME, assert_noop, assert_patch
+
+from patcher.patch import patch_source
+from patcher.proof.verify import verify
+from patcher.survey.survey import survey
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def test_fixture_loader_is_recognised():
+    surveyed = survey(cst.parse_module((FIXTURES / "custom_loader.py").read_text(encoding="utf-8")))
+    assert {name: loader.family for name, loader in surveyed.loader_classes.items()} == {"WindowLoader": "custom"}
+
+
+REWRITES = [
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    for step in range(3):
+        x = train_loader.next_batch(4)
+""",
+        """\
+import os
+import torch
+"""
+        + RUNTIME
+        + """\
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False)
+    for step in range(3):
+        x = train_loader.next_batch(4)
+""",
+        "`train_loader` built at line 18 prefetches; a forked child process builds the batches",
+        id="run-constant-argument",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        """\
+import os
+import torch
+"""
+        + RUNTIME
+        + """\
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False)
+    x = train_loader.next_batch(4)
+    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False)
+    x = train_loader.next_batch(4)
+""",
+        "`train_loader` built at line 18, 20 prefetches; a forked child process builds the batches",
+        id="rebuilt-after-warmup-both-rewritten",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    n = 4
+    for step in range(3):
+        n = n * 2
+        x = train_loader.next_batch(n)
+""",
+        """\
+import os
+import torch
+"""
+        + RUNTIME
+        + """\
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False, rollback=True, host_copy=False)
+    n = 4
+    for step in range(3):
+        n = n * 2
+        x = train_loader.next_batch(n)
+""",
+        "`train_loader` built at line 18 prefetches; per-step argument `n`: batches queued with older values are dropped and the loader restored from a snapshot",
+        id="per-step-argument-gets-rollback",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    batches = Loader(device)
+    for step in range(3):
+        x = batches.next_batch(4)
+""",
+        """\
+import os
+import torch
+"""
+        + RUNTIME
+        + """\
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    batches = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False, name='batches')
+    for step in range(3):
+        x = batches.next_batch(4)
+""",
+        "`batches` built at line 18 prefetches; a forked child process builds the batches",
+        id="loader-in-another-variable-gets-its-name",
+    ),
+]
+
+NOOPS = [
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    calib_loader = Loader(device)
+    x = calib_loader.next_batch(4)
+""",
+        "`calib_loader` is not the training loader",
+        7,
+        id="calibration-loader-is-not-the-training-loader",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+""",
+        "`train_loader` has no next_batch call where it is built",
+        7,
+        id="built-but-never-drawn",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1; torch.manual_seed(0)
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "loader draws from the global torch RNG (torch.manual_seed); a background thread would change the draw order",
+        7,
+        id="global-torch-rng",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1; dist.barrier()
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "loader calls torch.distributed (dist.barrier) inside next_batch; it must stay on the main thread",
+        7,
+        id="collective-in-next-batch",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0; self.t = threading.Thread(target=print)
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "Loader already prefetches (threads in the loader); not wrapped again",
+        7,
+        id="loader-already-prefetches",
+    ),
+    pytest.param(
+        """\
+import os
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i, device=self.device)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "loader uses self.device beyond the final H2D copy (self.device); cannot build it on the CPU",
+        7,
+        id="device-used-beyond-the-copy",
+    ),
+    pytest.param(
+        """\
+import torch
+from concurrent.futures import ThreadPoolExecutor
+
+class TokenStream:
+    def __init__(self, pattern):
+        self.tokens, self.pos = torch.arange(10_000), 0
+
+    def take(self, n):
+        self.pos += n
+        return self.tokens[self.pos - n : self.pos]
+
+class DistributedTokenLoader:
+    def __init__(self, pattern, rank, world_size, device):
+        self.device = device
+        self.stream = TokenStream(pattern)
+        self.pool = ThreadPoolExecutor(1)
+
+    def next_batch(self, global_tokens, seq_len, grad_accum_steps):
+        local = self.pool.submit(self.stream.take, global_tokens // grad_accum_steps + 1).result()
+        x = local[:-1].reshape(-1, seq_len)
+        y = local[1:].reshape(-1, seq_len)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = DistributedTokenLoader("x", 0, 1, device)
+    for step in range(10):
+        x, y = train_loader.next_batch(512, 64, 1)
+""",
+        "DistributedTokenLoader already prefetches (threads in the loader); not wrapped again",
+        12,
+        id="tokenstream-loader-on-a-thread-pool-is-custom-and-already-prefetches",
+    ),
+]
+
+
+@pytest.mark.parametrize("before, after, note", REWRITES)
+def test_rewrites(before, after, note):
+    result = assert_patch(before, after, only="train_prefetch")
+    assert result.applied == ["train_prefetch", "env_toggles"]
+    assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
+    assert [loader.family for loader in result.survey.loader_classes.values()] == ["custom"]
+
+
+@pytest.mark.parametrize("before, reason, line", NOOPS)
+def test_noops(before, reason, line):
+    result = assert_noop(before, reason, line, only="train_prefetch")
+    assert [loader.family for loader in result.survey.loader_classes.values()] == ["custom"]
+
+
+def test_fixture_patched_gives_the_original_batches(tmp_path):
+    patched = tmp_path / "patched.py"
+    patched.write_text(patch_source((FIXTURES / "custom_loader.py").read_text(encoding="utf-8")).source)
+    result = verify(FIXTURES / "custom_loader.py", patched, batches=16)
+    assert result.identical, result.difference

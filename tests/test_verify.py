@@ -322,3 +322,15 @@ def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assi
         with pytest.raises(HarnessError):
             evaluate_script_code(surveyed, name, {}, main, assumed=assumed)
     assert len(assumed) == 1
+
+
+def test_verify_drives_each_family_with_the_driver_it_names():
+    from patcher.families.base import DRIVERS as FAMILY_DRIVERS
+    from patcher.families.registry import UNITS
+    from patcher.proof.verify import DRIVERS, _family_drivers
+
+    assert tuple(DRIVERS) == FAMILY_DRIVERS  # the names a family may give are the drivers verify has
+    assert {u.driver for u in UNITS} <= set(DRIVERS)
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    assert _family_drivers((fixtures / "tokenstream_readable.py").read_text()) == {"loader_class"}
+    assert _family_drivers((fixtures / "generator_toplevel.py").read_text()) == {"generator"}

@@ -148,8 +148,8 @@ def test_a_warm_up_worker_left_running_after_the_rebuild_is_caught(tmp_path):
     # the rebuild no longer stops the loader it replaces
     original, out = patch_to(tmp_path, "own_configuration")
     text = out.read_text()
-    if "def _free_slot(" in text:  # the full runtime: nor does dropping the last reference to it
-        out.write_text(text + "\n\ndef _free_slot(slot):\n    _live_prefetchers.pop(slot, None)\n\n\n_PrefetchLoader.__del__ = lambda self: None\n")
+    if "def _stop_previous(" in text:  # the full runtime: nor does dropping the last reference to it
+        out.write_text(text + "\n\ndef _stop_previous(name):\n    _live_prefetchers.pop(name, None)\n\n\n_PrefetchLoader.__del__ = lambda self: None\n")
     else:  # the lean runtime: the replaced worker is only ever stopped here
         assert text.count("        old.shutdown()\n") == 1
         out.write_text(text.replace("        old.shutdown()\n", "        pass\n"))

@@ -202,7 +202,7 @@ class OldWorkerLeftRunning(_InInjected):
     the old loader is collected)."""
 
     def leave_Expr(self, original, updated):
-        if self.inside("_make_train_loader", "_free_slot", "__del__") and m.matches(updated, m.Expr(m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("shutdown"))))):
+        if self.inside("_make_train_loader", "_stop_previous", "__del__") and m.matches(updated, m.Expr(m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("shutdown"))))):
             self.edits += 1
             return updated.with_changes(value=cst.Name("None"))
         return updated

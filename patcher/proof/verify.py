@@ -34,7 +34,9 @@ from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, 
 from patcher.proof.host_cuda import cuda_as_host, host_only_pinning
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches, send_schedule
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, patched_constructions
+from patcher.proof.script_eval import survey_of
 from patcher.proof.val_verify import compare_val_loops
+from patcher.families.registry import BY_NAME as FAMILIES
 from patcher.read.source import read_script
 from patcher.transforms.features import TOGGLES
 from patcher.transforms.py310_fstrings import requote
@@ -159,17 +161,31 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
 
 
 def _select_driver(run: _Run) -> tuple[Driver, object]:
-    """The first driver of `DRIVERS` that reads the scripts, and its recipe. Raises
-    CannotVerify when none does, with the last driver's reason where it names its own
-    kind of source (a generator, a construction), else the first driver's."""
+    """The driver the original's loader family names (`Family.driver`), else the first
+    driver of `DRIVERS` that reads the scripts, and its recipe. Raises CannotVerify when
+    none does, with the last driver's reason where it names its own kind of source (a
+    generator, a construction), else the first driver's."""
+    named = _family_drivers(run.sources[0])
     errors = []
-    for driver in DRIVERS.values():
+    for driver in sorted(DRIVERS.values(), key=lambda d: d.name not in named):
         try:
             return driver, driver.read(*run.sources)
         except HarnessError as error:
             errors.append(error)
     why = errors[-1] if "generator" in str(errors[-1]) or "`" in str(errors[-1]) else errors[0]
     raise CannotVerify(f"{run.paths[0]}: {why}") from None
+
+
+def _family_drivers(source: str) -> set[str]:
+    """The drivers the loader families of `source`'s training data variables name
+    (`patcher/families/`); empty when the source cannot be surveyed or has none."""
+    try:
+        surveyed = survey_of(source)
+    except Exception:  # the recipes say why a script cannot be read
+        return set()
+    families = {i.family for i in surveyed.iterators if i.training}
+    families |= {surveyed.loader_classes[c.class_name].family for c in surveyed.training_constructions()}
+    return {FAMILIES[name].driver for name in families if name in FAMILIES}
 
 
 def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResult:

@@ -41,6 +41,7 @@ import threading
 import torch
 
 from templates.prefetch_loader import _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_previous, _stop_workers
+from templates.staging import _each_tensor
 
 
 def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
@@ -190,16 +191,8 @@ class _IteratorWorker:
 
 
 def _record_stream(value, stream):
-    """`record_stream` on every CUDA tensor in `value` (tensors, tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        if value.is_cuda:
-            value.record_stream(stream)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _record_stream(v, stream)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _record_stream(v, stream)
+    """`record_stream` on every CUDA tensor in `value` (a batch of any structure, see `_each_leaf`)."""
+    _each_tensor(value, lambda t: t.is_cuda and t.record_stream(stream))
 
 
 def _prefetch_next_batch(make_loader, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):

@@ -65,7 +65,7 @@ import traceback
 import torch
 
 from templates.copy_stream import _h2d
-from templates.staging import _each_tensor
+from templates.staging import _each_leaf, _each_tensor
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
@@ -110,11 +110,14 @@ class _PrefetchLoader:
             self.args = args
             batch = self.loader.next_batch(*args)  # the first batch here; the child goes on from this state
             self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
+            self.values = []  # the first batch's non-tensor leaves: none means no batch has any
+            self.layout = _layout(batch, self.values)
             fork = multiprocessing.get_context("fork")
-            self.filled, self.free, (self.conn, self.sender) = fork.Semaphore(0), fork.Semaphore(self.depth), fork.Pipe(False)
+            self.filled, self.free, (self.conn, self.sender), (self.value_conn, self.value_sender) = fork.Semaphore(0), fork.Semaphore(self.depth), fork.Pipe(False), fork.Pipe(False)
             self.process = fork.Process(target=self._produce, args=(os.getpid(),), daemon=True)
             self.process.start()
-            self.sender.close()  # the child's end: closed here, so the child's exit is an end of file
+            self.sender.close()  # the child's ends: closed here, so the child's exit is an end of file
+            self.value_sender.close()
         elif args != self.args or not self.process:
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
         else:
@@ -130,7 +133,10 @@ class _PrefetchLoader:
                         raise error[0] from RuntimeError(error[1])
                     raise RuntimeError(f"prefetch: producer exit code {code}")
             pin = self.device.type == "cuda" and torch.cuda.is_available()
-            batch = _each_tensor(self.slots[self.taken % self.depth], lambda t: t.pin_memory() if pin else t.clone())
+            # Each batch's own non-tensor values (a counter, a state dict's ints, a
+            # string) come through a pipe, in order, beside its tensors in the slot.
+            values = iter(self.value_conn.recv() if self.values else ())
+            batch = _each_leaf(self.slots[self.taken % self.depth], lambda v: (v.pin_memory() if pin else v.clone()) if isinstance(v, torch.Tensor) else next(values))
             self.taken += 1
             self.free.release()
         return _each_tensor(batch, lambda t: _h2d(t, self.device, self.copy_stream))
@@ -149,14 +155,17 @@ class _PrefetchLoader:
                     if os.getppid() != parent:
                         return
                     time.sleep(0.0005)
-                built, slot_tensors = [], []
-                _each_tensor(self.loader.next_batch(*self.args), built.append)
-                _each_tensor(slot, slot_tensors.append)
-                for into, tensor in zip(slot_tensors, built):
-                    if into.shape != tensor.shape:
-                        raise RuntimeError("prefetch: batch shape changed; set TRAIN_PREFETCH=0")
-                    into.copy_(tensor)
+                batch, values, into, built = self.loader.next_batch(*self.args), [], [], []
+                layout = _layout(batch, values)
+                if layout != self.layout:
+                    raise RuntimeError(f"prefetch: batch structure {layout} is not the first batch's {self.layout}; set TRAIN_PREFETCH=0")
+                _each_tensor(slot, into.append)
+                _each_tensor(batch, built.append)
+                for tensor, new in zip(into, built):
+                    tensor.copy_(new)
                 self.filled.release()
+                if self.values:  # after the release: the caller reads it then (a value larger than the pipe's buffer cannot block the child)
+                    self.value_sender.send(values)
         except BaseException as error:  # re-raised in the training process
             # As torch.utils.data's ExceptionWrapper: the exception travels with its
             # formatted traceback, which becomes its cause there. One that the caller
@@ -176,3 +185,9 @@ class _PrefetchLoader:
             process.kill()
             process.join()
 
+
+def _layout(batch, values):
+    """The layout of a batch, which every batch must share with the first: its
+    structure with each tensor as (dtype, shape) and each other leaf as its type. Its
+    non-tensor leaves, which each batch carries for itself, are appended to `values`."""
+    return _each_leaf(batch, lambda v: (v.dtype, v.shape) if isinstance(v, torch.Tensor) else values.append(v) or type(v))

@@ -6,16 +6,33 @@ that its H2D copy can run asynchronously on the copy stream and a loader that re
 its buffers cannot change a batch already queued.
 """
 
+import dataclasses
+
 import torch
 
 
-def _each_tensor(item, fn):
-    """`item` (a tensor, or tuples and lists of them and of other values) with `fn` applied to each tensor."""
-    if isinstance(item, torch.Tensor):
-        return fn(item)
+def _each_leaf(item, fn):
+    """`item` rebuilt with `fn` applied to each leaf.
+
+    A batch is whatever the loader returns: tuples, lists, dicts, namedtuples and
+    dataclass instances are walked (rebuilt with their own type, as torch.utils.data's
+    pin_memory and collate code does); anything else (a tensor, a numpy array, a Python
+    scalar, a string, None) is a leaf.
+    """
+    if isinstance(item, dict):
+        return type(item)((k, _each_leaf(v, fn)) for k, v in item.items())
+    if isinstance(item, tuple) and hasattr(item, "_fields"):  # a namedtuple
+        return type(item)(*(_each_leaf(v, fn) for v in item))
     if isinstance(item, (tuple, list)):
-        return type(item)(_each_tensor(t, fn) for t in item)
-    return item
+        return type(item)(_each_leaf(v, fn) for v in item)
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return dataclasses.replace(item, **{f.name: _each_leaf(getattr(item, f.name), fn) for f in dataclasses.fields(item) if f.init})
+    return fn(item)
+
+
+def _each_tensor(item, fn):
+    """`item` (a batch of any structure, see `_each_leaf`) with `fn` applied to each tensor."""
+    return _each_leaf(item, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
 
 
 def _stage(item, pin, host_copy=True):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import multiprocessing
 import signal
 import threading
@@ -35,41 +36,81 @@ class Difference:
     rank: int
     phase: str
     batch: int
-    field: int | None  # index of the batch's tensor that differs; None: not one field (an exception, a thread left running)
+    field: int | str | None  # the top-level field (index) or the path (`2['pq_idx']`) that differs; None: not one field (an exception, a thread left running)
     what: str
     configuration: str | None = None  # how the patched loader ran (producer threads, device)
 
 
-def first_difference(a, b) -> tuple[int, str] | None:
-    """The first field where batch `b` differs from batch `a`, as (field index, what
-    differs), or None when they are the same. A batch is a tuple or list of fields, or
-    one field; tensors compare by dtype, shape and bytes, numpy arrays by dtype, shape
-    and bytes, anything else with `==`."""
-    a = a if isinstance(a, (tuple, list)) else (a,)
-    b = b if isinstance(b, (tuple, list)) else (b,)
-    if len(a) != len(b):
-        return 0, f"{len(a)} fields vs {len(b)}"
-    for i, (x, y) in enumerate(zip(a, b)):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.dtype != y.dtype:
-                return i, f"dtype {x.dtype} vs {y.dtype}"
-            if x.shape != y.shape:
-                return i, f"shape {tuple(x.shape)} vs {tuple(y.shape)}"
-            if not (x.dtype.is_floating_point or x.dtype.is_complex) and x.device == y.device and torch.equal(x, y):
-                continue  # integers: equal values are equal bytes
-            xb, yb = _bytes(x), _bytes(y)
-            if not torch.equal(xb, yb):
-                flat_x, flat_y = x.detach().cpu().reshape(-1), y.detach().cpu().reshape(-1)
-                unequal = (xb.view(-1, x.element_size()) != yb.view(-1, y.element_size())).any(dim=1)
-                at = int(unequal.nonzero()[0, 0]) if bool(unequal.any()) else 0
-                index = tuple(int(v) for v in np.unravel_index(at, tuple(x.shape))) if x.dim() else ()
-                return i, f"bytes differ: first at {list(index)}: {flat_x[at].item()!r} vs {flat_y[at].item()!r}"
-        elif isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)) or x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-                return i, "numpy arrays differ"
-        elif x != y:
-            return i, f"{x!r} vs {y!r}"
+def first_difference(a, b) -> tuple[int | str, str] | None:
+    """The first place where batch `b` differs from batch `a`, as (where, what differs),
+    or None when they are the same.
+
+    A batch is whatever the loader returns. Tuples, lists, dicts, namedtuples and
+    dataclass instances are compared element by element, their types and keys
+    included; tensors by dtype, shape and bytes; numpy arrays by dtype, shape and bytes;
+    anything else (a Python scalar, a string, None) by type and `==`. where: the index
+    of a top-level field of a tuple or list batch (an int, as for `(x, y)`), else a
+    path such as `[2]['pq_idx']` or `x` (a namedtuple's or dataclass's field); 0 for
+    a batch that is one value.
+    """
+    found = _difference(a, b, "")
+    if found is None:
+        return None
+    path, what = found
+    if not path:
+        return 0, what
+    if path.startswith("[") and path.endswith("]") and path[1:-1].isdigit():
+        return int(path[1:-1]), what
+    return path.removeprefix("."), what
+
+
+def _difference(a, b, path: str) -> tuple[str, str] | None:
+    """(path, what) of the first difference below `path`, or None."""
+    if type(a) is not type(b):
+        return path, f"{type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return path, f"keys {list(a)} vs {list(b)}"
+        pairs = [(f"{path}[{k!r}]", a[k], b[k]) for k in a]
+    elif isinstance(a, (tuple, list)):
+        if len(a) != len(b):
+            return path, f"{len(a)} fields vs {len(b)}"
+        names = getattr(a, "_fields", None)
+        pairs = [(f"{path}.{names[i]}" if names else f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
+    elif dataclasses.is_dataclass(a) and not isinstance(a, type):
+        pairs = [(f"{path}.{f.name}", getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)]
+    else:
+        what = _leaf_difference(a, b)
+        return None if what is None else (path, what)
+    for where, x, y in pairs:
+        found = _difference(x, y, where)
+        if found is not None:
+            return found
     return None
+
+
+def _leaf_difference(x, y) -> str | None:
+    """What differs between two leaves of the same type, or None."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype != y.dtype:
+            return f"dtype {x.dtype} vs {y.dtype}"
+        if x.shape != y.shape:
+            return f"shape {tuple(x.shape)} vs {tuple(y.shape)}"
+        if not (x.dtype.is_floating_point or x.dtype.is_complex) and x.device == y.device and torch.equal(x, y):
+            return None  # integers: equal values are equal bytes
+        xb, yb = _bytes(x), _bytes(y)
+        if torch.equal(xb, yb):
+            return None
+        flat_x, flat_y = x.detach().cpu().reshape(-1), y.detach().cpu().reshape(-1)
+        unequal = (xb.view(-1, x.element_size()) != yb.view(-1, y.element_size())).any(dim=1)
+        at = int(unequal.nonzero()[0, 0]) if bool(unequal.any()) else 0
+        index = tuple(int(v) for v in np.unravel_index(at, tuple(x.shape))) if x.dim() else ()
+        return f"bytes differ: first at {list(index)}: {flat_x[at].item()!r} vs {flat_y[at].item()!r}"
+    if isinstance(x, np.ndarray):
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            return "numpy arrays differ"
+        return None
+    return None if x == y else f"{x!r} vs {y!r}"
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -78,13 +119,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_batch(batch):
-    """A private copy of a batch (tensors cloned, containers rebuilt)."""
+    """A private copy of a batch of any structure (tensors cloned, numpy arrays copied,
+    containers and dataclass instances rebuilt)."""
     if isinstance(batch, torch.Tensor):
         return batch.detach().clone()
     if isinstance(batch, np.ndarray):
         return batch.copy()
+    if isinstance(batch, dict):
+        return type(batch)((k, copy_batch(v)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(copy_batch(b) for b in batch))
     if isinstance(batch, (tuple, list)):
         return type(batch)(copy_batch(b) for b in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: copy_batch(getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init})
     return batch
 
 

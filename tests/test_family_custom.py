@@ -456,3 +456,32 @@ def test_fixture_patched_gives_the_original_batches(tmp_path):
     patched.write_text(patch_source((FIXTURES / "custom_loader.py").read_text(encoding="utf-8")).source)
     result = verify(FIXTURES / "custom_loader.py", patched, batches=16)
     assert result.identical, result.difference
+
+
+# Batches that are not a plain (x, y) pair: each is handed out with its own values
+# (the shard index changes at every call on the verify's small shards).
+RETURN_PAIR = "        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)\n"
+STRUCTURED_RETURNS = {
+    "tuple-with-counter": "        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), self.shard\n",
+    "dict-with-state": '        return {"x": x.to(self.device, non_blocking=True), "state": {"shard": self.shard, "offset": self.offset, "name": f"s{self.shard}"}}\n',
+}
+
+
+@pytest.mark.parametrize("name", list(STRUCTURED_RETURNS))
+def test_structured_batches_verify_identical_and_a_frozen_value_is_caught(tmp_path, name):
+    source = (FIXTURES / "custom_loader.py").read_text(encoding="utf-8")
+    assert source.count(RETURN_PAIR) == 1
+    original = tmp_path / "train_gpt.py"
+    original.write_text(source.replace(RETURN_PAIR, STRUCTURED_RETURNS[name]))
+    patched = tmp_path / "patched.py"
+    text = patch_source(original.read_text()).source
+    patched.write_text(text)
+    result = verify(original, patched, batches=12)
+    assert result.identical, result.difference
+    # A runtime that handed out the first batch's values again would be caught, at the value's path.
+    frozen = "values = iter(self.value_conn.recv() if self.values else ())"
+    assert text.count(frozen) == 1
+    patched.write_text(text.replace(frozen, "values = iter(self.values)"))
+    result = verify(original, patched, batches=12)
+    assert not result.identical
+    assert result.difference.field == {"tuple-with-counter": 2, "dict-with-state": "['state']['shard']"}[name], result.difference

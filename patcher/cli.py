@@ -7,7 +7,7 @@ The work is elsewhere (patch, check, verify, bench). Exit codes of the main job:
 `patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 a batch differs or the patched
 loader behaves differently (raises, leaves a replaced worker running; the line names rank,
 phase, batch and field), 2 cannot verify (one line: why, e.g. "needs sentencepiece"; a
-harness failure is never 1).
+harness failure is never 1), 3 nothing to verify (PATCHED holds no runtime of this tool).
 `patch-prefetch DIR --out-dir OUT` (tree mode): 0 no file failed, 1 some failed, 2 usage.
 Every command: 130 interrupted (Ctrl-C), 141 stdout closed (quietly).
 """
@@ -95,7 +95,7 @@ def build_check_parser() -> argparse.ArgumentParser:
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.")
+    parser = argparse.ArgumentParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.", epilog="Exit codes: 0 identical, 1 a batch differs, 2 cannot verify, 3 nothing to verify (PATCHED holds no runtime of patch-prefetch).")
     parser.add_argument("original")
     parser.add_argument("patched")
     parser.add_argument("--batches", type=int, default=None, help="batches per rank after the rebuild (default 96 for a loader class, 64 items for a data generator)")
@@ -294,12 +294,15 @@ def _print_check(result, stream, indent: str) -> None:
 
 
 def _run_verify(args) -> int:
-    from patcher.proof.verify import CannotVerify, verify
+    from patcher.proof.verify import CannotVerify, NothingToVerify, verify
 
     try:
         batches = "default batches" if args.batches is None else f"{args.batches} batches"
         with running_clock(f"verify {args.patched}: {batches} x {args.world_size} ranks", wanted(args.json)):
             result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens, workers=args.workers)
+    except NothingToVerify as error:
+        print(f"patch-prefetch verify: nothing to verify: {error}", file=sys.stderr)
+        return EXIT_NOTHING
     except CannotVerify as error:
         print(f"patch-prefetch verify: cannot verify: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -316,7 +319,8 @@ def _run_verify(args) -> int:
             print(f"  {note}")
         if result.identical:
             val = f" and {result.val_batches_compared} validation batches" if result.val_batches_compared else ""
-            print(f"identical: {result.batches_compared} batches{val} over {result.world_size} ranks ({result.seconds:.1f} s)")
+            unproven = "" if result.prefetched else "; nothing was prefetched (train_prefetch was skipped): the training loader is the original's"
+            print(f"identical: {result.batches_compared} batches{val} over {result.world_size} ranks ({result.seconds:.1f} s){unproven}")
         else:
             d = result.difference
             field = "" if d.field is None else f", field {d.field}"

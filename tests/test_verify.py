@@ -221,8 +221,14 @@ def test_top_level_script_with_a_loader_that_moves_batches_itself(tmp_path):
 
 
 def test_cannot_verify_a_script_without_loader(tmp_path):
-    with pytest.raises(CannotVerify, match="no loader|no training loader"):
+    from patcher.proof.verify import NothingToVerify
+
+    with pytest.raises(NothingToVerify, match="holds no runtime of patch-prefetch"):
         verify(FIXTURES / "no_loader.py", FIXTURES / "no_loader.py")
+    patched = tmp_path / "patched.py"  # a runtime name, but still no loader to drive
+    patched.write_text((FIXTURES / "no_loader.py").read_text() + "\n_make_train_loader = None\n")
+    with pytest.raises(CannotVerify, match="no loader|no training loader"):
+        verify(FIXTURES / "no_loader.py", patched)
 
 
 HANG_ON_NEXT = (
@@ -334,3 +340,20 @@ def test_verify_drives_each_family_with_the_driver_it_names():
     fixtures = Path(__file__).resolve().parents[1] / "fixtures"
     assert _family_drivers((fixtures / "tokenstream_readable.py").read_text()) == {"loader_class"}
     assert _family_drivers((fixtures / "generator_toplevel.py").read_text()) == {"generator"}
+
+
+def test_the_original_against_itself_is_refused_not_identical(tmp_path, capsys):
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "tokenstream_readable.py"
+    assert main(["verify", str(fixture), str(fixture)]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("patch-prefetch verify: nothing to verify: ") and "holds no runtime of patch-prefetch" in err[0]
+
+
+def test_a_patch_without_training_prefetch_says_nothing_was_prefetched(tmp_path, capsys):
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "tokenstream_readable.py"
+    patched = tmp_path / "patched.py"
+    patched.write_text(patch_source(fixture.read_text(), {"val_prefetch", "env_toggles"}).source)
+    assert main(["verify", str(fixture), str(patched), "--batches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].endswith("; nothing was prefetched (train_prefetch was skipped): the training loader is the original's")
+    assert verify(fixture, patched, batches=4).prefetched is False

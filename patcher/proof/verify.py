@@ -38,13 +38,15 @@ from patcher.proof.script_eval import survey_of
 from patcher.proof.val_verify import compare_val_loops
 from patcher.families.registry import BY_NAME as FAMILIES
 from patcher.read.source import read_script
-from patcher.transforms.features import TOGGLES
+from patcher.transforms.features import INJECTED_NAMES, TOGGLES
 from patcher.transforms.py310_fstrings import requote
 
 
 @dataclass
 class VerifyResult:
-    """identical: every batch matched. batches_compared: per rank, both phases. notes: how it ran."""
+    """identical: every batch matched. batches_compared: per rank, both phases. notes: how
+    it ran. prefetched: the patched script prefetches its training batches (else only
+    what else was patched, such as the copy stream or validation, was put to the test)."""
 
     identical: bool
     world_size: int
@@ -53,6 +55,9 @@ class VerifyResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     val_batches_compared: int = 0
+    # False when the patched script holds no training prefetch (train_prefetch was
+    # skipped): its training loader is the script's own, so "identical" proves no prefetch.
+    prefetched: bool = True
 
     def as_dict(self) -> dict:
         d = {
@@ -63,6 +68,7 @@ class VerifyResult:
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
             "val_batches_compared": self.val_batches_compared,
+            "prefetched": self.prefetched,
         }
         return d
 
@@ -153,11 +159,34 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
         sources = (_importable(read_script(original).source, notes, "original"), _importable(read_script(patched).source, notes, "patched"))
         as_path = str(Path(original).resolve())
         notes.append(f"both scripts imported as if at {as_path} (__file__)")
+        prefetched = _patched_runtime(sources[1], patched)
+        if not prefetched:
+            notes.append("nothing was prefetched: the patched script has no training prefetch (train_prefetch was skipped), so its training loader is the original's")
         run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, workers, notes, started)
         driver, recipe = _select_driver(run)
         if run.batches is None:
             run.batches = driver.default_batches
-        return driver.run(recipe, run, driver.compare)
+        result = driver.run(recipe, run, driver.compare)
+        result.prefetched = prefetched
+        return result
+
+
+class NothingToVerify(CannotVerify):
+    """The patched script holds none of this tool's runtime: comparing it proves nothing."""
+
+
+# The runtime functions a training prefetch injects (templates/prefetch_*.py).
+TRAIN_RUNTIME = ("_make_train_loader", "_prefetch_iterator", "_prefetch_next_batch")
+
+
+def _patched_runtime(source: str, path) -> bool:
+    """Whether `source` (the patched script) prefetches its training batches. Raises
+    NothingToVerify when it holds no runtime of this tool at all (the original given
+    twice, or an unpatched file)."""
+    names = survey_of(source).module_names
+    if not any(name in names for name in (*INJECTED_NAMES.values(), *TRAIN_RUNTIME)):
+        raise NothingToVerify(f"{path}: holds no runtime of patch-prefetch (nothing was patched), so comparing it with the original proves nothing; pass the script patch-prefetch wrote")
+    return any(name in names for name in TRAIN_RUNTIME)
 
 
 def _select_driver(run: _Run) -> tuple[Driver, object]:

@@ -106,3 +106,15 @@ def test_the_survey_finds_the_statement_of_every_node_and_cannot_be_written():
         assert all(surveyed.top_level_of(node) is statement for node in walk(statement))
     with pytest.raises(TypeError):
         surveyed.collector.top_of[module.body[0]] = module.body[-1]
+
+
+def test_a_method_named_like_a_log_function_is_not_the_scripts_log_function():
+    import libcst
+
+    from patcher.survey.survey import survey
+
+    method_only = "class Logger:\n    def log0(self, msg):\n        print(msg)\n"
+    assert survey(libcst.parse_module(method_only)).log_function is None  # a bare `log0(...)` would be a NameError
+    both = method_only + "\ndef log(msg):\n    print(msg)\n"
+    name, fn = survey(libcst.parse_module(both)).log_function
+    assert name == "log" and fn.name.value == "log"

@@ -69,6 +69,7 @@ class ScriptIndex(cst.CSTVisitor):
     send_calls: every `name.send(value)`; each with its scope.
     calls_by_name: for a call of a plain name `f(...)`, every such call by `f`.
     functions: every `FunctionDef`, in source order. generator_functions: those that yield.
+    methods: those defined directly in a class body (not callable by their bare name).
     attribute_uses: every `AttributeUse`, in source order.
     fstrings: every f-string, with the f-strings it sits in (outermost first).
     """
@@ -86,6 +87,7 @@ class ScriptIndex(cst.CSTVisitor):
         self.next_calls: list[tuple[cst.Call, Scope]] = []
         self.send_calls: list[tuple[cst.Call, Scope]] = []
         self.generator_functions: set[cst.FunctionDef] = set()
+        self.methods: set[cst.FunctionDef] = set()
         self.calls_by_name: dict[str, list[cst.Call]] = {}
         self.fstrings: list[tuple[cst.FormattedString, tuple]] = []
         # the pass's own state
@@ -108,6 +110,8 @@ class ScriptIndex(cst.CSTVisitor):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._scope.bind(node.name.value, "other")
         self.functions.append(node)
+        if isinstance(self._scope.node, cst.ClassDef):
+            self.methods.add(node)
         # Python resolves names in a method past the class body, to the enclosing function.
         parent = self._scope
         while parent.node is not None and isinstance(parent.node, cst.ClassDef):

@@ -90,9 +90,10 @@ LOG_FUNCTIONS = ("log0", "log", "print0", "log_print")
 
 
 def find_log_function(index: ScriptIndex) -> tuple[str, cst.CSTNode] | None:
-    """The script's log function and the scope that defines it: the first of `LOG_FUNCTIONS` defined."""
+    """The script's log function and the scope that defines it: the first of `LOG_FUNCTIONS`
+    defined as a function (a method of that name is not callable by its bare name)."""
     for name in LOG_FUNCTIONS:
         for fn in index.functions:
-            if fn.name.value == name:
+            if fn.name.value == name and fn not in index.methods:
                 return name, fn
     return None

@@ -423,3 +423,21 @@ def test_a_change_of_structure_mid_run_is_an_error_at_that_batch():
         assert "float" in str(caught.value) and "int" in str(caught.value)
     finally:
         loader.shutdown()
+
+
+@pytest.mark.parametrize("name", list(STRUCTURES))
+def test_the_thread_runtime_hands_out_every_batch_structure_exactly(name):
+    from patcher.proof.compare import first_difference
+    from templates.prefetch_loader import _make_train_loader as make_thread_loader
+
+    shape = STRUCTURES[name]
+    reference = Structured(CPU, shape)
+    want = [reference.next_batch(*ARGS) for _ in range(8)]
+    loader = make_thread_loader(lambda d: Structured(d, shape), CPU, name=f"structured_{name}")
+    try:
+        for n, w in enumerate(want):
+            got = loader.next_batch(*ARGS)
+            assert type(got) is type(w)
+            assert first_difference(w, got) is None, (n, first_difference(w, got))
+    finally:
+        loader.shutdown()

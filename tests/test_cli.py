@@ -210,7 +210,7 @@ def test_verify_subcommand(tmp_path, capsys):
     code, stdout, _ = run(["verify", FIXTURES / "tokenstream_readable.py", out, "--batches", "16", "--json"], capsys)
     assert code == EXIT_OK and json.loads(stdout)["identical"] is True
     code, _, stderr = run(["verify", FIXTURES / "no_loader.py", FIXTURES / "no_loader.py"], capsys)
-    assert code == EXIT_BAD_INPUT and "cannot verify" in stderr
+    assert code == EXIT_NOTHING and "nothing to verify" in stderr
 
 
 def test_producer_toggles_only_on_request(tmp_path, capsys):

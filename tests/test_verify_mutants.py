@@ -116,9 +116,9 @@ def _split_after(line: cst.SimpleStatementLine, index: int, inserted: list[cst.B
     return cst.FlattenSentinel([head, *inserted, *tail])
 
 
-# A batch taken from the hand-off: `batch = _each_tensor(self.slots[...], ...)` (the lean
-# runtime's copy out of a filled slot), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
-SLOT_COPY = m.Call(func=m.Name("_each_tensor"), args=[m.Arg(m.Subscript(value=m.Attribute(attr=m.Name("slots")))), m.ZeroOrMore()])
+# A batch taken from the hand-off: `batch = _each_leaf(self.slots[...], ...)` (the lean
+# runtime's copy out of a filled slot, with the batch's own non-tensor values), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
+SLOT_COPY = m.Call(func=m.Name("_each_tensor") | m.Name("_each_leaf"), args=[m.Arg(m.Subscript(value=m.Attribute(attr=m.Name("slots")))), m.ZeroOrMore()])
 TAKE = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name("_next_built")) | SLOT_COPY)
 
 
@@ -178,7 +178,7 @@ class WorkerDropsABatch(_InInjected):
             return updated
         builds = m.Call(func=m.Attribute(attr=m.Name("next_batch") | m.Name("plan")))
         for index, small in enumerate(updated.body):
-            if m.matches(small, m.Assign(targets=[m.AssignTarget(m.Name())]) | m.Expr()) and m.findall(small.value, builds):
+            if m.matches(small, m.Assign(targets=[m.AssignTarget(m.Name() | m.Tuple())]) | m.Expr()) and m.findall(small.value, builds):
                 self.edits += 1
                 return _split_after(updated, index, [cst.parse_statement(f"if _mutant_nth('build', 12): {_code(small)}\n")])
         return updated

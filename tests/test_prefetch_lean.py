@@ -395,14 +395,27 @@ STRUCTURES = {
 }
 
 
+def _thread_runtime_loader(make_loader, device, name):
+    from templates.prefetch_loader import _make_train_loader as make_thread_loader
+
+    return make_thread_loader(make_loader, device, name=name)
+
+
+RUNTIMES = {
+    "forked": lambda make_loader, device, name: _make_train_loader(make_loader, device, name=name),
+    "thread": _thread_runtime_loader,
+}
+
+
+@pytest.mark.parametrize("runtime", list(RUNTIMES))
 @pytest.mark.parametrize("name", list(STRUCTURES))
-def test_every_batch_structure_is_handed_out_exactly_with_its_own_values(name):
+def test_every_batch_structure_is_handed_out_exactly_with_its_own_values(name, runtime):
     from patcher.proof.compare import first_difference
 
     shape = STRUCTURES[name]
     reference = Structured(CPU, shape)
     want = [reference.next_batch(*ARGS) for _ in range(12)]
-    loader = _make_train_loader(lambda d: Structured(d, shape), CPU)
+    loader = RUNTIMES[runtime](lambda d: Structured(d, shape), CPU, f"structured_{name}")
     try:
         for n, w in enumerate(want):
             got = loader.next_batch(*ARGS)
@@ -421,23 +434,5 @@ def test_a_change_of_structure_mid_run_is_an_error_at_that_batch():
         with pytest.raises(RuntimeError, match="batch structure .* is not the first batch's") as caught:
             loader.next_batch(*ARGS)
         assert "float" in str(caught.value) and "int" in str(caught.value)
-    finally:
-        loader.shutdown()
-
-
-@pytest.mark.parametrize("name", list(STRUCTURES))
-def test_the_thread_runtime_hands_out_every_batch_structure_exactly(name):
-    from patcher.proof.compare import first_difference
-    from templates.prefetch_loader import _make_train_loader as make_thread_loader
-
-    shape = STRUCTURES[name]
-    reference = Structured(CPU, shape)
-    want = [reference.next_batch(*ARGS) for _ in range(8)]
-    loader = make_thread_loader(lambda d: Structured(d, shape), CPU, name=f"structured_{name}")
-    try:
-        for n, w in enumerate(want):
-            got = loader.next_batch(*ARGS)
-            assert type(got) is type(w)
-            assert first_difference(w, got) is None, (n, first_difference(w, got))
     finally:
         loader.shutdown()

@@ -242,6 +242,86 @@ def main(device):
         "`batches` built at line 18 prefetches; a forked child process builds the batches",
         id="loader-in-another-variable-gets-its-name",
     ),
+    pytest.param(
+        """\
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+SAVERS = ThreadPoolExecutor(1)
+
+def _prefetch_shard(index):
+    threading.Thread(target=print, args=(index,), daemon=True).start()
+
+def _shard_value(index):
+    SAVERS = [index % 7]
+    return SAVERS[0]
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def _prefetch_shard(self, index):
+        return _shard_value(index)
+
+    def next_batch(self, n):
+        self.i = self._prefetch_shard(self.i + 1)
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+    SAVERS.submit(print, x)
+""",
+        """\
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+import torch
+"""
+        + RUNTIME
+        + """\
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+    train_prefetch = int(os.environ.get("TRAIN_PREFETCH", 1))
+
+SAVERS = ThreadPoolExecutor(1)
+
+def _prefetch_shard(index):
+    threading.Thread(target=print, args=(index,), daemon=True).start()
+
+def _shard_value(index):
+    SAVERS = [index % 7]
+    return SAVERS[0]
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def _prefetch_shard(self, index):
+        return _shard_value(index)
+
+    def next_batch(self, n):
+        self.i = self._prefetch_shard(self.i + 1)
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False)
+    x = train_loader.next_batch(4)
+    SAVERS.submit(print, x)
+""",
+        "`train_loader` built at line 32 prefetches; a forked child process builds the batches",
+        id="thread-helper-and-pool-the-loader-does-not-reach",
+    ),
 ]
 
 NOOPS = [
@@ -433,6 +513,236 @@ def main(device):
         "DistributedTokenLoader already prefetches (threads in the loader); not wrapped again",
         12,
         id="tokenstream-loader-on-a-thread-pool-is-custom-and-already-prefetches",
+    ),
+    pytest.param(
+        """\
+import os
+import threading
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+def _prefetch_shard(index, out):
+    worker = threading.Thread(target=out.append, args=(index,), daemon=True)
+    worker.start()
+    return worker
+
+def _next_shard(index):
+    out = []
+    _prefetch_shard(index, out).join()
+    return out[0]
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i = _next_shard(self.i + 1)
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "`Loader.next_batch` reaches `_next_shard` (line 13), then `_prefetch_shard` (line 8), which starts a thread (threading.Thread, line 9): a forked producer would not have it; not wrapped",
+        18,
+        id="helper-two-calls-away-starts-a-thread",
+    ),
+    pytest.param(
+        """\
+import os
+from concurrent.futures import ThreadPoolExecutor
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+POOL = ThreadPoolExecutor(2)
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i = POOL.submit(int, self.i + 1).result()
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "`Loader.next_batch` uses `POOL` (line 8), a thread pool built at module level (ThreadPoolExecutor): a forked producer would not have its workers; not wrapped",
+        10,
+        id="module-level-thread-pool-submitted-to-in-next-batch",
+    ),
+    pytest.param(
+        """\
+import os
+import concurrent.futures
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+_READERS: concurrent.futures.Executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+
+def _read_all(indices):
+    return list(_READERS.map(int, indices))
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.shards = _read_all([1, 2, 3])
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.shards[self.i % 3])
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "`Loader.__init__` reaches `_read_all` (line 10), which uses `_READERS` (line 8), a thread pool built at module level (concurrent.futures.ThreadPoolExecutor): a forked producer would not have its workers; not wrapped",
+        13,
+        id="helper-maps-over-a-module-level-pool-in-init",
+    ),
+    pytest.param(
+        """\
+import os
+import threading
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Reader(threading.Thread):
+    def run(self):
+        self.value = 1
+
+class ShardReader(Reader):
+    pass
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.reader = ShardReader(daemon=True)
+        self.reader.start()
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "`Loader.__init__` builds `ShardReader` (line 12), a subclass of threading.Thread: a forked producer would not have it; not wrapped",
+        15,
+        id="builds-a-thread-subclass-of-the-script",
+    ),
+    pytest.param(
+        """\
+import os
+from concurrent.futures import ThreadPoolExecutor
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+_pool = None
+
+def shard_pool():
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(1)
+    return _pool
+
+class Loader:
+    def __init__(self, device):
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i = shard_pool().submit(int, self.i + 1).result()
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "`Loader.next_batch` reaches `shard_pool` (line 10), which starts a thread pool (ThreadPoolExecutor, line 13): a forked producer would not have its workers; not wrapped",
+        16,
+        id="helper-creates-a-global-pool-on-first-use",
+    ),
+    pytest.param(
+        """\
+import os
+import threading
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+def _watch(loader):
+    threading.Thread(target=print, daemon=True).start()
+
+class Loader:
+    def __init__(self, device, hooks=(_watch,)):
+        self.device = device
+        self.i = 0
+        for hook in hooks:
+            hook(self)
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "`Loader.__init__` reaches `_watch` (line 8), which starts a thread (threading.Thread, line 9): a forked producer would not have it; not wrapped",
+        11,
+        id="default-argument-hook-starts-a-thread",
+    ),
+    pytest.param(
+        """\
+import os
+import threading
+import torch
+
+class Hyperparameters:
+    seed = int(os.environ.get("SEED", 1337))
+
+class Loader(threading.Thread):
+    def __init__(self, device):
+        super().__init__(daemon=True)
+        self.device = device
+        self.i = 0
+
+    def next_batch(self, n):
+        self.i += 1
+        x = torch.full((n,), self.i)
+        return x.to(self.device, non_blocking=True)
+
+def main(device):
+    train_loader = Loader(device)
+    x = train_loader.next_batch(4)
+""",
+        "`Loader` is a subclass of threading.Thread: a forked producer would not have its thread; not wrapped",
+        8,
+        id="loader-is-a-thread-subclass",
     ),
 ]
 

@@ -2,7 +2,9 @@
 
 Refusals: those of every loader rebuilt on the CPU (`loader_plan.py`), first among them
 a loader that already builds batches on threads (`Thread`, `ThreadPoolExecutor`: 12 of
-the 66 parameter-golf loader scripts), and one whose `__init__` takes no `device` to
+the 66 parameter-golf loader scripts) or whose code reaches threads outside its class (a
+module-level helper or executor, a `threading.Thread` subclass: `survey/threads.py`,
+the reason names where), and one whose `__init__` takes no `device` to
 build it on the CPU. Producer: `_make_train_loader`, on the forked producer
 `prefetch_lean` for run-constant arguments, else the thread runtime `prefetch_loader`.
 Verify: the "loader_class" driver.

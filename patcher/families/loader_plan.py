@@ -9,11 +9,12 @@ a `next_batch` argument that changes during the run (applied at hand-out when th
 loader only reshapes with it, else a snapshot rollback), or reads of the loader beyond
 `.next_batch` (settled where the caller is).
 
-Refused, with the reason, where the batches could differ: a loader that already
-prefetches, draws from a global RNG, calls torch.distributed, or uses its device for
-more than the final H2D copy; a loader with no `device` parameter, or a construction
-that passes none; a per-step argument on a loader that changes arrays in place (its
-state cannot be snapshot cheaply).
+Refused, with the reason, where the batches could differ or a forked child would hang:
+a loader that already prefetches or reaches threads outside its class (the reason says
+where: a forked child has none of them), draws from a global RNG, calls
+torch.distributed, or uses its device for more than the final H2D copy; a loader with
+no `device` parameter, or a construction that passes none; a per-step argument on a
+loader that changes arrays in place (its state cannot be snapshot cheaply).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from patcher.families.base import DataVariable, Plan, refused
 
 
 def already_prefetches(loader) -> Plan:
-    """The refusal of a loader that builds batches ahead itself."""
-    return refused(f"{loader.name} already prefetches (threads in the loader); not wrapped again", loader.line)
+    """The refusal of a loader that builds batches ahead itself: where the thread comes
+    from when its code reaches one outside its classes (`LoaderClass.threads`)."""
+    return refused(loader.threads or f"{loader.name} already prefetches (threads in the loader); not wrapped again", loader.line)
 
 
 def plan_rebuilt_on_cpu(variable: DataVariable, ctx, recognition=None, detail: str = "") -> Plan:

@@ -2,7 +2,7 @@
 
 `survey_loader` reads one class, with the script's classes it builds (TokenStream),
 and returns a `LoaderClass`: its parameters, where its device goes, its H2D copies,
-whether it already uses threads, why running it ahead would not be exact (a global
+whether it already uses threads (its own, or threads it reaches: `threads.py`), why running it ahead would not be exact (a global
 RNG, torch.distributed, device use), and how it changes its state. Which family it
 belongs to is the family units' call (`patcher/families/`), made by the survey.
 """
@@ -15,10 +15,10 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import dotted, walk
+from patcher.survey.threads import THREAD_NAMES, ThreadReach
 
 GLOBAL_RNG_TORCH = {"rand", "randn", "randint", "randperm", "manual_seed", "bernoulli", "multinomial", "normal", "seed"}
 GLOBAL_RNG_NUMPY_OK = {"Generator", "PCG64", "default_rng", "RandomState", "SeedSequence", "Philox", "MT19937", "SFC64", "BitGenerator"}
-THREAD_NAMES = {"ThreadPoolExecutor", "Thread", "ProcessPoolExecutor"}
 
 
 @dataclass
@@ -35,8 +35,12 @@ class LoaderClass:
     h2d_calls: the `<expr>.to(self.<device attr>, non_blocking=True)` nodes in
     `next_batch`. reshape_only: index of a `next_batch` parameter used only as the
     trailing dimension of `.reshape(-1, p)` of every returned tensor, or None.
-    prefetches: the class already builds batches ahead: it uses threads, or its family
-    prefetches by design (`Family.prefetches`). unsafe: why prefetching
+    prefetches: the class already builds batches ahead: it uses threads (its own, or
+    threads its code reaches: `threads`), or its family prefetches by design
+    (`Family.prefetches`). threads: where its methods reach a thread outside its own
+    classes (a module-level helper that starts one, a module-level executor, a
+    `threading.Thread` subclass of the script), as the refusal says it, or None; left
+    None when its own classes create threads. unsafe: why prefetching
     it would not be exact (global RNG, torch.distributed, device use), or None.
     in_place: where the loader changes a container or array in place (then its state
     cannot be snapshot cheaply for a rollback), or None. writes_arrays: where it writes
@@ -59,15 +63,18 @@ class LoaderClass:
     h2d_calls: list[cst.Call] = field(default_factory=list)
     reshape_only: int | None = None
     prefetches: bool = False
+    threads: str | None = None
     unsafe: str | None = None
     in_place: str | None = None
     writes_arrays: str | None = None
     cuda_in_next_batch: bool = False
 
 
-def survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], line: int) -> LoaderClass:
+def survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], line: int, reach: ThreadReach | None = None) -> LoaderClass:
     """The family-independent facts of the loader class `cls` (at 1-based `line`);
-    classes: the script's module-level classes by name. `family` is left to the survey."""
+    classes: the script's module-level classes by name; reach: the script's
+    `ThreadReach`, to find threads the loader reaches outside its classes (None: only
+    its own are seen). `family` is left to the survey."""
     info = LoaderClass(name=cls.name.value, node=cls, line=line)
     next_batch = method(cls, "next_batch")
     info.next_batch_params = _params(next_batch)[1:]
@@ -80,7 +87,9 @@ def survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], line: int
     info.related = related = [cls] + [classes[n] for n in _called_names(cls) if n in classes and n != cls.name.value]
     for c in related:
         info.called |= _called_names(c)
-    info.prefetches = bool(info.called & THREAD_NAMES)
+    if not info.called & THREAD_NAMES and reach is not None:
+        info.threads = reach.reached(related)
+    info.prefetches = bool(info.called & THREAD_NAMES) or info.threads is not None
     info.unsafe = _unsafe_reason(related, info)
     if info.device_attr is not None:
         info.h2d_calls = _h2d_calls(next_batch, info.device_attr)

@@ -25,6 +25,7 @@ from patcher.survey.index import ScriptIndex
 from patcher.survey.loaders import LoaderClass, method, survey_loader
 from patcher.survey.script import LOG_FUNCTIONS, Hyperparameters, find_hyperparameters, find_log_function, imports, is_minified, module_level_names
 from patcher.survey.sites import CallSite, Construction, IteratorSite, find_constructions_and_calls, find_iterators, inside_training_generators
+from patcher.survey.threads import ThreadReach
 
 # What the rest of the tool imports from here.
 __all__ = ["LOG_FUNCTIONS", "CallSite", "Construction", "Hyperparameters", "IteratorSite", "LoaderClass", "ScriptIndex", "Survey", "survey"]
@@ -132,9 +133,10 @@ def survey(module: cst.Module) -> Survey:
     index = ScriptIndex()
     cst_walk.visit(module, index)
     result.collector = index
+    reach = ThreadReach(module, index, result.line_of)
     for cls in classes.values():
         if method(cls, "next_batch") is not None:
-            info = survey_loader(cls, classes, result.line_of(cls))
+            info = survey_loader(cls, classes, result.line_of(cls), reach)
             family = loader_family(info)
             info.family, info.prefetches = family.name, info.prefetches or family.prefetches
             result.loader_classes[cls.name.value] = info

@@ -31,34 +31,52 @@ shorter step; a thread that only pinned the child's batches still slowed the op 
 by 2-4 %). The child holds no GIL of the training process. The hand-out costs one
 semaphore operation each way (an atomic operation, no system call while the batch is
 ready and the child is not asleep on it) and one copy of the batch. The child waits
-for a free slot by polling every 0.5 ms rather than sleeping on the semaphore: a
-sleeping waiter would make every hand-out a system call to wake it (measured in bench
-op-bound mode on a ShuffledSequenceLoader record: 0.11 ms a hand-out against 0.08),
-and the child is `queue_depth` batches ahead, so the delay costs nothing. The semaphores order the
-memory too: a slot is read only after the child filled it and rewritten only after
-the copy. This is the design of PyTorch's DataLoader (forked workers into shared
+for a free slot by polling every 0.5 ms for 5 ms, then sleeps on the semaphore 50 ms at
+a time: a hand-out while it polls wakes no sleeper (in bench op-bound mode on a
+ShuffledSequenceLoader record, a sleeping waiter made a hand-out 0.11 ms against
+0.08), and an idle child (a loop that validates, or waits) wakes 20 times a second,
+not 2,000. The semaphores order the memory too: a slot is read only after the child
+filled it and rewritten only after the copy. This is the design of PyTorch's DataLoader (forked workers into shared
 memory), for a loader whose order must not change.
 
 Contracts: at most `queue_depth` batches are built ahead (in the slots); a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
 traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
-a RuntimeError naming its type, with that cause); a child that dies (killed, out of memory) raises RuntimeError
-with its exit code; building the loader again for the same variable (the warm-up
-reset) kills the previous child first; children are daemons, terminated at exit, and
-leave by themselves when the training process is gone. Arguments that differ from the
+a RuntimeError naming its type and message, with that cause); a child that dies
+(killed, out of memory) raises RuntimeError with its exit code; building the loader
+again for the same variable (the warm-up reset) kills the previous child first; at
+exit the training process kills and reaps its children, and a child leaves by itself
+(within 50 ms of waiting for a slot) when the training process is gone.
+
+What real scripts do around it. The child is started with `os.fork()`, not as a
+`multiprocessing.Process`: a script's own raw fork whose child exits through
+`sys.exit` runs multiprocessing's exit hook, which terminates the daemon processes
+it inherited, the producer among them; the hook here acts only in the process that
+forked the producer. The child sets SIGTERM, SIGINT and SIGHUP to their defaults first,
+so that the script's handlers (one that ignores SIGTERM, say) never run there. Where
+a fork cannot be trusted, the loader runs without prefetch, exactly as the original
+(its batches moved to `device` as `_h2d` does), with one line on stderr naming the
+cause: threads other than the caller alive at the first `next_batch` (the child would
+lack them, and a loader that hands them work would wait forever), or shared memory
+too small for the slots (a container's /dev/shm is 64 MB unless raised). Arguments that differ from the
 first call's, a batch whose tensor shapes differ from the first batch's, or a
 `next_batch` after `shutdown()` raise RuntimeError: they cannot happen where this
 runtime is injected, and would otherwise hand out wrong batches. The child never
 touches CUDA (the loader is built on the CPU) and runs torch on one thread (a forked
-OpenMP team would hang). Needs the `fork` start method (Linux).
+OpenMP team would hang). Needs `os.fork` and /dev/shm (Linux).
 Scripts with per-step arguments, attribute reads or the producer tuning toggles get
 `templates/prefetch_loader.py` instead.
 """
 
+import atexit
+import glob
 import itertools
 import multiprocessing
 import os
 import pickle
+import signal
+import sys
+import threading
 import time
 import traceback
 
@@ -69,6 +87,11 @@ from templates.staging import _each_leaf, _each_tensor
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
+# Loader variables that run without prefetch (a fork could not be trusted): a rebuild
+# builds the original loader at once, without trying (and saying so) again.
+_unforked = set()
+# At exit the children are killed and reaped (in the process that forked them only).
+atexit.register(lambda: [loader.shutdown() for loader in _live_prefetchers.values()])
 
 
 def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
@@ -79,15 +102,15 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
     (`TRAIN_COPY_STREAM`); name: the variable's name, so that a rebuild shuts the
     previous producer down first.
-    Returns: `make_loader(device)` itself when prefetch is off (the original
-    behaviour), else a `_PrefetchLoader`.
+    Returns: `make_loader(device)` itself when prefetch is off or this variable's loader
+    could not prefetch before (the original behaviour), else a `_PrefetchLoader`.
     """
     old = _live_prefetchers.pop(name, None)
     if old:
         old.shutdown()
-    if not prefetch:
+    if not prefetch or name in _unforked:
         return make_loader(device)
-    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream)
+    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream, name)
     return loader
 
 
@@ -98,40 +121,34 @@ class _PrefetchLoader:
     (e.g. `x, y: int64 [batch, seq_len]` on `device`), bit for bit and in order.
     Raises the child's exception (its traceback as `__cause__`) at the batch where it
     happened; RuntimeError when the child died, for arguments other than the first
-    call's, or after `shutdown()`.
+    call's, or after `shutdown()`. Where the first call finds that a fork cannot be
+    trusted, every call is the wrapped loader's own, moved to `device`.
     """
 
-    def __init__(self, loader, device, queue_depth=2, copy_stream=True):
-        self.loader, self.device, self.copy_stream, self.args, self.process = loader, device, copy_stream, None, None
+    def __init__(self, loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
+        self.loader, self.device, self.copy_stream, self.name, self.args, self.pid = loader, device, copy_stream, name, None, None
         self.depth, self.taken = max(1, int(queue_depth)), 0
 
     def next_batch(self, *args):
-        if self.process is None:  # the first call (shutdown() leaves False)
+        if self.pid is None:  # the first call (shutdown() leaves 0)
             self.args = args
             batch = self.loader.next_batch(*args)  # the first batch here; the child goes on from this state
-            self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
             self.values = []  # the first batch's non-tensor leaves: none means no batch has any
             self.layout = _layout(batch, self.values)
-            fork = multiprocessing.get_context("fork")
-            self.filled, self.free, (self.conn, self.sender), (self.value_conn, self.value_sender) = fork.Semaphore(0), fork.Semaphore(self.depth), fork.Pipe(False), fork.Pipe(False)
-            self.process = fork.Process(target=self._produce, args=(os.getpid(),), daemon=True)
-            self.process.start()
-            self.sender.close()  # the child's ends: closed here, so the child's exit is an end of file
-            self.value_sender.close()
-        elif args != self.args or not self.process:
+            self._fork(batch)
+        elif self.pid is False:
+            batch = self.loader.next_batch(*args)
+        elif args != self.args or not self.pid:
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
         else:
             while not self.filled.acquire(timeout=0.1):
-                code = self.process.exitcode  # before the poll: a child that is gone has sent all it will
-                try:
-                    error = self.conn.poll() and self.conn.recv()
-                except EOFError:  # gone without a word
-                    error = None
-                if error or code is not None:
+                if self.conn.poll():  # the child's error, or the end of the pipe: the child is gone
+                    try:
+                        error = self.conn.recv()
+                    except EOFError:  # gone without a word
+                        raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
                     self.shutdown()
-                    if error:  # (the exception, the child's formatted traceback)
-                        raise error[0] from RuntimeError(error[1])
-                    raise RuntimeError(f"prefetch: producer exit code {code}")
+                    raise error[0] from RuntimeError(error[1])  # (the exception, the child's formatted traceback)
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             # Each batch's own non-tensor values (a counter, a state dict's ints, a
             # string) come through a pipe, in order, beside its tensors in the slot.
@@ -141,20 +158,68 @@ class _PrefetchLoader:
             self.free.release()
         return _each_tensor(batch, lambda t: _h2d(t, self.device, self.copy_stream))
 
-    def _produce(self, parent):
+    def _fork(self, batch):
+        """Allocate the slots and fork the child that fills them, after the first batch.
+
+        Where a fork cannot be trusted (`_threads_a_fork_lacks`, or /dev/shm too small for
+        the slots: a container's is 64 MB), `_run_here` instead.
+        """
+        threads = _threads_a_fork_lacks()
+        if threads:
+            return self._run_here(f"threads running ({', '.join(threads)}): a forked producer would not have them")
+        before = _shm_files()
+        try:
+            self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
+            fork = multiprocessing.get_context("fork")
+            self.filled, self.free, (self.conn, self.sender), (self.value_conn, self.value_sender) = fork.Semaphore(0), fork.Semaphore(self.depth), fork.Pipe(False), fork.Pipe(False)
+        except (OSError, RuntimeError) as error:  # no room: a bare ENOSPC, or torch's error
+            self.slots = None  # frees what was allocated; torch leaves the file of an allocation that failed
+            for file in _shm_files() - before:
+                os.unlink(file)
+            return self._run_here("no shared memory for the batches (" + str(error).split("\n")[0] + ")")
+        self.parent = os.getpid()
+        sys.stdout.flush()  # what is buffered here must not be written by the child too (stderr is line-buffered)
+        self.pid = os.fork()
+        if not self.pid:  # the child: never returns into the script, runs none of its exit hooks
+            try:
+                self._produce()
+            finally:
+                os._exit(0)
+        self.sender.close()  # the child's ends: closed here, so the child's exit is an end of file
+        self.value_sender.close()
+
+    def _run_here(self, cause):
+        """No child: every call is the loader's own, in this process (`pid` False); one
+        line on stderr says why, and a rebuild of the variable builds the original loader."""
+        print(f"prefetch: {cause}; {self.name} runs without prefetch (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
+        _unforked.add(self.name)
+        self.pid = False
+
+    def _produce(self):
         """The child process: `next_batch(*self.args)` into the slots in turn, forever.
 
         Takes a free slot (`free`), fills it, counts it filled (`filled`). An exception is
         sent on the pipe instead, with its traceback, and ends the child; so does the
-        training process's exit (the child's parent is no longer `parent`).
+        training process's exit (the child's parent is no longer `self.parent`).
         """
+        # The script's handlers must not run here (one that ignores SIGTERM would keep the
+        # child alive). SIGINT too: Ctrl-C reaches the whole foreground process group, and
+        # the training process handles its own; Python's default would raise
+        # KeyboardInterrupt inside the loader, to come back as the loader's error.
+        for signum in signal.SIGTERM, signal.SIGINT, signal.SIGHUP:
+            signal.signal(signum, signal.SIG_DFL)
         torch.set_num_threads(1)  # the parent's OpenMP team does not exist in a forked child
         try:
             for slot in itertools.cycle(self.slots):
-                while not self.free.acquire(False):
-                    if os.getppid() != parent:
+                polls = 0
+                # 5 ms of polling (a release then wakes no sleeper), then sleeps on the
+                # semaphore, waking every 50 ms to see whether the training process is there.
+                while not self.free.acquire(polls > 9, 0.05):
+                    if os.getppid() != self.parent:
                         return
-                    time.sleep(0.0005)
+                    polls += 1
+                    if polls < 10:
+                        time.sleep(0.0005)
                 batch, values, into, built = self.loader.next_batch(*self.args), [], [], []
                 layout = _layout(batch, values)
                 if layout != self.layout:
@@ -171,19 +236,21 @@ class _PrefetchLoader:
             # formatted traceback, which becomes its cause there. One that the caller
             # could not rebuild (it does not pickle, or its class cannot be rebuilt from
             # its args: an `__init__` with other required arguments) travels as a
-            # RuntimeError naming its type, not as an error of the pipe.
+            # RuntimeError naming its type and message, not as an error of the pipe.
             try:
                 pickle.loads(pickle.dumps(error))
             except Exception:
-                error = RuntimeError(f"prefetch: {type(error).__qualname__} in the producer")
+                error = RuntimeError(f"prefetch: {type(error).__qualname__} in the producer: {error}")
             self.sender.send((error, traceback.format_exc()))  # the exception this block handles
 
     def shutdown(self):
-        """Kill the child process and wait for it."""
-        process, self.process = self.process, False
-        if process:
-            process.kill()
-            process.join()
+        """Kill the child process and reap it. Returns its exit code (negative: the
+        signal that ended it), None where there is no child of this process: a process
+        that the script forked from the training process must not touch its producer."""
+        pid, self.pid = self.pid, 0
+        if pid and os.getpid() == self.parent:
+            os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _layout(batch, values):
@@ -191,3 +258,29 @@ def _layout(batch, values):
     structure with each tensor as (dtype, shape) and each other leaf as its type. Its
     non-tensor leaves, which each batch carries for itself, are appended to `values`."""
     return _each_leaf(batch, lambda v: (v.dtype, v.shape) if isinstance(v, torch.Tensor) else values.append(v) or type(v))
+
+
+def _threads_a_fork_lacks():
+    """The names of the threads, other than the caller, that a forked child would not
+    have: a loader that hands one of them work would wait forever in the child.
+
+    Excused: a thread that runs no Python code (a foreign thread that once called into
+    Python), and one whose code is torch's internals or tqdm's (inductor's compile
+    workers' reader, which a torch.compile on CUDA leaves running; tqdm's monitor): no
+    loader hands them work, and torch resets its compile pools in a forked child, as for
+    its DataLoader workers. A thread's code is the module of its outermost frame outside
+    `threading` (its target or its `run`): a thread of the script inside a torch call
+    counts. So do a DataLoader's pin-memory thread (torch.utils.data: a loader that
+    iterates a DataLoader waits on it) and the workers of any ThreadPoolExecutor
+    (concurrent.futures: a script's pool cannot be told from inductor's, which a
+    torch.compile on the CPU leaves).
+    """
+    frames = sys._current_frames()
+    frames.pop(threading.get_ident())
+    return [t.name for t in threading.enumerate() if t.ident in frames and not ([""] + [m for f, _ in traceback.walk_stack(frames[t.ident]) if (m := f.f_globals.get("__name__", "")) != "threading"])[-1].startswith(("torch._", "tqdm."))]
+
+
+def _shm_files():
+    """The paths of the files in /dev/shm named as torch names this process's shared
+    memory (none where there is no /dev/shm: macOS)."""
+    return set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -236,9 +237,55 @@ def thread_kind(thread: threading.Thread) -> str:
 
 def script_threads() -> set:
     """The threads (but the main one) and the child processes running here: a loader's
-    worker threads and (templates/prefetch_lean.py) its forked producer. Both kinds
-    have `name`, `join(timeout)` and `is_alive()`."""
-    return {t for t in threading.enumerate() if t is not threading.main_thread()} | set(multiprocessing.active_children())
+    worker threads and (templates/prefetch_lean.py) its forked producer, whether started
+    by multiprocessing or by `os.fork`. Both kinds have `name`, `join(timeout)` and `is_alive()`."""
+    threads = {t for t in threading.enumerate() if t is not threading.main_thread()}
+    return threads | set(multiprocessing.active_children()) | {ChildProcess(pid) for pid in child_pids()}
+
+
+def child_pids() -> set[int]:
+    """The live (not zombie) child processes of this process, from /proc (empty without it)."""
+    mine, found = os.getpid(), set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.isdigit():
+            state = _proc_state(int(entry))
+            if state is not None and state[1] == mine and state[0] not in "ZX":
+                found.add(int(entry))
+    return found
+
+
+def _proc_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of process `pid`, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0].decode(), int(fields[1])
+
+
+@dataclass(frozen=True)
+class ChildProcess:
+    """A child process seen in /proc, with the `name`, `join` and `is_alive` of a thread."""
+
+    pid: int
+
+    @property
+    def name(self) -> str:
+        return f"child process {self.pid}"
+
+    def is_alive(self) -> bool:
+        state = _proc_state(self.pid)
+        return state is not None and state[0] not in "ZX"
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 def still_alive(threads: set, grace_s: float) -> list:

@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from patcher.proof.compare import CannotVerify, Difference, DrawTimeout, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, script_threads, still_alive, thread_kind, unexcused
 from patcher.proof.harness import SimulatedDist
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
@@ -165,11 +165,12 @@ def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
     free slot, at most `timeout_s` seconds: the slot of the batch handed out last is
     then rewritten, so a batch that still views its slot shows it when compared again
     (deterministically, not by the child's timing). Other runtimes: returns at once."""
-    filled, process = getattr(loader, "filled", None), getattr(loader, "process", None)
-    if filled is None or not process:
+    filled, pid = getattr(loader, "filled", None), getattr(loader, "pid", None)
+    if filled is None or not pid:
         return
+    child = ChildProcess(pid)
     deadline = time.monotonic() + timeout_s
-    while filled.get_value() < loader.depth and process.is_alive() and time.monotonic() < deadline:
+    while filled.get_value() < loader.depth and child.is_alive() and time.monotonic() < deadline:
         time.sleep(0.0005)
 
 

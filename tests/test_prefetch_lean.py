@@ -429,7 +429,7 @@ def test_a_thread_alive_at_the_first_batch_means_the_original_batches_and_one_li
         stop.set()
         helper.join()
     assert capsys.readouterr().err.splitlines() == [
-        "prefetch: threads running (shard-reader): a forked producer would not have them; threaded runs without prefetch (TRAIN_PREFETCH=0 silences this)"]
+        "prefetch: threads running ['shard-reader']: a forked producer would not have them; threaded runs without prefetch (TRAIN_PREFETCH=0 silences this)"]
 
 
 @pytest.mark.parametrize("where", ["torch-error-at-the-third-slot-tensor", "bare-enospc-from-a-semaphore"])

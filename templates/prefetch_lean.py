@@ -166,7 +166,7 @@ class _PrefetchLoader:
         """
         threads = _threads_a_fork_lacks()
         if threads:
-            return self._run_here(f"threads running ({' '.join(threads)}): a forked producer would not have them")
+            return self._run_here(f"threads running {threads}: a forked producer would not have them")
         before = _shm_files()
         try:
             self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]

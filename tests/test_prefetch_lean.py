@@ -429,7 +429,7 @@ def test_a_thread_alive_at_the_first_batch_means_the_original_batches_and_one_li
         stop.set()
         helper.join()
     assert capsys.readouterr().err.splitlines() == [
-        "prefetch: threads running (shard-reader): a forked producer would not have them; threaded runs without prefetch (TRAIN_PREFETCH=0 silences this)"]
+        "prefetch: threads running ['shard-reader']: a forked producer would not have them; threaded runs without prefetch (TRAIN_PREFETCH=0 silences this)"]
 
 
 @pytest.mark.parametrize("where", ["torch-error-at-the-third-slot-tensor", "bare-enospc-from-a-semaphore"])
@@ -526,8 +526,8 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     for gone in ('"""', "# ", "_stage", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    # Bytes a raw-counted script pays: 7,322 today. 1,109 of them hand out batches of any
-    # structure; 1,716 survive what real scripts do (threads at the first batch or a full
+    # Bytes a raw-counted script pays: 7,309 today. 1,109 of them hand out batches of any
+    # structure; 1,703 survive what real scripts do (threads at the first batch or a full
     # /dev/shm mean no fork, with one line; the child forked with os.fork and reaped, the
     # default signal handlers in it, its back-off while idle, an error's message kept).
     assert len(code.encode()) < 7400, len(code.encode())

@@ -210,7 +210,7 @@ def test_a_loader_that_uses_a_thread_pool_runs_without_prefetch_and_says_so(env,
     assert_same_end(original, patched, original_code, patched_code)
     # One line for the loader variable, although it is built twice (the warm-up reset).
     assert len(prefetch_lines(patched)) == 1, patched.stderr
-    assert re.fullmatch(r"prefetch: threads running \(ThreadPoolExecutor-\d+_0\): a forked producer would not have them" + re.escape(FALLBACK), prefetch_lines(patched)[0])
+    assert re.fullmatch(r"prefetch: threads running \['ThreadPoolExecutor-\d+_0'\]: a forked producer would not have them" + re.escape(FALLBACK), prefetch_lines(patched)[0])
     assert seconds < RUN_S
 
 

@@ -357,3 +357,25 @@ def test_a_patch_without_training_prefetch_says_nothing_was_prefetched(tmp_path,
     out = capsys.readouterr().out
     assert out.splitlines()[-1].endswith("; nothing was prefetched (train_prefetch was skipped): the training loader is the original's")
     assert verify(fixture, patched, batches=4).prefetched is False
+
+
+def test_verify_runs_the_forked_producer_beside_the_harnesss_own_threads(tmp_path):
+    # A test runner's or the progress clock's thread is running while verify loads the
+    # scripts; the lean runtime must still fork (else verify proves the unprefetched path):
+    # a runtime that hands out its slot uncopied is caught.
+    import threading
+
+    fixture = FIXTURES / "tokenstream_readable.py"
+    text = patch_source(fixture.read_text()).source
+    uncopied = "(v.pin_memory() if pin else v.clone()) if isinstance(v, torch.Tensor)"
+    assert text.count(uncopied) == 1
+    patched = tmp_path / "patched.py"
+    patched.write_text(text.replace(uncopied, "v if isinstance(v, torch.Tensor)"))
+    stop = threading.Event()
+    clock = threading.Thread(target=stop.wait, name="harness-clock", daemon=True)
+    clock.start()
+    try:
+        result = verify(fixture, patched, batches=16)
+    finally:
+        stop.set()
+    assert not result.identical, result.notes

@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,16 +394,30 @@ def _importable(source: str, notes: list[str], which: str) -> str:
 
 def _load(source: str, path):
     try:
-        return load_module(source, str(path))
+        return _beside_the_harness(load_module(source, str(path)))
     except Exception as error:  # the script's own import-time failure
         raise CannotVerify(f"{path}: importing it failed: {type(error).__name__}: {error}") from None
 
 
 def _load_definitions(source: str, path):
     try:
-        return load_definitions(definitions_only(source), str(path))
+        return _beside_the_harness(load_definitions(definitions_only(source), str(path)))
     except Exception as error:  # the script's own definitions fail to import
         raise CannotVerify(f"{path}: importing its definitions failed: {type(error).__name__}: {error}") from None
+
+
+def _beside_the_harness(module):
+    """`module` with the lean runtime's fork check (`_threads_a_fork_lacks`, see
+    templates/prefetch_lean.py) blind to the threads that were running before it was
+    loaded: the harness's own (a test runner's, the progress clock's), which a script's
+    loader never hands work to. Without this the forked producer would decline to fork
+    here and verify would prove the unprefetched path. The script's own threads, started
+    after the load, still count."""
+    check = module.__dict__.get("_threads_a_fork_lacks")
+    if callable(check):
+        harness = {t.name for t in threading.enumerate()}
+        module.__dict__["_threads_a_fork_lacks"] = lambda: [name for name in check() if name not in harness]
+    return module
 
 
 def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes, shard_tokens=None) -> Plan:

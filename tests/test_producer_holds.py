@@ -288,9 +288,15 @@ ERROR_CLASS = (
     "class TokenStream:\n",
     "class ShardError(Exception):\n    pass\n\n\nclass TokenStream:\n",
 )
+# An exception whose class cannot be rebuilt from its args (its `__init__` takes two
+# arguments, its args hold one): pickling it across the pipe would fail in the caller.
+UNREBUILDABLE_ERROR_CLASS = (
+    "class TokenStream:\n",
+    "class ShardError(Exception):\n    def __init__(self, message, call):\n        super().__init__(f'{message} (call {call})')\n\n\nclass TokenStream:\n",
+)
 
 
-@pytest.mark.parametrize("failure", ["truncated shard", "error the script raises"])
+@pytest.mark.parametrize("failure", ["truncated shard", "error the script raises", "error whose class cannot be rebuilt"])
 def test_a_loader_error_fails_the_patched_run_at_the_same_batch_with_the_same_exception(data, runs, tmp_path, failure):
     if failure == "truncated shard":
         original, patched = patched_copy(FIXTURE.read_text(encoding="utf-8"), tmp_path)
@@ -298,22 +304,27 @@ def test_a_loader_error_fails_the_patched_run_at_the_same_batch_with_the_same_ex
         last_line = re.compile(r"^ValueError: \S+fineweb_train_000002\.bin: the header promises 2048 tokens, the file holds 1000$")
     else:
         source = FIXTURE.read_text(encoding="utf-8")
-        for old, new in (SCRIPT_ERROR, ERROR_CLASS):
+        for old, new in (SCRIPT_ERROR, ERROR_CLASS if failure == "error the script raises" else UNREBUILDABLE_ERROR_CLASS):
             assert source.count(old) == 1
             source = source.replace(old, new)
         original, patched = patched_copy(source, tmp_path)
         shards, env = data, {"FAIL_AT_CALL": "9"}  # the 9th batch after the warm-up: step 5
-        last_line = re.compile(r"^ShardError: \('batch 9 is corrupt', 9\)$")
+        last_line = re.compile(r"^ShardError: \('batch 9 is corrupt', 9\)$" if failure == "error the script raises" else r"^ShardError: batch 9 is corrupt \(call 9\)$")
     outcomes = []
     for script in (original, patched):  # at once: two cores
         outcomes.append(runs([str(script)], shards, **env))
     (code_o, lines_o, err_o), (code_p, lines_p, err_p) = (run.finish(WAIT_S) for run in outcomes)
     assert code_o == code_p == 1, (err_o[-1500:], err_p[-1500:])
     assert last_line.match(err_o.strip().splitlines()[-1]), err_o[-1500:]
-    assert err_p.strip().splitlines()[-1] == err_o.strip().splitlines()[-1], err_p[-2000:]
+    if failure == "error whose class cannot be rebuilt":
+        # It arrives as its type's name and message, its traceback from the producer as the cause.
+        assert err_p.strip().splitlines()[-1] == "RuntimeError: prefetch: ShardError in the producer: batch 9 is corrupt (call 9)", err_p[-2000:]
+        assert "in next_batch" in err_p and "ShardError: batch 9 is corrupt (call 9)" in err_p
+    else:
+        assert err_p.strip().splitlines()[-1] == err_o.strip().splitlines()[-1], err_p[-2000:]
     steps_o = [line for line in lines_o if STEP.match(line)]
     steps_p = [line for line in lines_p if STEP.match(line)]
-    assert steps_p == steps_o and len(steps_o) == {"truncated shard": 3, "error the script raises": 4}[failure]
+    assert steps_p == steps_o and len(steps_o) == {"truncated shard": 3, "error the script raises": 4, "error whose class cannot be rebuilt": 4}[failure]
     for run in outcomes:
         assert alive_in_session(run.pid) == []
 

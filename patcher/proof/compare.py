@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from patcher.proof.harness import HarnessError
+from templates.staging import _each_leaf
 
 
 class CannotVerify(Exception):
@@ -121,20 +122,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def copy_batch(batch):
     """A private copy of a batch of any structure (tensors cloned, numpy arrays copied,
-    containers and dataclass instances rebuilt)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.detach().clone()
-    if isinstance(batch, np.ndarray):
-        return batch.copy()
-    if isinstance(batch, dict):
-        return type(batch)((k, copy_batch(v)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(copy_batch(b) for b in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(copy_batch(b) for b in batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: copy_batch(getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init})
-    return batch
+    containers and dataclass instances rebuilt), walked as the runtime walks it
+    (`templates/staging.py` `_each_leaf`)."""
+    return _each_leaf(batch, lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
 
 
 def compare_phases(rank: int, phases, build, draw, what: str, timeout_s: float) -> Difference | None:

@@ -319,7 +319,7 @@ def _run_verify(args) -> int:
             print(f"  {note}")
         if result.identical:
             val = f" and {result.val_batches_compared} validation batches" if result.val_batches_compared else ""
-            unproven = "" if result.prefetched else "; nothing was prefetched (train_prefetch was skipped): the training loader is the original's"
+            unproven = "" if result.prefetched else "; not run ahead: the training generator's own H2D copies are staged (pinned_staging)" if result.staged else "; nothing was prefetched (train_prefetch was skipped): the training loader is the original's"
             print(f"identical: {result.batches_compared} batches{val} over {result.world_size} ranks ({result.seconds:.1f} s){unproven}")
         else:
             d = result.difference

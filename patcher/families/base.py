@@ -58,6 +58,8 @@ class Family:
     refuse: for a "generator" family, `(IteratorSite, cst.FunctionDef, ScriptIndex) ->
     str | None`: why a site built from one of its generator functions is not the
     training data source run ahead (None: it is). Read by the survey, so `verify` sees it too.
+    stages: for a "generator" family, `(IteratorSite, cst.FunctionDef, ScriptIndex) ->
+    bool`: whether a refused site's own H2D copies get pinned staging (`IteratorSite.staged`).
     """
 
     name: str
@@ -69,6 +71,7 @@ class Family:
     order: int = 50
     prefetches: bool = False
     refuse: Callable[["IteratorSite", "cst.FunctionDef", "ScriptIndex"], str | None] | None = None
+    stages: Callable[["IteratorSite", "cst.FunctionDef", "ScriptIndex"], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.driver not in DRIVERS:

@@ -13,11 +13,24 @@ global RNG, or calls a torch.distributed collective (local queries such as
 `prefetch_iterator`: the generator runs ahead on a thread, its own H2D copies on the
 copy stream; a `.send(value)` rebuilds and replays it, exactly. Verify: the
 "generator" driver.
+
+Background loading comes in two kinds (`background_kind`). A generator that yields
+what its threads built (`yield queue.get()`, `yield future.result()`) prefetches
+batches: it is left alone. One whose threads only load shards or files (modded-nanogpt's
+`Shard.load_async`, 2026) and builds every batch on the caller's thread prefetches
+shards, not batches: it is not run ahead either (a forked child would not have its
+threads and must not touch the memory it pins; a thread producer takes GIL time from
+a host-bound training loop, and every changed `.send(value)` would rebuild and replay
+the shard threads), but its site is `staged`: its `.to(device, non_blocking=True)`
+copies go through reused pinned buffers on the copy stream (feature `pinned_staging`),
+exact because the generator still runs where and when the original does.
 """
 
 from __future__ import annotations
 
 import libcst as cst
+
+import libcst.matchers as m
 
 from patcher.cst_walk import dotted, walk
 from patcher.families.base import DataVariable, Family, Plan
@@ -45,6 +58,57 @@ def refuse(site, function: cst.FunctionDef, index) -> str | None:
     return _generator_unsafe(function)
 
 
+def stages(site, function: cst.FunctionDef, index) -> bool:
+    """Whether the refused site `site` (built from `function`) gets pinned staging: its
+    only obstacle is background loading of shards or files (`background_kind`), and it
+    has a `.to(device, non_blocking=True)` copy to stage."""
+    if not site.reason or not site.reason.startswith(f"{function.name.value} loads shards"):
+        return False
+    return bool(staged_copies(function))
+
+
+def background_kind(function: cst.FunctionDef) -> str | None:
+    """What the background work a generator starts hands it: "batches" where what it
+    yields is taken straight from that work (`yield q.get()`, `yield f.result()`, a
+    name bound to one, `yield from`), "shards" where every yielded value is built in
+    the generator's own body (its threads load only shards or files), None where it
+    starts no thread and calls no `load_async`."""
+    called = [dotted(node.func) or "" for node in walk(function) if isinstance(node, cst.Call)]
+    if not any(c.split(".")[-1] in THREAD_NAMES or c.split(".")[-1] == "load_async" for c in called):
+        return None
+    fetched = {"get", "get_nowait", "result"}
+    handed = set()  # names bound straight to what background work hands over
+    for node in walk(function):
+        if m.matches(node, m.Assign(value=m.Call(func=m.Attribute()))) and node.value.func.attr.value in fetched:
+            handed.update(t.target.value for t in node.targets if isinstance(t.target, cst.Name))
+    for node in walk(function):
+        if not isinstance(node, cst.Yield) or node.value is None:
+            continue
+        if isinstance(node.value, cst.From):
+            return "batches"
+        parts = node.value.elements if isinstance(node.value, (cst.Tuple, cst.List)) else [node.value]
+        for part in parts:
+            value = getattr(part, "value", part)
+            if isinstance(value, cst.Name) and value.value in handed:
+                return "batches"
+            if m.matches(value, m.Call(func=m.Attribute())) and value.func.attr.value in fetched:
+                return "batches"
+    return "shards"
+
+
+# `x.to(device, non_blocking=True)` / `x.to(device=device, non_blocking=True)`: an H2D
+# copy whose only options are the device and non_blocking (no dtype, copy or format).
+H2D_COPY = m.Call(
+    func=m.Attribute(attr=m.Name("to")),
+    args=[m.Arg(keyword=m.Name("device")) | m.Arg(keyword=None, star=""), m.Arg(keyword=m.Name("non_blocking"), value=m.Name("True"))],
+)
+
+
+def staged_copies(function: cst.FunctionDef) -> list[cst.Call]:
+    """The `.to(device, non_blocking=True)` calls in `function`, in source order."""
+    return [node for node in walk(function) if isinstance(node, cst.Call) and m.matches(node, H2D_COPY)]
+
+
 def _generator_unsafe(function: cst.FunctionDef) -> str | None:
     """Why running `function` on another thread could change what it yields, else None."""
     name = function.name.value
@@ -54,6 +118,10 @@ def _generator_unsafe(function: cst.FunctionDef) -> str | None:
         called = dotted(node.func)
         parts = called.split(".")
         if parts[-1] in THREAD_NAMES or parts[-1] == "load_async":
+            if background_kind(function) == "shards":
+                return (f"{name} loads shards in the background ({called}) and builds each batch on the caller's thread: "
+                        "not run ahead (a fork would not copy its threads, a producer thread would take GIL time from the training loop); "
+                        "its H2D copies get pinned staging")
             return f"{name} already loads data in the background ({called}); not wrapped again"
         rng = global_rng(called)
         if rng is not None:
@@ -68,4 +136,4 @@ def plan(variable: DataVariable, ctx) -> Plan:
     return Plan(note=f"`{variable.target}` (generator {variable.sites[0].function}) built at line {variable.lines} runs ahead on a background thread")
 
 
-UNIT = Family("generator", "generator", recognise, plan, producer="_prefetch_iterator", runtime="prefetch_iterator", order=10, refuse=refuse)
+UNIT = Family("generator", "generator", recognise, plan, producer="_prefetch_iterator", runtime="prefetch_iterator", order=10, refuse=refuse, stages=stages)

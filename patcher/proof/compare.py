@@ -139,6 +139,7 @@ def compare_phases(rank: int, phases, build, draw, what: str, timeout_s: float) 
             for side in (0, 1):
                 close(sources[side])
                 sources[side] = harness_step(lambda: build(side, index), f"building the {'original' if side == 0 else 'patched'} {what} ({phase}) for rank {rank}")
+            previous = None  # the last item of each side, checked again after the next is drawn
             for n in range(count):
                 with draw_deadline(timeout_s):
                     reference = harness_step(lambda: draw(sources[0], n), f"the original {what}'s item {n} ({phase}) on rank {rank}")
@@ -152,6 +153,11 @@ def compare_phases(rank: int, phases, build, draw, what: str, timeout_s: float) 
                 diff = first_difference(reference, candidate)
                 if diff is not None:
                     return Difference(rank, phase, n, diff[0], diff[1])
+                # A buffer reused too early changes an item already handed out.
+                late = previous and first_difference(*previous)
+                if late:
+                    return Difference(rank, phase, n - 1, late[0], f"changed after the next item was drawn: {late[1]}")
+                previous = (copy_batch(reference), candidate)
     finally:
         for source in sources:
             close(source)

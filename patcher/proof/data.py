@@ -45,11 +45,13 @@ def write_loader_shards(data_dir: str, read_per_call: int, per_rank_call: int, s
     return tokens_per_shard
 
 
-def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per_item: int, items: int, seed: int, notes: list[str]) -> None:
+def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per_item: int, items: int, seed: int, notes: list[str], shard_tokens: int | None = None) -> None:
     """Shards for a data generator where the scripts look: `Hyperparameters.train_files`
     (pointed there in each of `modules`), or the glob literal of the construction
     (relative to the working directory, `root`); enough for `items` items of
-    `tokens_per_item` tokens on every rank. Notes what it wrote."""
+    `tokens_per_item` tokens on every rank, or of `shard_tokens` tokens each where given
+    (`--shard-tokens`: a generator that divides its argument by gradient accumulation
+    reads far less than the sizing assumes). Notes what it wrote."""
     # Relative to the working directory (`root`): some scripts glob with Path.cwd().glob().
     data_dir = "data"
     call = cst.parse_expression(recipe.original[-1])
@@ -74,6 +76,8 @@ def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per
     # `world_size` ranks per item): sized as if every rank read it.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tokens_per_shard = max(math.ceil(tokens_per_item * world_size * items * 1.5 / 4), 4 * tokens_per_item * world_size + 2)
+    if shard_tokens is not None:
+        tokens_per_shard = int(shard_tokens)
     bos_id = script_bos_id(modules[0])
     if bos_id is None:
         bos_id = _literal_bos_id(recipe)

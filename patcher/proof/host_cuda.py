@@ -166,7 +166,7 @@ def host_only_pinning(notes: list[str]):
     if torch.cuda.is_available():
         yield
         return
-    originals = {name: getattr(torch, name) for name in ("empty", "zeros", "ones", "full")}
+    originals = {name: getattr(torch, name) for name in ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like")}
     original_pin = torch.Tensor.pin_memory
 
     def unpinned(factory):

@@ -223,7 +223,7 @@ class IteratorRecipe:
     def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
         """Raises HarnessError when the original has no training generator the patch wrapped."""
         surveyed = survey_of(original)
-        sites = [i for i in surveyed.iterators if i.training]
+        sites = [i for i in surveyed.iterators if i.training or i.staged]
         if not sites:
             reasons = sorted({i.reason for i in surveyed.iterators if i.reason})
             raise HarnessError("; ".join(reasons) or "no training loader or data generator found")

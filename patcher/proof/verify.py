@@ -32,7 +32,7 @@ from patcher.check.import_smoke import definitions_only
 from patcher.proof.compare import CannotVerify, Difference, first_rank_difference
 from patcher.proof.data import generator_tokens_per_item, write_iterator_shards, write_loader_shards
 from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, load_definitions, load_module, swapped
-from patcher.proof.host_cuda import cuda_as_host, host_only_pinning
+from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, host_only_pinning
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches, send_schedule
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, patched_constructions
 from patcher.proof.script_eval import survey_of
@@ -59,6 +59,9 @@ class VerifyResult:
     # False when the patched script holds no training prefetch (train_prefetch was
     # skipped): its training loader is the script's own, so "identical" proves no prefetch.
     prefetched: bool = True
+    # True when the training generator is not run ahead but its own H2D copies are
+    # staged (pinned_staging): "identical" proves the staged copies.
+    staged: bool = False
 
     def as_dict(self) -> dict:
         d = {
@@ -70,6 +73,7 @@ class VerifyResult:
             "seconds": round(self.seconds, 3),
             "val_batches_compared": self.val_batches_compared,
             "prefetched": self.prefetched,
+            "staged": self.staged,
         }
         return d
 
@@ -161,7 +165,9 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
         as_path = str(Path(original).resolve())
         notes.append(f"both scripts imported as if at {as_path} (__file__)")
         prefetched = _patched_runtime(sources[1], patched)
-        if not prefetched:
+        if not prefetched and STAGING_RUNTIME in survey_of(sources[1]).module_names:
+            notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")
+        elif not prefetched:
             notes.append("nothing was prefetched: the patched script has no training prefetch (train_prefetch was skipped), so its training loader is the original's")
         run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, workers, notes, started)
         driver, recipe = _select_driver(run)
@@ -169,6 +175,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             run.batches = driver.default_batches
         result = driver.run(recipe, run, driver.compare)
         result.prefetched = prefetched
+        result.staged = STAGING_RUNTIME in survey_of(sources[1]).module_names
         return result
 
 
@@ -213,7 +220,7 @@ def _family_drivers(source: str) -> set[str]:
         surveyed = survey_of(source)
     except Exception:  # the recipes say why a script cannot be read
         return set()
-    families = {i.family for i in surveyed.iterators if i.training}
+    families = {i.family for i in surveyed.iterators if i.training or i.staged}
     families |= {surveyed.loader_classes[c.class_name].family for c in surveyed.training_constructions()}
     return {FAMILIES[name].driver for name in families if name in FAMILIES}
 
@@ -291,13 +298,37 @@ def _verify_generator(recipe: IteratorRecipe, run: _Run, compare) -> VerifyResul
         try:
             sends = send_schedule(recipe, modules, batches, notes)
             tokens_per_item = generator_tokens_per_item(recipe, modules[0], [pair[0] for pair in sends.values()])
-            write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), run.seed, notes)
-            difference = first_rank_difference(lambda rank: compare(recipe, modules, rank, world_size, counts, sends, DRAW_TIMEOUT_S), world_size)
+            write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), run.seed, notes, run.shard_tokens)
+            difference = first_rank_difference(lambda rank: _compare_generator_configurations(compare, recipe, modules, rank, world_size, counts, sends, notes), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{run.paths[0]}: {error}") from None
     notes.append(f"generator `{recipe.target}`: {sum(counts)} items per rank" + (f" ({warmup} per warm-up build)" if len(counts) > 1 else ""))
     notes.extend(_assumption_notes(recipe))
     return VerifyResult(difference is None, world_size, sum(counts) * world_size, difference, notes, time.perf_counter() - run.started)
+
+
+# The runtime function of a generator whose own H2D copies are staged (templates/pinned_staging.py).
+STAGING_RUNTIME = "_pinned_h2d"
+
+
+def _compare_generator_configurations(compare, recipe, modules, rank, world_size, counts, sends, notes) -> Difference | None:
+    """One rank's generators compared. Where the patched script stages its generator's
+    H2D copies (`_pinned_h2d`), on the CUDA path driven with host memory (pinned ring
+    buffers, copy stream, fences; each copy keeps viewing its buffer) for every rank,
+    then with CUDA unavailable (the original calls) for rank 0."""
+    if STAGING_RUNTIME not in modules[1].__dict__:
+        return compare(recipe, modules, rank, world_size, counts, sends, DRAW_TIMEOUT_S)
+    configurations = [("the staged copies on the CUDA path (host memory)", True)] + ([("the staged copies with CUDA unavailable", False)] if rank == 0 else [])
+    for label, on_host in configurations:
+        with cuda_on_host(notes) if on_host else contextlib.nullcontext():
+            difference = compare(recipe, modules, rank, world_size, counts, sends, DRAW_TIMEOUT_S)
+        if difference is not None:
+            difference.configuration = label
+            return difference
+        note = f"patched generator run with {label}" + ("" if on_host else " (rank 0)")
+        if note not in notes:
+            notes.append(note)
+    return None
 
 
 # How verify drives a script's training data source, by name (the name a loader family

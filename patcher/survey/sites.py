@@ -60,7 +60,8 @@ class IteratorSite:
     family: the name of the generator function's family unit.
     training: the training data source (advanced with `next(target)` or
     `target.send(value)`, named for training); sends: the `target.send(value)` calls;
-    reason: why it is not prefetched, or None.
+    reason: why it is not prefetched, or None. staged: not prefetched, but the
+    training data source whose own H2D copies get pinned staging (`Family.stages`).
     """
 
     target: str
@@ -73,6 +74,7 @@ class IteratorSite:
     reason: str | None = None
     sends: list = field(default_factory=list)
     family: str = ""
+    staged: bool = False
 
 
 def find_constructions_and_calls(index: ScriptIndex, result: Survey) -> None:
@@ -145,18 +147,21 @@ def find_iterators(index: ScriptIndex, result: Survey) -> None:
         else:
             site.reason = family.refuse(site, function, index)
             site.training = site.reason is None
+            site.staged = family.stages is not None and family.stages(site, function, index)
         result.iterators.append(site)
 
 
 def inside_training_generators(result: Survey) -> None:
     """A loader built inside a data generator that runs ahead as a whole (modded-nanogpt's
-    `BOSFinder` in `distributed_data_generator`) is not wrapped a second time."""
-    generators = {i.function for i in result.iterators if i.training}
+    `BOSFinder` in `distributed_data_generator`) is not wrapped a second time, nor is one
+    built inside a generator whose copies are staged (its `Shard`)."""
+    generators = {i.function: "stays on the training thread, its H2D copies staged" for i in result.iterators if i.staged}
+    generators.update({i.function: "runs ahead as a whole" for i in result.iterators if i.training})
     for construction in result.constructions:
         scope = construction.scope
         if construction.training and isinstance(scope, cst.FunctionDef) and scope.name.value in generators:
             construction.training = False
-            construction.reason = f"`{construction.target}` is built inside the data generator {scope.name.value}, which runs ahead as a whole"
+            construction.reason = f"`{construction.target}` is built inside the data generator {scope.name.value}, which {generators[scope.name.value]}"
 
 
 def _is_run_constant(expr: cst.BaseExpression, scope: Scope, index: ScriptIndex, depth: int) -> bool:

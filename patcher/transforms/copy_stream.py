@@ -30,6 +30,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         for site in (i for i in survey.iterators if i.training):
             ctx.toggle("TRAIN_COPY_STREAM")
             notes.append(Note(FEATURE, True, f"`{site.target}` (generator {site.function}): its own H2D copies run on the copy stream, on the prefetch thread", site.line))
+    if "pinned_staging" in ctx.enabled:
+        for site in {i.function: i for i in reversed(survey.iterators) if i.staged and i.target.startswith("train")}.values():
+            notes.append(Note(FEATURE, True, f"`{site.target}` (generator {site.function}): its own H2D copies run on the copy stream, through pinned staging", site.line))
     if not classes:
         return module, notes or [Note(FEATURE, False, "no training loader construction found")]
     for name in sorted(classes):

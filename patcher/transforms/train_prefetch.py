@@ -49,6 +49,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
     variables = _data_variables(survey)
+    staged = [i for i in survey.iterators if i.staged]
+    if not variables and staged:  # the generator's reason, not that of a loader built inside it
+        return module, [Note(FEATURE, False, f"`{i.target}`: {i.reason}", i.line) for i in staged]
     if not variables:
         return module, [Note(FEATURE, False, _no_site_reason(survey), _first_line(survey))]
     notes: list[Note] = []

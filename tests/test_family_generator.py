@@ -265,6 +265,49 @@ def data_generator(pattern, num_tokens, seq_len):
     tokens, pos = torch.arange(100_000), 0
     while True:
         buf = tokens[pos + rank * num_tokens :][: num_tokens + 1]
+        batches = shard.load_async()
+        batch = batches.get()
+        new = yield batch
+        pos += num_tokens
+
+train_loader = data_generator("x", 512, 64)
+for step in range(10):
+    x, y = next(train_loader)
+""",
+        "data_generator already loads data in the background (shard.load_async); not wrapped again",
+        14,
+        id="yields-what-its-threads-built",
+    ),
+    pytest.param(
+        """\
+import threading
+import torch
+
+def data_generator(pattern, num_tokens, seq_len):
+    tokens = torch.arange(100_000)
+    while True:
+        worker = threading.Thread(target=print)
+        worker.start()
+        yield from tokens
+
+train_loader = data_generator("x", 512, 64)
+for step in range(10):
+    x = next(train_loader)
+""",
+        "data_generator already loads data in the background (threading.Thread); not wrapped again",
+        11,
+        id="yields-from-what-its-threads-built",
+    ),
+    pytest.param(
+        """\
+import torch
+import torch.distributed as dist
+
+def data_generator(pattern, num_tokens, seq_len):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tokens, pos = torch.arange(100_000), 0
+    while True:
+        buf = tokens[pos + rank * num_tokens :][: num_tokens + 1]
         shard.load_async()
         new = yield buf[:-1].to(device="cuda", non_blocking=True), buf[1:].to(device="cuda", non_blocking=True)
         pos += num_tokens
@@ -273,9 +316,10 @@ train_loader = data_generator("x", 512, 64)
 for step in range(10):
     x, y = next(train_loader)
 """,
-        "data_generator already loads data in the background (shard.load_async); not wrapped again",
+        "`train_loader`: data_generator loads shards in the background (shard.load_async) and builds each batch on the caller's thread: "
+        "not run ahead (a fork would not copy its threads, a producer thread would take GIL time from the training loop); its H2D copies get pinned staging",
         13,
-        id="already-loads-in-the-background",
+        id="threads-load-only-shards",
     ),
     pytest.param(
         """\

@@ -88,7 +88,7 @@ def background_kind(function: cst.FunctionDef) -> str | None:
             return "batches"
         parts = node.value.elements if isinstance(node.value, (cst.Tuple, cst.List)) else [node.value]
         for part in parts:
-            value = getattr(part, "value", part)
+            value = part.value if isinstance(part, cst.BaseElement) else part
             if isinstance(value, cst.Name) and value.value in handed:
                 return "batches"
             if m.matches(value, m.Call(func=m.Attribute())) and value.func.attr.value in fetched:

@@ -1,0 +1,247 @@
+"""Feature `pinned_staging` (patcher/transforms/pinned_staging.py, templates/pinned_staging.py).
+
+A data generator whose threads load only shards (modded-nanogpt's 2026
+`distributed_data_generator`) is not run ahead; its own `.to(device, non_blocking=True)`
+copies go through reused pinned buffers on the copy stream. The template as plain
+Python on CPU (pass-through) and on the CUDA path driven with host memory (rings,
+fences, re-made buffers), the rewrite as a before -> after table, and verify on the
+fixture across two stage changes, catching a ring that hands a buffer out again too early.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from patch_tables import RUNTIME, assert_noop, assert_patch
+
+import templates.pinned_staging as staging
+from patcher.patch import patch_source
+from patcher.proof.host_cuda import cuda_on_host
+from patcher.proof.verify import verify
+from patcher.read.source import read_script, render
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+STAGE_SENDS = ["(STAGES[1].batch_size, STAGES[1].max_seq_len, grad_accum_steps)", "(STAGES[2].batch_size, STAGES[2].max_seq_len, grad_accum_steps)"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_rings():
+    staging._staging_rings.clear()
+    yield
+    staging._staging_rings.clear()
+
+
+def test_without_cuda_it_is_the_original_call():
+    # CPU only (no CUDA): every value comes back as `.to(device=..., non_blocking=True)` gives it.
+    t = torch.arange(10, dtype=torch.int32)
+    out = staging._pinned_h2d(t, "cpu", 0)
+    assert out is t  # .to() of a tensor already there is the tensor itself
+    batch = (t, {"n": np.arange(3), "k": 7}, [t.view(2, 5), "name"])
+    staged = staging._pinned_h2d(batch, "cpu", 1)
+    assert staged[0] is t and staged[1]["n"] is batch[1]["n"] and staged[1]["k"] == 7 and staged[2][1] == "name"
+    assert not staging._staging_rings
+
+
+def test_staging_off_is_the_original_call_on_cuda():
+    with cuda_on_host():
+        t = torch.arange(6)
+        assert staging._pinned_h2d(t, "cuda", 0, staging=False) is t
+        assert not staging._staging_rings
+
+
+def test_buffers_are_reused_in_turn_and_hold_the_values():
+    with cuda_on_host():
+        outs = [staging._pinned_h2d(torch.full((4,), i, dtype=torch.int32), "cuda", 0) for i in range(staging._RING + 1)]
+    ring = staging._staging_rings[(0, 0)]
+    # on the host stand-in an H2D copy keeps viewing its buffer: the first buffer was written again
+    assert outs[staging._RING].data_ptr() == outs[0].data_ptr()
+    assert len({o.data_ptr() for o in outs}) == staging._RING
+    assert [o.tolist() for o in outs[1:]] == [[i] * 4 for i in range(1, staging._RING + 1)]
+    assert len(ring) == staging._RING + 1
+
+
+def test_a_buffer_is_remade_on_a_new_shape_or_dtype():
+    with cuda_on_host():
+        first = staging._pinned_h2d(torch.arange(4), "cuda", 0)
+        for _ in range(staging._RING - 1):
+            staging._pinned_h2d(torch.arange(4), "cuda", 0)
+        wider = staging._pinned_h2d(torch.arange(8), "cuda", 0)
+        assert wider.tolist() == list(range(8)) and wider.data_ptr() != first.data_ptr()
+        other = staging._pinned_h2d(torch.arange(8, dtype=torch.int16), "cuda", 0)
+        assert other.dtype == torch.int16 and other.tolist() == list(range(8))
+
+
+def test_each_leaf_has_its_own_ring_and_other_leaves_pass_through():
+    with cuda_on_host():
+        array = np.arange(3)
+        a, b = torch.arange(5), torch.arange(5) * 2
+        out = staging._pinned_h2d((a, array, {"b": b, "step": 3}), "cuda", 7)
+    assert out[0].tolist() == a.tolist() and out[2]["b"].tolist() == b.tolist()
+    assert out[1] is array and out[2]["step"] == 3
+    assert set(staging._staging_rings) == {(7, 0), (7, 1)}
+
+
+def test_a_non_contiguous_tensor_takes_the_original_call():
+    with cuda_on_host():
+        t = torch.arange(12).view(3, 4).t()
+        out = staging._pinned_h2d(t, "cuda", 0)
+    assert torch.equal(out, t) and not staging._staging_rings
+
+
+class _Recorder:
+    """Stands in for torch.cuda.Event: records when each fence is recorded and waited on."""
+
+    log: list = []
+
+    def __init__(self):
+        self.id = len([e for e in _Recorder.log if e[0] == "new"])
+        _Recorder.log.append(("new", self.id))
+
+    def record(self, stream=None):
+        _Recorder.log.append(("record", self.id))
+
+    def synchronize(self):
+        _Recorder.log.append(("synchronize", self.id))
+
+
+def test_a_buffer_is_written_again_only_after_its_fence(monkeypatch):
+    _Recorder.log = []
+    writes = []
+    with cuda_on_host():
+        monkeypatch.setattr(torch.cuda, "Event", _Recorder)
+        original_copy = torch.Tensor.copy_
+
+        def copy_(self, src, *args, **kwargs):
+            writes.append(self.data_ptr())
+            _Recorder.log.append(("write", self.data_ptr()))
+            return original_copy(self, src, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+        for i in range(2 * staging._RING):
+            staging._pinned_h2d(torch.full((3,), i), "cuda", 0)
+    log = _Recorder.log
+    # every write after the first round follows the synchronize of the fence of the copy from that buffer
+    for turn in range(staging._RING, 2 * staging._RING):
+        write_at = [k for k, e in enumerate(log) if e[0] == "write"][turn]
+        fence = turn % staging._RING
+        assert ("synchronize", fence) in log[:write_at]
+        assert log.index(("record", fence)) < log.index(("synchronize", fence))
+
+
+STAGED_GENERATOR = """\
+import threading
+import torch
+
+def batches(pattern, num_tokens):
+    next_shard = threading.Thread(target=print)
+    next_shard.start()
+    tokens = torch.arange(100_000)
+    while True:
+        buf = tokens[:num_tokens]
+        new = yield buf.to(device="cuda", non_blocking=True), buf.to(device="cuda", dtype=torch.int64, non_blocking=True), buf.numpy()
+        if new is not None:
+            num_tokens = new
+
+train_loader = batches("x", 512)
+for step in range(10):
+    x, y, n = train_loader.send(1024 if step == 5 else None)
+"""
+
+
+STAGED_AFTER = """\
+import threading
+import torch
+import os
+TRAIN_COPY_STREAM = int(os.environ.get("TRAIN_COPY_STREAM", 1))
+TRAIN_PINNED_STAGING = int(os.environ.get("TRAIN_PINNED_STAGING", 1))
+#<runtime>
+
+def batches(pattern, num_tokens):
+    next_shard = threading.Thread(target=print)
+    next_shard.start()
+    tokens = torch.arange(100_000)
+    while True:
+        buf = tokens[:num_tokens]
+        new = yield _pinned_h2d(buf, "cuda", 0, staging=TRAIN_PINNED_STAGING, copy_stream=TRAIN_COPY_STREAM), buf.to(device="cuda", dtype=torch.int64, non_blocking=True), buf.numpy()
+        if new is not None:
+            num_tokens = new
+
+train_loader = batches("x", 512)
+for step in range(10):
+    x, y, n = train_loader.send(1024 if step == 5 else None)
+"""
+
+
+def test_rewrite_of_a_staged_generator():
+    # The plain H2D copy is staged; the one that also casts is not a plain copy and stays.
+    assert RUNTIME in STAGED_AFTER
+    result = assert_patch(STAGED_GENERATOR, STAGED_AFTER, only=["pinned_staging", "copy_stream"])
+    notes = [(n.feature, n.applied, n.line) for n in result.notes if n.feature in ("pinned_staging", "copy_stream")]
+    assert notes == [("copy_stream", True, 14), ("pinned_staging", True, 4)]
+    assert "def _pinned_h2d(" in result.runtime and "def _prefetch_iterator(" not in result.runtime
+
+
+def test_default_patch_notes_why_it_is_not_run_ahead():
+    result = assert_patch(STAGED_GENERATOR, STAGED_AFTER.replace("TRAIN_COPY_STREAM = int", "TRAIN_COPY_STREAM = int", 1))
+    reasons = [(n.applied, n.reason, n.line) for n in result.notes if n.feature == "train_prefetch"]
+    assert reasons == [(False, "`train_loader`: batches loads shards in the background (threading.Thread) and builds each batch on the caller's thread: "
+                        "not run ahead (a fork would not copy its threads, a producer thread would take GIL time from the training loop); its H2D copies get pinned staging", 14)]
+    compile(result.source, "out.py", "exec")
+
+
+def test_no_staged_generator_is_a_noop():
+    assert_noop(
+        "import torch\n\ndef gen():\n    while True:\n        yield torch.zeros(2).to(device='cuda', non_blocking=True)\n\ntrain_loader = gen()\nx = next(train_loader)\n",
+        "no data generator that builds its batches on the training thread while its threads load shards",
+        None,
+        only="pinned_staging",
+    )
+
+
+def patched_fixture(tmp_path: Path, breakage=None) -> tuple[Path, Path]:
+    original = FIXTURES / "generator_shards.py"
+    script = read_script(original)
+    source = patch_source(script.source).source
+    if breakage is not None:
+        assert breakage[0] in source, "the runtime changed; update this test's breakage"
+        source = source.replace(*breakage)
+    out = tmp_path / "generator_shards_patched.py"
+    out.write_text(render(script, source, rewrap=False))
+    return original, out
+
+
+def test_fixture_is_staged_not_run_ahead():
+    result = patch_source((FIXTURES / "generator_shards.py").read_text())
+    applied = {n.feature for n in result.notes if n.applied}
+    assert {"pinned_staging", "copy_stream"} <= applied and "train_prefetch" not in applied
+    assert result.source.count("_pinned_h2d(") == 5  # four call sites and the definition
+
+
+def test_verify_identical_across_two_stage_changes(tmp_path):
+    original, out = patched_fixture(tmp_path)
+    result = verify(original, out, batches=24, world_size=2, sends=STAGE_SENDS)
+    assert result.identical, result.difference
+    assert result.staged and not result.prefetched
+    assert result.batches_compared == 2 * 24
+    assert any("of (1024, 64, 2), (768, 64, 2) at item 8, 16" in n for n in result.notes)
+    assert any("staged copies on the CUDA path" in n for n in result.notes)
+
+
+def test_verify_catches_a_buffer_reused_before_the_batch_is_done(tmp_path):
+    # One buffer per call site: the next batch overwrites the one just handed out.
+    original, out = patched_fixture(tmp_path, ("_RING = 3", "_RING = 1"))
+    result = verify(original, out, batches=24, world_size=2, sends=STAGE_SENDS)
+    assert not result.identical
+    assert "changed after the next item was drawn" in result.difference.what
+    assert result.difference.batch == 0
+
+
+def test_verify_catches_a_send_that_takes_effect_late(tmp_path):
+    # A generator that drops the new stage's arguments: the batch after the change differs.
+    original, out = patched_fixture(tmp_path, ("            num_tokens, max_seq_len, grad_accum_steps = new_args\n", "            pass\n"))
+    result = verify(original, out, batches=24, world_size=2, sends=STAGE_SENDS)
+    assert not result.identical
+    assert result.difference.batch == 8

@@ -245,3 +245,13 @@ def test_verify_catches_a_send_that_takes_effect_late(tmp_path):
     result = verify(original, out, batches=24, world_size=2, sends=STAGE_SENDS)
     assert not result.identical
     assert result.difference.batch == 8
+
+
+def test_a_loader_that_pins_its_batches_on_its_own_thread_is_not_staged_again():
+    # parameter-golf's DocumentPackingLoader: batches prepared and pinned on its batch
+    # thread, H2D from pinned memory routed by copy_stream. Noted, with the class's line.
+    result = patch_source((FIXTURES / "document_packing.py").read_text())
+    notes = [(n.applied, n.reason, n.line) for n in result.notes if n.feature == "pinned_staging"]
+    assert notes == [(False, "DocumentPackingLoader pins each batch on its own thread (`.pin_memory()`: torch's caching host allocator reuses those blocks once their copies finish) "
+                      "and its H2D copies, from that pinned memory, are copy_stream's: no pageable copy left to stage", 30)]
+    assert "_pinned_h2d" not in result.source

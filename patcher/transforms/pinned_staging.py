@@ -15,6 +15,7 @@ CUDA, or with the toggle at 0, the call is the original `.to(...)`.
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 
 from patcher.families.generator import staged_copies
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
@@ -29,7 +30,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
     staged = [i for i in survey.iterators if i.staged]
     if not staged:
-        return module, [Note(FEATURE, False, "no data generator that builds its batches on the training thread while its threads load shards")]
+        return module, _pinned_already(survey) or [Note(FEATURE, False, "no data generator that builds its batches on the training thread while its threads load shards")]
     functions = {f.name.value: f for f in survey.module.body if isinstance(f, cst.FunctionDef)}
     notes, replacements = [], {}
     slot = 0
@@ -47,6 +48,21 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         notes.append(Note(FEATURE, True, f"generator {name} ({targets}): H2D copies at line {lines} through reused pinned buffers on the copy stream, on the training thread (no producer: see train_prefetch)", survey.line_of(functions[name])))
     ctx.need("pinned_staging")
     return replace_nodes(module, replacements, ctx), notes
+
+
+# `t.pin_memory()` or a factory's `pin_memory=True`-style argument.
+PINS = m.Call(func=m.Attribute(attr=m.Name("pin_memory"))) | m.Arg(keyword=m.Name("pin_memory"))
+
+
+def _pinned_already(survey) -> list[Note]:
+    """Notes for training loaders that build batches ahead on their own threads into
+    pinned memory (parameter-golf's `DocumentPackingLoader`): not staged again."""
+    notes = []
+    for name in sorted({c.class_name for c in survey.training_constructions()}):
+        cls = survey.loader_classes[name]
+        if cls.prefetches and m.findall(cls.node, PINS):
+            notes.append(Note(FEATURE, False, f"{name} pins each batch on its own thread (`.pin_memory()`: torch's caching host allocator reuses those blocks once their copies finish) and its H2D copies, from that pinned memory, are copy_stream's: no pageable copy left to stage", cls.line))
+    return notes
 
 
 TOGGLES = (Toggle("TRAIN_PINNED_STAGING", 1, "a data generator's own H2D copies through reused pinned buffers on the copy stream", position=11),)

@@ -320,7 +320,11 @@ def _run_verify(args) -> int:
         if result.identical:
             val = f" and {result.val_batches_compared} validation batches" if result.val_batches_compared else ""
             unproven = "" if result.prefetched else "; not run ahead: the training generator's own H2D copies are staged (pinned_staging)" if result.staged else "; nothing was prefetched (train_prefetch was skipped): the training loader is the original's"
-            print(f"identical: {result.batches_compared} batches{val} over {result.world_size} ranks ({result.seconds:.1f} s){unproven}")
+            over = "".join(f", {what}" for what in result.exercised)
+            if result.skipped:
+                print(f"partial: {result.batches_compared} batches{val} identical over {result.world_size} ranks{over}; not exercised: {'; '.join(result.skipped)} ({result.seconds:.1f} s){unproven}")
+            else:
+                print(f"identical: {result.batches_compared} batches{val} over {result.world_size} ranks{over} ({result.seconds:.1f} s){unproven}")
         else:
             d = result.difference
             field = "" if d.field is None else f", field {d.field}"

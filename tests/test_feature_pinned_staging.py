@@ -226,8 +226,41 @@ def test_verify_identical_across_two_stage_changes(tmp_path):
     assert result.identical, result.difference
     assert result.staged and not result.prefetched
     assert result.batches_compared == 2 * 24
-    assert any("of (1024, 64, 2), (768, 64, 2) at item 8, 16" in n for n in result.notes)
+    assert any("of (1024, 64, 2), (768, 64, 2) (--send)" in n for n in result.notes)
+    assert any("stage changes at item 8, 16 of 24" in n for n in result.notes)
     assert any("staged copies on the CUDA path" in n for n in result.notes)
+    assert result.exercised[0] == "2 stage changes (given, None sent between)" and not result.skipped
+
+
+def test_verify_without_flags_synthesizes_stage_changes_and_crosses_shards(tmp_path):
+    # The fixture sends a loop variable's stage (not evaluable outside training): the
+    # changes are made from the construction's (512, 32, 2) and the generator's
+    # `num_tokens, max_seq_len, grad_accum_steps = new_args`, None sent in between.
+    original, out = patched_fixture(tmp_path)
+    result = verify(original, out, world_size=2)
+    assert result.identical, result.difference
+    assert any("of (1024, 64, 2), (1536, 64, 2)" in n and "None sent at the other items" in n for n in result.notes)
+    assert result.exercised[0] == "2 stage changes (synthesized, None sent between)"
+    crossed = int(result.exercised[1].split()[0])
+    assert crossed >= 1 and result.exercised[1].endswith("shard boundaries (fewest of any rank)" if crossed > 1 else "shard boundary (fewest of any rank)")
+    assert not result.skipped
+
+
+def test_verify_without_flags_catches_a_generator_that_drops_the_sent_arguments(tmp_path):
+    original, out = patched_fixture(tmp_path, ("            num_tokens, max_seq_len, grad_accum_steps = new_args\n", "            pass\n"))
+    result = verify(original, out, world_size=2)
+    assert not result.identical
+    assert (result.difference.phase, result.difference.batch) == ("train", 64 // 3)
+
+
+def test_verify_says_partial_where_no_boundary_is_crossed(tmp_path, capsys):
+    # Shards far larger than the run reads: no boundary crossed, and the verdict says so.
+    from patcher.cli import main
+
+    original, out = patched_fixture(tmp_path)
+    assert main(["verify", str(original), str(out), "--batches", "12", "--shard-tokens", "4000000"]) == 0
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("partial: 24 batches identical over 2 ranks, 2 stage changes (synthesized, None sent between); not exercised: shard boundaries (no rank crossed one with shards of 4000000 tokens)"), verdict
 
 
 def test_verify_catches_a_buffer_reused_before_the_batch_is_done(tmp_path):
@@ -255,3 +288,18 @@ def test_a_loader_that_pins_its_batches_on_its_own_thread_is_not_staged_again():
     assert notes == [(False, "DocumentPackingLoader pins each batch on its own thread (`.pin_memory()`: torch's caching host allocator reuses those blocks once their copies finish) "
                       "and its H2D copies, from that pinned memory, are copy_stream's: no pageable copy left to stage", 30)]
     assert "_pinned_h2d" not in result.source
+
+
+def test_verify_leaves_no_shard_thread_reading_its_removed_directory(tmp_path, monkeypatch):
+    # The generator's own shard threads (`DocShard.load_async`) are joined before the
+    # synthetic shards are removed: none is left running, none fails on a missing file.
+    import threading
+
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_type.__name__))
+    original, out = patched_fixture(tmp_path)
+    before = set(threading.enumerate())
+    result = verify(original, out, batches=12, world_size=2)
+    assert result.identical, result.difference
+    assert [t.name for t in threading.enumerate() if t not in before and not t.daemon] == []
+    assert failures == []

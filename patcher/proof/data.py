@@ -9,17 +9,19 @@ validation tokens for the evaluation loops. The shard file format itself is
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 
 import libcst as cst
 import libcst.matchers as m
+import numpy as np
 import torch
 
 from patcher.cst_walk import walk
 from patcher.proof.harness import HarnessError, point_at_shards
 from patcher.proof.recipes import IteratorRecipe
-from patcher.proof.shards import DOC_LEN_RANGE, write_shards
+from patcher.proof.shards import DOC_LEN_RANGE, read_shard, shard_name, write_shard, write_shards
 
 
 # Document lengths (tokens, BOS included) for scripts sized for web text.
@@ -45,13 +47,15 @@ def write_loader_shards(data_dir: str, read_per_call: int, per_rank_call: int, s
     return tokens_per_shard
 
 
-def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per_item: int, items: int, seed: int, notes: list[str], shard_tokens: int | None = None) -> None:
+def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per_item: int, items: int, seed: int, notes: list[str] | None, shard_tokens: int | None = None) -> "ShardMarks":
     """Shards for a data generator where the scripts look: `Hyperparameters.train_files`
     (pointed there in each of `modules`), or the glob literal of the construction
     (relative to the working directory, `root`); enough for `items` items of
     `tokens_per_item` tokens on every rank, or of `shard_tokens` tokens each where given
     (`--shard-tokens`: a generator that divides its argument by gradient accumulation
-    reads far less than the sizing assumes). Notes what it wrote."""
+    reads far less than the sizing assumes). Notes what it wrote (where `notes` is not
+    None). The train shards are marked (`ShardMarks`, returned) so that the boundaries a
+    run crosses can be counted from the tokens it yields."""
     # Relative to the working directory (`root`): some scripts glob with Path.cwd().glob().
     data_dir = "data"
     call = cst.parse_expression(recipe.original[-1])
@@ -78,15 +82,116 @@ def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per
     tokens_per_shard = max(math.ceil(tokens_per_item * world_size * items * 1.5 / 4), 4 * tokens_per_item * world_size + 2)
     if shard_tokens is not None:
         tokens_per_shard = int(shard_tokens)
-    bos_id = script_bos_id(modules[0])
+    bos_id, doc_lens = shard_documents(recipe, modules[0])
+    vocab_size = max(256, bos_id + 1)
+    write_shards(os.path.join(root, data_dir), train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=vocab_size, seed=seed, bos_id=bos_id, doc_len_range=doc_lens)
+    marks = ShardMarks(bos_id, vocab_size, 4, doc_lens)
+    for index in range(4):
+        marks.mark(os.path.join(root, data_dir, shard_name("train", index)), index)
+    if notes is not None:
+        notes.append(f"4 shards x {tokens_per_shard} tokens in {data_dir}/, documents starting with BOS {bos_id}" + ("" if shard_tokens is not None else f"; {tokens_per_item} tokens per item"))
+    return marks
+
+
+class ShardMarks:
+    """Which train shard a token came from, told by its value: shard `i` of `shards`
+    holds only the ids of band `i` (the ids other than BOS, in order, cut into
+    `shards` bands of `band` ids). The synthetic token walk (steps 1-3) is kept within
+    the band, so neighbouring windows still differ. Counts, per (rank, phase), the
+    shard changes in the tokens of the items the original generator yields
+    (`observe`): the shard boundaries a run crossed, measured, not estimated."""
+
+    def __init__(self, bos_id: int, vocab_size: int, shards: int, doc_len_range: tuple[int, int] = DOC_LEN_RANGE):
+        self.bos_id, self.shards, self.doc_len_range = bos_id, shards, doc_len_range
+        self.band = (vocab_size - 1) // shards
+        self.last: dict = {}
+        self.crossed: collections.Counter = collections.Counter()
+        self.unreadable = False  # an item whose first leaf is not a tensor of token ids
+
+    def mark(self, path: str, index: int) -> None:
+        """Rewrite the shard at `path` so that its tokens other than BOS lie in band `index`."""
+        tokens = read_shard(path).astype(np.int64)
+        others = tokens != self.bos_id
+        position = tokens - (tokens > self.bos_id)  # index among the ids other than BOS
+        position = position % self.band + index * self.band
+        tokens[others] = (position + (position >= self.bos_id))[others]
+        write_shard(path, tokens.astype(np.uint16))
+
+    def reset(self, key) -> None:
+        """Forget what was seen for `key` (a (rank, phase) built again)."""
+        self.last.pop(key, None)
+        self.crossed.pop(key, None)
+
+    def observe(self, key, item) -> None:
+        """Count the shard changes in the first tensor of `item` (its token ids), continuing from the last item seen for `key`."""
+        leaf = _first_tensor(item)
+        if leaf is None or leaf.dtype.is_floating_point or leaf.dtype == torch.bool:
+            self.unreadable = True
+            return
+        tokens = leaf.detach().reshape(-1).to("cpu", torch.int64)
+        tokens = tokens[tokens != self.bos_id]
+        bands = torch.unique_consecutive((tokens - (tokens > self.bos_id).to(torch.int64)) // self.band).tolist()
+        previous = self.last.get(key)
+        for band in bands:
+            if previous is not None and band != previous:
+                self.crossed[key] += 1
+            previous = band
+        self.last[key] = previous
+
+    def crossed_by(self, rank: int) -> int:
+        """Shard boundaries crossed by `rank`'s original generators, over all phases."""
+        return sum(count for (r, _phase), count in self.crossed.items() if r == rank)
+
+
+def _first_tensor(item):
+    """The first tensor of an item (a tensor, or the first found in a tuple, list or dict), else None."""
+    if isinstance(item, torch.Tensor):
+        return item
+    if isinstance(item, (tuple, list)):
+        for value in item:
+            found = _first_tensor(value)
+            if found is not None:
+                return found
+    if isinstance(item, dict):
+        return _first_tensor(list(item.values()))
+    return None
+
+
+def shard_tokens_for_run(read_per_item: list[int], world_size: int, largest_item: int, boundaries: float = 2.5) -> int:
+    """Tokens per synthetic shard for a generator run whose rank-0 items read
+    `read_per_item` tokens of a shard each, in order (measured by a short draw of the
+    original, `item_read`): all ranks together read `world_size` times that, so the run
+    reads about `boundaries` shards (it crosses 2 boundaries and stays within the 4
+    shards of a generator that walks its files once); each shard still holds two of
+    the largest items (`largest_item` tokens read per rank) of all ranks."""
+    read = sum(read_per_item) * world_size
+    return max(math.ceil(read / boundaries), 2 * largest_item * world_size + 2)
+
+
+def item_read(item, bos_id: int, doc_len_range: tuple[int, int]) -> tuple[int, int]:
+    """(tokens of the first tensor of `item`, tokens of the shard it used up, about):
+    a generator that starts each row at a document and cuts documents at its sequence
+    length uses up whole documents (the BOS tokens it holds times the mean document
+    length of the synthetic shards), one that reads the stream straight its own length
+    plus one. Raises ValueError when the item holds no tensor."""
+    leaf = _first_tensor(item)
+    if leaf is None:
+        raise ValueError("no tensor in the item")
+    numel = int(leaf.numel())
+    documents = int((leaf.detach().reshape(-1) == bos_id).sum()) if not leaf.dtype.is_floating_point else 0
+    return numel, max(numel + 1, documents * sum(doc_len_range) // 2)
+
+
+def shard_documents(recipe: IteratorRecipe, module) -> tuple[int, tuple[int, int]]:
+    """(BOS id, document length range) of the synthetic shards of a data generator: the
+    script's BOS id (`script_bos_id`, else a literal one) and web-text documents, else
+    BOS 1 and short documents."""
+    bos_id = script_bos_id(module)
     if bos_id is None:
         bos_id = _literal_bos_id(recipe)
     # A script that names its BOS id sizes buffers for web-text documents (modded-nanogpt:
     # "median doc length is ~400"); short synthetic documents would overflow them.
-    doc_lens = DOC_LEN_RANGE if bos_id is None else WEB_DOC_LEN_RANGE
-    bos_id = 1 if bos_id is None else bos_id
-    write_shards(os.path.join(root, data_dir), train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=max(256, bos_id + 1), seed=seed, bos_id=bos_id, doc_len_range=doc_lens)
-    notes.append(f"4 shards x {tokens_per_shard} tokens in {data_dir}/, documents starting with BOS {bos_id}; {tokens_per_item} tokens per item")
+    return (1, DOC_LEN_RANGE) if bos_id is None else (bos_id, WEB_DOC_LEN_RANGE)
 
 
 def generator_tokens_per_item(recipe: IteratorRecipe, module, sent: list) -> int:

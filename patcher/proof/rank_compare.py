@@ -5,7 +5,7 @@ the patched script's constructions run in one `Configuration` and every batch co
 when handed out and again when the next is taken; the warm-up loader's threads must be
 gone after the script rebuilds it (`compare_loader_rank`). A data generator: both
 generators advanced item by item with `next()`, or `.send(value)` at the items of
-`send_schedule` (`compare_generator_rank`).
+the plan (`patcher.proof.generator_plan`, `compare_generator_rank`).
 """
 
 from __future__ import annotations
@@ -174,25 +174,13 @@ def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
         time.sleep(0.0005)
 
 
-def send_schedule(recipe: IteratorRecipe, modules, batches: int, notes: list[str]) -> dict:
-    """Where the comparison sends values, as the script does: {item: (original's value,
-    patched's value)}, each distinct value the script's `.send(...)` passes (evaluated
-    in each script's own module) at evenly spaced items of every phase."""
-    if not recipe.sent:
-        return {}
-    values = [recipe.sent_values(module) for module in modules]
-    if not values[0] or len(values[0]) != len(values[1]) or batches < 2:
-        notes.append(f"`{recipe.target}.send(...)`: no value it passes could be evaluated outside training ({', '.join(recipe.sent)}); items drawn with next() only (--send EXPR gives one)")
-        return {}
-    at = [(i + 1) * batches // (len(values[0]) + 1) for i in range(len(values[0]))]
-    notes.append(f"`{recipe.target}.send(...)` of {', '.join(map(repr, values[0]))} at item {', '.join(map(str, at))}")
-    return {n: pair for n, pair in zip(at, zip(*values))}
-
-
-def compare_generator_rank(recipe: IteratorRecipe, modules, rank: int, world_size: int, counts, sends: dict, timeout_s: float) -> Difference | None:
+def compare_generator_rank(recipe: IteratorRecipe, modules, rank: int, world_size: int, counts, sends: dict, timeout_s: float, none_between: bool = False, marks=None) -> Difference | None:
     """Both generators of one rank, item by item; at the items in `sends` each side is
-    sent its own script's value instead of advanced with next(). `counts`: items per
-    construction (the warm-up builds, then the last); `modules`: (original, patched).
+    sent its own script's value instead of advanced with next(), and with
+    `none_between` every other item is drawn with `.send(None)` (a script that sends
+    None when nothing changed). `counts`: items per construction (the warm-up builds,
+    then the last); `modules`: (original, patched). `marks` (`patcher.proof.data.ShardMarks`),
+    where given, counts the shard boundaries in the original's items of each phase.
     The first difference, or None; CannotVerify when an item takes longer than
     `timeout_s` seconds."""
     for module in modules:
@@ -201,15 +189,24 @@ def compare_generator_rank(recipe: IteratorRecipe, modules, rank: int, world_siz
     phases = [("train" if index == len(counts) - 1 else "warmup", index, count) for index, count in enumerate(counts)]
     codes = (recipe.original, recipe.patched)
     sides = {}
+    building = [0]
 
     def build(side, index):
         iterator = recipe.evaluate(codes[side][index], modules[side])
         sides[id(iterator)] = side
+        building[0] = index
+        if side == 0 and marks is not None:
+            marks.reset((rank, index))
         return iterator
 
     def draw(iterator, n):
+        side = sides[id(iterator)]
         if n in sends:
-            return iterator.send(sends[n][sides[id(iterator)]])
-        return next(iterator)
+            item = iterator.send(sends[n][side])
+        else:
+            item = iterator.send(None) if none_between else next(iterator)
+        if side == 0 and marks is not None:
+            marks.observe((rank, building[0]), item)
+        return item
 
     return compare_phases(rank, phases, build, draw, "generator", timeout_s)

@@ -30,10 +30,11 @@ import torch
 
 from patcher.check.import_smoke import definitions_only
 from patcher.proof.compare import CannotVerify, Difference, first_rank_difference
-from patcher.proof.data import generator_tokens_per_item, write_iterator_shards, write_loader_shards
+from patcher.proof.data import write_loader_shards
+from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, load_definitions, load_module, swapped
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, host_only_pinning
-from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches, send_schedule
+from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, patched_constructions
 from patcher.proof.script_eval import survey_of
 from patcher.proof.val_verify import compare_val_loops
@@ -62,6 +63,10 @@ class VerifyResult:
     # True when the training generator is not run ahead but its own H2D copies are
     # staged (pinned_staging): "identical" proves the staged copies.
     staged: bool = False
+    # What the run crossed ("2 stage changes (synthesized)", "2 shard boundaries") and
+    # what it could not exercise, with the reason: the verdict is "partial" where any is.
+    exercised: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = {
@@ -74,6 +79,8 @@ class VerifyResult:
             "val_batches_compared": self.val_batches_compared,
             "prefetched": self.prefetched,
             "staged": self.staged,
+            "exercised": self.exercised,
+            "skipped": self.skipped,
         }
         return d
 
@@ -288,40 +295,68 @@ def _verify_generator(recipe: IteratorRecipe, run: _Run, compare) -> VerifyResul
     script does not train), each rank's generator built by the script's own expression
     with `dist` answering the simulated rank, and `batches` items compared in order.
     Runs in a scratch working directory: scripts glob data paths relative to it."""
-    recipe.sent += [code for code in run.sends if code not in recipe.sent]
+    explicit = [code for code in run.sends if code not in recipe.sent]
+    recipe.sent += explicit
     batches, warmup, world_size, notes = run.batches, run.warmup, run.world_size, run.notes
     with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as tmp, host_only_pinning(notes), cuda_as_host(notes), swapped(os.getcwd, os.chdir, tmp), _launch_env(run.as_path, world_size):
         modules = [_load_definitions(source, run.as_path) for source in run.sources]
         for module in modules:
             module.__dict__.setdefault("device", torch.device("cpu"))
         counts = [warmup] * (len(recipe.original) - 1) + [batches]
+        started_with = set(threading.enumerate())
         try:
-            sends = send_schedule(recipe, modules, batches, notes)
-            tokens_per_item = generator_tokens_per_item(recipe, modules[0], [pair[0] for pair in sends.values()])
-            write_iterator_shards(recipe, modules, tmp, tokens_per_item, sum(counts), run.seed, notes, run.shard_tokens)
-            difference = first_rank_difference(lambda rank: _compare_generator_configurations(compare, recipe, modules, rank, world_size, counts, sends, notes), world_size)
+            plan = plan_generator_run(recipe, modules, tmp, counts, world_size, run.seed, explicit, run.shard_tokens, notes)
+            difference = first_rank_difference(lambda rank: _compare_generator_configurations(compare, recipe, modules, rank, world_size, counts, plan, notes), world_size)
         except HarnessError as error:
             raise CannotVerify(f"{run.paths[0]}: {error}") from None
+        finally:
+            # The script's own threads (a shard loader's `load_async`) may still be reading
+            # a shard of this directory: it goes only after they end.
+            join_new_threads(started_with, DRAW_TIMEOUT_S)
     notes.append(f"generator `{recipe.target}`: {sum(counts)} items per rank" + (f" ({warmup} per warm-up build)" if len(counts) > 1 else ""))
     notes.extend(_assumption_notes(recipe))
-    return VerifyResult(difference is None, world_size, sum(counts) * world_size, difference, notes, time.perf_counter() - run.started)
+    result = VerifyResult(difference is None, world_size, sum(counts) * world_size, difference, notes, time.perf_counter() - run.started)
+    result.exercised, result.skipped = _generator_coverage(recipe, plan, world_size)
+    return result
+
+
+def _generator_coverage(recipe: IteratorRecipe, plan, world_size: int) -> tuple[list[str], list[str]]:
+    """What a generator run crossed (stage changes sent, shard boundaries: the fewest any
+    rank crossed, counted from the marked shards) and what it did not, with the reason."""
+    exercised, skipped = [], list(plan.skipped)
+    if plan.sends:
+        count = len(plan.sends)
+        exercised.append(f"{count} stage change{'s' if count != 1 else ''} ({plan.origin}{', None sent between' if plan.none_between else ''})")
+    crossed = min(plan.marks.crossed_by(rank) for rank in range(world_size))
+    if plan.marks.unreadable:
+        skipped.append("shard boundaries (the generator's first tensor holds no token ids to tell its shard by)")
+    elif crossed == 0:
+        skipped.append(f"shard boundaries (no rank crossed one with shards of {plan.shard_tokens} tokens)")
+    else:
+        exercised.append(f"{crossed} shard boundar{'ies' if crossed != 1 else 'y'}" + (" (fewest of any rank)" if world_size > 1 else ""))
+    return exercised, skipped
 
 
 # The runtime function of a generator whose own H2D copies are staged (templates/pinned_staging.py).
 STAGING_RUNTIME = "_pinned_h2d"
 
 
-def _compare_generator_configurations(compare, recipe, modules, rank, world_size, counts, sends, notes) -> Difference | None:
+def _compare_generator_configurations(driver_compare, recipe, modules, rank, world_size, counts, plan, notes) -> Difference | None:
     """One rank's generators compared. Where the patched script stages its generator's
     H2D copies (`_pinned_h2d`), on the CUDA path driven with host memory (pinned ring
     buffers, copy stream, fences; each copy keeps viewing its buffer) for every rank,
-    then with CUDA unavailable (the original calls) for rank 0."""
+    then with CUDA unavailable (the original calls) for rank 0. `plan`: the sends and
+    the marked shards (`patcher.proof.generator_plan.GeneratorPlan`)."""
+
+    def compare(*arguments):
+        return driver_compare(*arguments, plan.sends, DRAW_TIMEOUT_S, none_between=plan.none_between, marks=plan.marks)
+
     if STAGING_RUNTIME not in modules[1].__dict__:
-        return compare(recipe, modules, rank, world_size, counts, sends, DRAW_TIMEOUT_S)
+        return compare(recipe, modules, rank, world_size, counts)
     configurations = [("the staged copies on the CUDA path (host memory)", True)] + ([("the staged copies with CUDA unavailable", False)] if rank == 0 else [])
     for label, on_host in configurations:
         with cuda_on_host(notes) if on_host else contextlib.nullcontext():
-            difference = compare(recipe, modules, rank, world_size, counts, sends, DRAW_TIMEOUT_S)
+            difference = compare(recipe, modules, rank, world_size, counts)
         if difference is not None:
             difference.configuration = label
             return difference

@@ -117,7 +117,9 @@ def test_generator_compared_across_a_send_of_new_parameters(tmp_path):
     original, out = patched(tmp_path, "generator_toplevel")
     result = verify(original, out, batches=16)
     assert result.identical
-    assert any(".send(...)` of (1024, 32) at item 8" in n for n in result.notes)
+    assert any(".send(...)` of (1024, 32) (the script's values)" in n for n in result.notes)
+    assert any("stage changes at item 8 of 16" in n for n in result.notes)
+    assert result.exercised[0].startswith("1 stage change (the script's")
 
 
 def test_catches_a_generator_that_ignores_a_sent_value(tmp_path):

@@ -1,0 +1,147 @@
+"""Bench: DeepXube's round loop, original vs pull request #11 vs `--with round_overlap`, on CPU.
+
+Takes DeepXube from its git mirror (base 4262fe3 and the pull request's head 5e9cf36,
+`git archive` into a temporary folder; never installed into this project), patches the
+base trainer with `round_overlap`, and trains grid.7 (heuristic `resnet_fc.100H_1B_bn`,
+V, updater `graph_v`) with one data worker and one torch thread, `--up-itrs` training
+iterations a round, `--rounds` rounds, alternating the three variants `--sets` times in
+one run. Each run is a fresh process and a fresh network directory. DeepXube's own
+dependencies (clingo, tensorboard, ...) come from `--deps` (a `pip install --target`
+folder), prepended to PYTHONPATH.
+
+Prints per variant the median warm-round time (rounds 2..N), the total wall time, both
+as ratios against the original measured in the same run, the final training loss and
+the solve rate of a greedy-free batch search (`graph_v`, 100 instances, 20 search
+iterations, as DeepXube's own test) with the trained network.
+
+    python bench/round_overlap.py --mirror /work/.mirror/forestagostinelli+deepxube/repo --deps /tmp/dxdeps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+DRIVER = r'''
+import json, os, sys, time
+import torch
+torch.set_num_threads(1)
+from deepxube.base import trainer as trainer_mod
+from deepxube.utils.command_line_utils import get_domain_from_arg, get_heur_nnet_par_from_arg, get_pathfind_from_arg
+from deepxube.factories.updater_factory import get_updater
+from deepxube.base.updater import UpArgs
+from deepxube.base.trainer import TrainArgs
+from deepxube.base.pathfinding import FNsHeurV
+from deepxube.trainers.utils.train_loop import train
+from deepxube.pathfinding.utils.performance import PathFindPerf
+from deepxube.nnet import nnet_utils
+
+rounds, up_itrs, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+ends, losses = [], []
+original_step = trainer_mod.Train.update_step
+def timed_step(self):
+    original_step(self)
+    ends.append(time.perf_counter())
+trainer_mod.Train.update_step = timed_step
+original_train = trainer_mod.Train._train
+def train_and_keep_loss(self, times):
+    loss = original_train(self, times)
+    losses.append(loss)
+    return loss
+trainer_mod.Train._train = train_and_keep_loss
+if hasattr(trainer_mod.Train, "_round_overlap_train"):
+    original_ro = trainer_mod.Train._round_overlap_train
+    def ro_and_keep_loss(self, times):
+        loss = original_ro(self, times)
+        losses.append(loss)
+        return loss
+    trainer_mod.Train._round_overlap_train = ro_and_keep_loss
+
+domain, domain_name = get_domain_from_arg("grid.7")
+heur_nnet_par = get_heur_nnet_par_from_arg(domain, domain_name, "resnet_fc.100H_1B_bn", "V")[0]
+up_args = UpArgs(1, 100, up_itrs, 20, sync_main=False)
+updater = get_updater(domain, "graph_v", up_args, False, "heur")
+train_args = TrainArgs(50, 0.001, 0.9999993, rounds * up_itrs, False, display=0)
+start = time.perf_counter()
+train(domain, heur_nnet_par, updater, None, None, out_dir, train_args, debug=True)
+total = time.perf_counter() - start
+
+nnet = nnet_utils.load_nnet(f"{out_dir}/heur.pt", heur_nnet_par.get_nnet())
+nnet.eval()
+heur_fn = heur_nnet_par.get_nnet_fn(nnet, None, torch.device("cpu"), None)
+pathfind = get_pathfind_from_arg(domain, FNsHeurV(heur_fn), "graph_v")[0]
+states, goals = domain.sample_problem_instances(list(range(0, 100)))
+pathfind.add_instances(pathfind.make_instances(states, goals, None, True))
+for _ in range(20):
+    pathfind.step()
+perf = PathFindPerf()
+for instance in pathfind.instances:
+    perf.update_perf(instance)
+rounds_s = [b - a for a, b in zip([start] + ends[:-1], ends)]
+print("BENCH " + json.dumps({"rounds_s": rounds_s, "total_s": total, "final_loss": float(losses[-1]), "solved": perf.per_solved()}))
+'''
+
+
+def prepare(mirror: str, work: Path) -> dict[str, Path]:
+    """Trees of the three variants under `work`: original (4262fe3), pr11 (5e9cf36), ours (4262fe3 patched)."""
+    sys.path.insert(0, str(ROOT))
+    from patcher.patch import features_from, patch_source
+
+    trees = {}
+    for name, ref in (("original", "4262fe3"), ("pr11", "5e9cf36"), ("ours", "4262fe3")):
+        tree = work / name
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", mirror, "archive", ref, "deepxube"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        trees[name] = tree
+    trainer = trees["ours"] / "deepxube/base/trainer.py"
+    result = patch_source(trainer.read_text(), features_from(None, None, ["round_overlap"]))
+    assert "round_overlap" in result.applied, [n.reason for n in result.notes]
+    trainer.write_text(result.source)
+    return trees
+
+
+def run_one(tree: Path, deps: str, rounds: int, up_itrs: int, work: Path, tag: str) -> dict:
+    out_dir = work / f"run_{tag}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), deps]), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(rounds), str(up_itrs), str(out_dir)], env=env, capture_output=True, text=True, cwd=str(work))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("BENCH ")), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"{tag} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("BENCH "):])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mirror", required=True, help="git directory of forestagostinelli/deepxube (with 4262fe3 and 5e9cf36)")
+    parser.add_argument("--deps", required=True, help="folder with DeepXube's dependencies (pip install --target)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--up-itrs", type=int, default=1000)
+    parser.add_argument("--sets", type=int, default=1, help="alternations of original, pr11, ours")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="round_overlap_bench_"))
+    trees = prepare(args.mirror, work)
+    results: dict[str, list[dict]] = {name: [] for name in trees}
+    for s in range(args.sets):
+        for name in ("original", "pr11", "ours"):
+            r = run_one(trees[name], args.deps, args.rounds, args.up_itrs, work, f"{name}_{s}")
+            results[name].append(r)
+            print(f"set {s} {name}: rounds {[round(x, 2) for x in r['rounds_s']]} total {r['total_s']:.1f}s loss {r['final_loss']:.3e} solved {r['solved']:.0f}%", flush=True)
+    warm = {n: statistics.median([x for r in rs for x in r["rounds_s"][1:]]) for n, rs in results.items()}
+    total = {n: statistics.median([r["total_s"] for r in rs]) for n, rs in results.items()}
+    print(f"\n{'variant':9} {'warm median s':>13} {'warm ratio':>10} {'total s':>8} {'total ratio':>11} {'final loss':>11} {'solved %':>9}")
+    for n, rs in results.items():
+        print(f"{n:9} {warm[n]:13.2f} {warm[n] / warm['original']:10.3f} {total[n]:8.1f} {total[n] / total['original']:11.3f} "
+              f"{statistics.median([r['final_loss'] for r in rs]):11.3e} {statistics.median([r['solved'] for r in rs]):9.1f}")
+
+
+if __name__ == "__main__":
+    main()

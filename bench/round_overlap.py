@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DRIVER = r'''
 import json, os, sys, time
 import torch
-torch.set_num_threads(1)
 from deepxube.base import trainer as trainer_mod
 from deepxube.utils.command_line_utils import get_domain_from_arg, get_heur_nnet_par_from_arg, get_pathfind_from_arg
 from deepxube.factories.updater_factory import get_updater
@@ -45,48 +44,61 @@ from deepxube.pathfinding.utils.performance import PathFindPerf
 from deepxube.nnet import nnet_utils
 
 rounds, up_itrs, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-ends, losses = [], []
+
+# One torch thread in the training process: DeepXube's get_device() sets 8 on CPU,
+# which on a small machine oversubscribes the cores the data workers need.
+get_device = nnet_utils.get_device
+def get_device_one_thread():
+    found = get_device()
+    torch.set_num_threads(1)
+    return found
+nnet_utils.get_device = get_device_one_thread
+
+ends, losses, threads = [], [], []
 original_step = trainer_mod.Train.update_step
 def timed_step(self):
     original_step(self)
     ends.append(time.perf_counter())
 trainer_mod.Train.update_step = timed_step
-original_train = trainer_mod.Train._train
-def train_and_keep_loss(self, times):
-    loss = original_train(self, times)
-    losses.append(loss)
-    return loss
-trainer_mod.Train._train = train_and_keep_loss
-if hasattr(trainer_mod.Train, "_round_overlap_train"):
-    original_ro = trainer_mod.Train._round_overlap_train
-    def ro_and_keep_loss(self, times):
-        loss = original_ro(self, times)
+def keep_loss(method):
+    def wrapped(self, times):
+        threads.append(torch.get_num_threads())
+        loss = method(self, times)
         losses.append(loss)
         return loss
-    trainer_mod.Train._round_overlap_train = ro_and_keep_loss
+    return wrapped
+trainer_mod.Train._train = keep_loss(trainer_mod.Train._train)
+if hasattr(trainer_mod.Train, "_round_overlap_train"):
+    trainer_mod.Train._round_overlap_train = keep_loss(trainer_mod.Train._round_overlap_train)
 
-domain, domain_name = get_domain_from_arg("grid.7")
-heur_nnet_par = get_heur_nnet_par_from_arg(domain, domain_name, "resnet_fc.100H_1B_bn", "V")[0]
-up_args = UpArgs(1, 100, up_itrs, 20, sync_main=False)
-updater = get_updater(domain, "graph_v", up_args, False, "heur")
-train_args = TrainArgs(50, 0.001, 0.9999993, rounds * up_itrs, False, display=0)
-start = time.perf_counter()
-train(domain, heur_nnet_par, updater, None, None, out_dir, train_args, debug=True)
-total = time.perf_counter() - start
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    domain, domain_name = get_domain_from_arg("grid.7")
+    heur_nnet_par = get_heur_nnet_par_from_arg(domain, domain_name, "resnet_fc.100H_1B_bn", "V")[0]
+    # UpArgs(procs, up_itrs, step_max, search_itrs): DeepXube's own test uses step_max 100
+    up_args = UpArgs(1, up_itrs, 100, 20, sync_main=False)
+    updater = get_updater(domain, "graph_v", up_args, False, "heur")
+    train_args = TrainArgs(50, 0.001, 0.9999993, rounds * up_itrs, False, display=0)
+    start = time.perf_counter()
+    train(domain, heur_nnet_par, updater, None, None, out_dir, train_args, debug=True)
+    total = time.perf_counter() - start
+    assert len(ends) == rounds, f"{len(ends)} update steps for {rounds} rounds"
+    assert set(threads) == {1}, f"training ran with {sorted(set(threads))} torch threads"
 
-nnet = nnet_utils.load_nnet(f"{out_dir}/heur.pt", heur_nnet_par.get_nnet())
-nnet.eval()
-heur_fn = heur_nnet_par.get_nnet_fn(nnet, None, torch.device("cpu"), None)
-pathfind = get_pathfind_from_arg(domain, FNsHeurV(heur_fn), "graph_v")[0]
-states, goals = domain.sample_problem_instances(list(range(0, 100)))
-pathfind.add_instances(pathfind.make_instances(states, goals, None, True))
-for _ in range(20):
-    pathfind.step()
-perf = PathFindPerf()
-for instance in pathfind.instances:
-    perf.update_perf(instance)
-rounds_s = [b - a for a, b in zip([start] + ends[:-1], ends)]
-print("BENCH " + json.dumps({"rounds_s": rounds_s, "total_s": total, "final_loss": float(losses[-1]), "solved": perf.per_solved()}))
+    nnet = nnet_utils.load_nnet(f"{out_dir}/heur.pt", heur_nnet_par.get_nnet())
+    nnet.eval()
+    heur_fn = heur_nnet_par.get_nnet_fn(nnet, None, torch.device("cpu"), None)
+    pathfind = get_pathfind_from_arg(domain, FNsHeurV(heur_fn), "graph_v")[0]
+    states, goals = domain.sample_problem_instances(list(range(0, 100)))
+    pathfind.add_instances(pathfind.make_instances(states, goals, None, True))
+    for _ in range(20):
+        pathfind.step()
+    perf = PathFindPerf()
+    for instance in pathfind.instances:
+        perf.update_perf(instance)
+    rounds_s = [b - a for a, b in zip([start] + ends[:-1], ends)]
+    print("BENCH " + json.dumps({"rounds_s": rounds_s, "total_s": total, "end_wait_s": start + total - ends[-1],
+                                 "final_loss": float(losses[-1]), "solved": perf.per_solved()}))
 '''
 
 
@@ -123,10 +135,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mirror", required=True, help="git directory of forestagostinelli/deepxube (with 4262fe3 and 5e9cf36)")
     parser.add_argument("--deps", required=True, help="folder with DeepXube's dependencies (pip install --target)")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--up-itrs", type=int, default=1000)
-    parser.add_argument("--sets", type=int, default=1, help="alternations of original, pr11, ours")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds a run (the first is cold; at least 2)")
+    parser.add_argument("--up-itrs", type=int, default=1000, help="training iterations a round")
+    parser.add_argument("--sets", type=int, default=2, help="alternations of original, pr11, ours")
     args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2 (round 1 is cold)")
     work = Path(tempfile.mkdtemp(prefix="round_overlap_bench_"))
     trees = prepare(args.mirror, work)
     results: dict[str, list[dict]] = {name: [] for name in trees}
@@ -134,13 +148,23 @@ def main(argv=None):
         for name in ("original", "pr11", "ours"):
             r = run_one(trees[name], args.deps, args.rounds, args.up_itrs, work, f"{name}_{s}")
             results[name].append(r)
-            print(f"set {s} {name}: rounds {[round(x, 2) for x in r['rounds_s']]} total {r['total_s']:.1f}s loss {r['final_loss']:.3e} solved {r['solved']:.0f}%", flush=True)
+            print(f"set {s} {name}: rounds {[round(x, 2) for x in r['rounds_s']]} total {r['total_s']:.1f}s end wait {r['end_wait_s']:.2f}s "
+                  f"loss {r['final_loss']:.3e} solved {r['solved']:.0f}%", flush=True)
+    print(f"\n{args.rounds} rounds x {args.up_itrs} iterations, {args.sets} set(s); medians over sets (warm: rounds 2..{args.rounds} of every set)")
+    print(summary(results))
+
+
+def summary(results: dict[str, list[dict]]) -> str:
+    """The table of medians: warm round, first round, total, end wait (s), ratios to the original, final loss, solve rate (%)."""
     warm = {n: statistics.median([x for r in rs for x in r["rounds_s"][1:]]) for n, rs in results.items()}
+    first = {n: statistics.median([r["rounds_s"][0] for r in rs]) for n, rs in results.items()}
     total = {n: statistics.median([r["total_s"] for r in rs]) for n, rs in results.items()}
-    print(f"\n{'variant':9} {'warm median s':>13} {'warm ratio':>10} {'total s':>8} {'total ratio':>11} {'final loss':>11} {'solved %':>9}")
+    lines = [f"{'variant':9} {'warm s':>7} {'warm/orig':>9} {'first s':>8} {'total s':>8} {'total/orig':>10} {'end wait s':>10} {'final loss':>11} {'solved %':>9}"]
     for n, rs in results.items():
-        print(f"{n:9} {warm[n]:13.2f} {warm[n] / warm['original']:10.3f} {total[n]:8.1f} {total[n] / total['original']:11.3f} "
-              f"{statistics.median([r['final_loss'] for r in rs]):11.3e} {statistics.median([r['solved'] for r in rs]):9.1f}")
+        lines.append(f"{n:9} {warm[n]:7.2f} {warm[n] / warm['original']:9.3f} {first[n]:8.2f} {total[n]:8.1f} {total[n] / total['original']:10.3f} "
+                     f"{statistics.median([r['end_wait_s'] for r in rs]):10.2f} {statistics.median([r['final_loss'] for r in rs]):11.3e} "
+                     f"{statistics.median([r['solved'] for r in rs]):9.1f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

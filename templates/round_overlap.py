@@ -41,6 +41,7 @@ import copy
 import multiprocessing
 import os
 import shutil
+import sys
 import threading
 import time
 import traceback
@@ -100,21 +101,26 @@ class _RoundOverlap:
         if self.thread is None:
             clear()
 
-    def receive(self, db, collect):
+    def receive(self, db, collect, times=None):
         """This round's data buffer.
 
         Cold (nothing in flight): calls `collect()` (the original blocking collection
         into `db`) and returns `db`. Warm: waits for the collection thread, checking for
         errors and dead workers while it waits, and returns the buffer it filled; `db`
-        becomes the spare. Raises RoundCollectionError.
+        becomes the spare; the wait (s) goes to `times.record_time("up_wait", s)` when a
+        timing object is given, so the round's time line shows what the overlap did not
+        hide. Raises RoundCollectionError.
         """
         if self.thread is None:
             collect()
             return db
+        waited = time.time()
         while self.thread.is_alive():
             self.thread.join(_ROUND_OVERLAP_POLL_S)
             self.check(force=True)
         self.check(force=True)
+        if times is not None:
+            times.record_time("up_wait", time.time() - waited)
         self.thread, received, self.buffer, self.spare = None, self.buffer, None, db
         self.children = []
         return received
@@ -137,6 +143,7 @@ class _RoundOverlap:
         buffer.clear()
         start_update()
         self.children = [p for p in multiprocessing.active_children() if p.exitcode is None]
+        _warn_if_training_takes_every_core()
         self.buffer, self.times, self.unblock, self.error, self.error_text = buffer, type(times)(), unblock, None, ""
         self.stopping.clear()
         self.dispatched += 1
@@ -220,6 +227,27 @@ class _RoundOverlap:
         except OSError:
             pass
         return dropped
+
+
+_ROUND_OVERLAP_WARNED = []
+
+
+def _warn_if_training_takes_every_core():
+    """Once per process: warn when torch's intra-op threads (in this, the training process)
+    number at least the machine's cores while a round is generated beside them.
+
+    Measured on DeepXube (whose `get_device()` sets 8 threads on CPU) on 2 cores: the
+    training's threads and the data workers then time-slice, and an overlapped round
+    took longer than the original one. Reads torch only where the script imported it.
+    """
+    torch = sys.modules.get("torch")
+    if _ROUND_OVERLAP_WARNED or torch is None:
+        return
+    _ROUND_OVERLAP_WARNED.append(True)
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    if threads >= cores:
+        print(f"round_overlap: training uses {threads} torch threads on {cores} cores while the next round is generated beside it; "
+              f"leave the data workers cores (torch.set_num_threads(n) with n < {cores}) or the overlap only time-slices", file=sys.stderr)
 
 
 def _round_overlap_of(owner):

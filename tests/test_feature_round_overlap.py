@@ -206,6 +206,72 @@ def test_copy_target_is_staged_while_a_round_is_in_flight(tmp_path):
     state.thread.join()
 
 
+
+class _Times:
+    def __init__(self):
+        self.times = {}
+
+    def record_time(self, name, elapsed):
+        self.times[name] = self.times.get(name, 0.0) + elapsed
+
+
+class _Buffer(list):
+    pass
+
+
+def test_warm_round_records_its_wait_and_cold_round_does_not():
+    state = runtime._RoundOverlap()
+    times = _Times()
+    collected = []
+    assert state.receive(_Buffer(), lambda: collected.append("cold"), times) is not None
+    assert collected == ["cold"] and times.times == {}
+    release = threading.Event()
+
+    def collect(buffer, thread_times):
+        release.wait(10)
+        buffer.append("round 2")
+
+    first = _Buffer(["round 1"])
+    assert state.dispatch(first, lambda: None, collect, lambda: None, times, more=True)
+    assert not state.dispatch(first, lambda: None, collect, lambda: None, times, more=True)  # one round in flight at most
+    release.set()
+    received = state.receive(first, lambda: collected.append("never"), times)
+    assert received == ["round 2"] and state.spare is first
+    assert collected == ["cold"] and "up_wait" in times.times and times.times["up_wait"] >= 0.0
+    assert _no_collection_thread()
+
+
+def test_warns_once_when_training_threads_take_every_core(monkeypatch, capsys):
+    class FakeTorch:
+        @staticmethod
+        def get_num_threads():
+            return os.cpu_count()
+
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    monkeypatch.setattr(runtime, "_ROUND_OVERLAP_WARNED", [])
+    for _ in range(2):
+        state = runtime._RoundOverlap()
+        assert state.dispatch(_Buffer(), lambda: None, lambda buffer, t: None, lambda: None, _Times(), more=True)
+        state.receive(_Buffer(), lambda: None)
+    err = capsys.readouterr().err
+    assert err.count("round_overlap: training uses") == 1 and f"on {os.cpu_count()} cores" in err
+
+
+def test_no_warning_when_training_leaves_cores(monkeypatch, capsys):
+    class FakeTorch:
+        @staticmethod
+        def get_num_threads():
+            return max(1, (os.cpu_count() or 1) - 1)
+
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    monkeypatch.setattr(runtime, "_ROUND_OVERLAP_WARNED", [])
+    state = runtime._RoundOverlap()
+    state.dispatch(_Buffer(), lambda: None, lambda buffer, t: None, lambda: None, _Times(), more=True)
+    state.receive(_Buffer(), lambda: None)
+    if (os.cpu_count() or 1) > 1:
+        assert "round_overlap: training uses" not in capsys.readouterr().err
+
+
 REFUSED = {
     "no_else": ("        else:\n            loss = self._train_sync_main(num_gen, times)\n            self._end_update(itr_init, times)\n", "", "has no else"),
     "train_before_end": ("            self._end_update(itr_init, times)\n            loss = self._train(times)\n", "            loss = self._train(times)\n            self._end_update(itr_init, times)\n", "is not `self.<collect>"),

@@ -249,7 +249,7 @@ def _overlapped_step(loop: RoundLoop, module: cst.Module) -> cst.FunctionDef:
     thread_args = ", ".join("t" if m.matches(a.value, m.Name("times")) else code(a.value) for a in collect_call.args)
     times = "times"
     new_branch = [
-        cst.parse_statement(f"self.{loop.db} = _ro.receive(self.{loop.db}, lambda: self.{loop.collect_fn.name.value}({collect_args}))\n").with_changes(leading_lines=loop.branch.leading_lines),
+        cst.parse_statement(f"self.{loop.db} = _ro.receive(self.{loop.db}, lambda: self.{loop.collect_fn.name.value}({collect_args}), {times})\n").with_changes(leading_lines=loop.branch.leading_lines),
         loop.end,
         cst.parse_statement("_ro.publish()\n"),
         cst.parse_statement(

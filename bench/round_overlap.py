@@ -3,18 +3,31 @@
 Takes DeepXube from its git mirror (base 4262fe3 and the pull request's head 5e9cf36,
 `git archive` into a temporary folder; never installed into this project), patches the
 base trainer with `round_overlap`, and trains grid.7 (heuristic `resnet_fc.100H_1B_bn`,
-V, updater `graph_v`) with one data worker and one torch thread, `--up-itrs` training
-iterations a round, `--rounds` rounds, alternating the three variants `--sets` times in
-one run. Each run is a fresh process and a fresh network directory. DeepXube's own
-dependencies (clingo, tensorboard, ...) come from `--deps` (a `pip install --target`
-folder), prepended to PYTHONPATH.
+V, updater `graph_v`, `UpArgs(procs=1, up_itrs, step_max=100, search_itrs=20)` as
+DeepXube's own test, batch 50) with one data worker and one torch thread in the
+training process (DeepXube's `get_device()` sets 8 on CPU; the driver sets 1 after it),
+`--up-itrs` training iterations a round, `--rounds` rounds, alternating the three
+variants `--sets` times in one run. Each run is a fresh process and a fresh network
+directory; a run fails unless it made exactly `--rounds` update steps, all trained with
+one torch thread. DeepXube's own dependencies (clingo, tensorboard, ...) come from
+`--deps` (a `pip install --target` folder), prepended to PYTHONPATH.
 
-Prints per variant the median warm-round time (rounds 2..N), the total wall time, both
-as ratios against the original measured in the same run, the final training loss and
-the solve rate of a greedy-free batch search (`graph_v`, 100 instances, 20 search
-iterations, as DeepXube's own test) with the trained network.
+Prints each run's round times, total wall, end wait (last update step to the end of
+`train`: stopping the workers, and pull request #11's wait for its unused round), final
+training loss and solve rate; then per variant the medians: warm round (rounds 2..N of
+every set), first round, total wall, end wait, the warm and total ratios against the
+original measured in the same run, the final training loss and the solve rate of a
+batch search (`graph_v`, 100 instances, 20 search iterations, as DeepXube's own test)
+with the trained network. DeepXube's runs are not reproducible seed for seed (its
+spawned workers draw their own random numbers), so loss and solve rate vary from run to
+run; compare them across sets, not one run.
 
-    python bench/round_overlap.py --mirror /work/.mirror/forestagostinelli+deepxube/repo --deps /tmp/dxdeps
+The issue's settings (10 rounds of 1,000 iterations, two sets): about 10 minutes on 2
+quiet cores (original rounds of about 9 s, six runs of 10 rounds plus start-up and the
+solve test); the overlap needs a core of its own, so on a machine loaded by other work
+the run is several times longer and its ratios say little:
+
+    python bench/round_overlap.py --mirror /work/.mirror/forestagostinelli+deepxube/repo --deps DEPS --rounds 10 --up-itrs 1000 --sets 2
 """
 
 from __future__ import annotations

@@ -109,14 +109,12 @@ def test_collection_error_stops_training_at_the_next_iteration(tmp_path, monkeyp
     _, path = _patched(tmp_path)
     module = _load(path, 1)
     failed = threading.Event()
-    original_get = module.FakeUpdater.get_update_data
+    original_collect = module._RoundOverlap._collect
 
-    def get_update_data(self):
-        try:
-            return original_get(self)
-        except ValueError:
+    def collect(self, *args):
+        original_collect(self, *args)
+        if self.error is not None:  # recorded for the training thread: set only now, not when the updater raises
             failed.set()
-            raise
 
     real_record = module.record
 
@@ -125,7 +123,7 @@ def test_collection_error_stops_training_at_the_next_iteration(tmp_path, monkeyp
         if call[0] == "train_itr" and call[1] == 3:
             assert failed.wait(10)  # round 2 (in flight) has failed before iteration 4
 
-    monkeypatch.setattr(module.FakeUpdater, "get_update_data", get_update_data)
+    monkeypatch.setattr(module._RoundOverlap, "_collect", collect)
     monkeypatch.setattr(module, "record", record)
     with pytest.raises(module.RoundCollectionError, match="generation of round 2 failed") as info:
         _run(module, tmp_path, "fail", rounds=4, fail_at_round=2)

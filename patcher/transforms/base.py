@@ -49,7 +49,8 @@ class Feature:
     module-level name its runtime defines (its presence means the script is already
     patched). diagnostic: only with `--with`/`--diagnostics`. analyse: `survey -> facts`,
     the feature's own reading of the script, run on the unpatched module before any
-    transform; the result is `ctx.facts[name]`.
+    transform; the result is `ctx.facts[name]`. opt_in: only with `--with` (not with
+    `--diagnostics`): a feature that changes what the script computes (`round_overlap`).
     """
 
     name: str
@@ -61,6 +62,7 @@ class Feature:
     injected: str | None = None
     diagnostic: bool = False
     analyse: Callable[[Survey], object] | None = None
+    opt_in: bool = False
 
 
 @dataclass

@@ -41,7 +41,9 @@ FEATURES: list[str] = [u.name for u in UNITS]
 # Diagnostics only add code until a toggle is set, so a default patch leaves them out
 # (every added byte counts against the artifact cap): `--with FEATURE` or `--diagnostics`.
 DIAGNOSTICS: list[str] = [u.name for u in UNITS if u.diagnostic]
-DEFAULT_FEATURES: list[str] = [u.name for u in UNITS if not u.diagnostic]
+DEFAULT_FEATURES: list[str] = [u.name for u in UNITS if not u.diagnostic and not u.opt_in]
+# Features that change what the script computes: only by name, `--with FEATURE`.
+OPT_IN: list[str] = [u.name for u in UNITS if u.opt_in]
 # Features whose code reads a toggle: `--only` one of them brings env_toggles along.
 SWITCHED: set[str] = {u.name for u in UNITS if u.toggles}
 TOGGLE_UNITS: dict[str, Toggle] = {t.name: t for t in sorted((t for u in UNITS for t in u.toggles), key=lambda t: t.position)}

@@ -71,8 +71,9 @@ class FileResult:
     over_cap: str | None = field(default=None)
 
 
-def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> FileResult:
-    """Patch the script at `in_path` into `out_path` ("-": stdout). Returns a `FileResult`.
+def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions) -> FileResult:
+    """Patch the script at `in_path` into `out_path` ("-": stdout; None: nowhere, as for
+    a diff alone, and then nothing is checked). Returns a `FileResult`.
 
     Raises SourceError for bad input or an output that cannot be written (nothing is
     written then) and for a site the tool cannot rewrite for the target Python.
@@ -96,7 +97,7 @@ def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> Fil
         text = render(script, patched, rewrap=options.rewrap)
     elif result.already_patched and not options.rewrap:
         text = script.source
-    if result.changed or (result.already_patched and not options.in_place):
+    if out_path is not None and (result.changed or (result.already_patched and not options.in_place)):
         wrote = _write(text, out_path, options.in_place)
     report = {
         "input": str(in_path),

@@ -213,7 +213,7 @@ def _main(argv: list[str] | None) -> int:
     except (SourceError, UsageError, NoFiles) as error:
         code = EXIT_NO_FILES if isinstance(error, NoFiles) else EXIT_BAD_INPUT
         print(f"patch-prefetch: error: {error}", file=sys.stderr)
-        if getattr(args, "json", False) and command is None:
+        if getattr(args, "json", False):
             print(json.dumps({"error": str(error), "exit_code": code}))  # stdout stays one JSON document
         return code
 
@@ -455,17 +455,14 @@ def _run_verify(args) -> int:
         with running_clock(f"verify {args.patched}: {batches} x {args.world_size} ranks", wanted(args.json)):
             result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens, workers=args.workers)
     except NothingToVerify as error:
-        print(f"patch-prefetch verify: nothing to verify: {error}", file=sys.stderr)
-        return EXIT_NOTHING
+        return _verify_error(args, f"nothing to verify: {error}", EXIT_NOTHING)
     except CannotVerify as error:
-        print(f"patch-prefetch verify: cannot verify: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _verify_error(args, f"cannot verify: {error}", EXIT_BAD_INPUT)
     except (SourceError, KeyboardInterrupt, BrokenPipeError):
         raise
     except Exception as error:  # the harness's own failure is never "the batches differ"
         where = _innermost_frame(error)
-        print(f"patch-prefetch verify: cannot verify: the harness failed{where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _verify_error(args, f"cannot verify: the harness failed{where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}", EXIT_BAD_INPUT)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
@@ -481,6 +478,15 @@ def _run_verify(args) -> int:
             how = f" ({d.configuration})" if d.configuration else ""
             print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}")
     return EXIT_OK if result.identical else EXIT_FAILED
+
+
+def _verify_error(args, line: str, code: int) -> int:
+    """Say why verify gave no verdict: one line on stderr, and with --json the document
+    `{"error", "exit_code"}` on stdout. Returns `code`."""
+    print(f"patch-prefetch verify: {line}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"error": line, "exit_code": code}))
+    return code
 
 
 def _innermost_frame(error: BaseException) -> str:

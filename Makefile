@@ -14,8 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	@# torch==2.13.0 is the CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	@echo "--- setup: pip install -e .[dev] (libcst, python-minifier, pytest, ...)"
-	@# compat: a .pth entry for the source tree (setuptools' default finder warns on every editable install)
-	$(PY) -m pip install --quiet -e ".[dev]" --config-settings editable_mode=compat
+	$(PY) -m pip install --quiet -e ".[dev]"
 	@touch $@
 	@echo "--- setup: done; the command is $(VENV)/bin/patch-prefetch"
 

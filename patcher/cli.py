@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
-    parser.add_argument("--no-byte-breakdown", action="store_true", help="report counted code bytes before and after only, not what each feature adds (that costs one more patch per feature; tree mode's default)")
+    parser.add_argument("--byte-breakdown", action="store_true", help="also report what each applied feature adds to the code bytes (one more patch, and counted as minified one more pyminify run, per feature; single files only)")
+    parser.add_argument("--no-byte-breakdown", action="store_true", help="code bytes before and after only (the default)")
     parser.add_argument("--python", default=None, help="target Python for the check: a version or an interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     tree = parser.add_argument_group("tree mode (a directory, or several INPUTs)")
     tree.add_argument("--out-dir", help="write each patched script to its path relative to the INPUTs' common directory, here")
@@ -319,7 +320,7 @@ def _file_options(args) -> FileOptions:
         run_import=not args.no_import,
         python=args.python,
         timeout=args.timeout,
-        byte_breakdown=not args.no_byte_breakdown,
+        byte_breakdown=args.byte_breakdown and not args.no_byte_breakdown,
         in_place=args.in_place,
         producer_toggles=args.producer_toggles,
     )
@@ -540,7 +541,7 @@ def _print_report(report: dict, result, stream, colour: bool = False) -> None:
         where = f" (line {note.line})" if note.line else ""
         print(f"  {mark} {note.feature:15} {note.reason}{where}", file=stream)
     cb = report["code_bytes"]
-    print(f"  code bytes (counted as {cb['counted_as']}): {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)
+    print(f"  code bytes, {cb['counted']}: {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)
     for name, added in cb["by_feature"].items():
         print(f"    {name:15} {added:+d}", file=stream)
     art = report.get("artifact")

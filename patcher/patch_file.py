@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
+import libcst as cst
+
+from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, PendingCount, count_patch, counting_of, read_artifact_bytes
 from patcher.transforms.features import DEFAULT_FEATURES
 from patcher.patch import PatchResult, patch_source
+from patcher.survey.survey import survey
 from patcher.read.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
 
 WRITTEN, ALREADY_PATCHED, NOTHING_TO_PATCH, CHECK_FAILED = "written", "already patched", "nothing to patch", "check failed"
@@ -32,7 +35,9 @@ class FileOptions:
 
     enabled: feature names. rewrap: re-wrap a wrapped input's payload. check: check
     what was written (compile on `python`, import smoke unless not `run_import`, within
-    `timeout` seconds). byte_breakdown: count what each feature adds. in_place: the
+    `timeout` seconds). byte_breakdown: count what each feature adds (one more patch
+    per applied feature, so off by default; counted anyway when the artifact is over
+    the cap, for the error line). in_place: the
     output is the input (a `.orig` backup is kept). producer_toggles: also add
     `TRAIN_PREFETCH_WORKERS` and `TRAIN_PREFETCH_NUMPY` where the loader family has them.
     """
@@ -43,7 +48,7 @@ class FileOptions:
     run_import: bool = True
     python: str = "3.10"
     timeout: float = 60.0
-    byte_breakdown: bool = True
+    byte_breakdown: bool = False
     in_place: bool = False
     producer_toggles: bool = False
 
@@ -83,7 +88,12 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
     script = read_script(in_path)
     if options.in_place and (problem := output_problem(in_path)) is not None:
         raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
-    result = patch_source(script.source, set(options.enabled), module=script.module, producer_toggles=options.producer_toggles)
+    # One parse (the reader's) and one survey, shared by the count and every transform.
+    module = script.module if script.module is not None else cst.parse_module(script.source)
+    surveyed = survey(module)
+    counting = counting_of(module, script.wrapped, surveyed.collector)
+    before = counting.start(script.raw, script.source) if counting.how == "minified" else None  # runs while the script is patched
+    result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
     for note in result.skipped:
         if note.unfixable:
             if script.wrapped:
@@ -107,10 +117,13 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
         "applied": result.applied,
         "skipped": [n.as_dict() for n in result.skipped],
         "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
-        "code_bytes": _counted_bytes(script, result, set(options.enabled), breakdown=options.byte_breakdown),
+        "code_bytes": _counted_bytes(script, result, set(options.enabled), counting, before, options),
         "wrapped": script.wrapped,
     }
     budget = _budget(in_path, report["code_bytes"])
+    if budget is not None and budget.over and not options.byte_breakdown and result.changed:
+        # over the cap: what each feature costs is what the user needs to choose, so count it
+        report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, None, replace(options, byte_breakdown=True))
     if budget is not None:
         report["artifact"] = budget.as_dict()
     report["seconds"] = round(time.perf_counter() - started, 3)
@@ -184,12 +197,11 @@ def _write(text: str, out_path, in_place: bool) -> bool:
     return True
 
 
-def _counted_bytes(script: Script, result, enabled: set[str], breakdown: bool) -> dict:
-    """The report's `code_bytes`: counted as the record counts them (see patcher.code_size)."""
-    module = result.survey.module if result.survey is not None else script.module
-    counting = counting_of(module, script.wrapped) if module is not None else Counting("raw")
+def _counted_bytes(script: Script, result, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions) -> dict:
+    """The report's `code_bytes`: counted as the record counts them (see patcher.code_size);
+    `before`: the input's count, already under way, or None."""
     try:
-        return count_patch(script, result, enabled, counting, breakdown)
+        return count_patch(script, result, enabled, counting, options.byte_breakdown, before, rewrap=options.rewrap)
     except CountError as error:
         raise SourceError(script.path, f"cannot count code bytes: {error}") from None
 
@@ -204,6 +216,6 @@ def _budget(in_path: Path, counted: dict) -> Budget | None:
 
 def _over_cap_line(budget: Budget, counted: dict) -> str:
     costs = ", ".join(f"{name} {added:+d}" for name, added in counted["by_feature"].items())
-    costs = f": {costs}" if costs else " (per feature: run it without --no-byte-breakdown)"
+    costs = f": {costs}" if costs else ""
     already = f", already {budget.before - budget.cap} over before the patch" if budget.before > budget.cap else ""
     return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}{already}; the patch adds {counted['after'] - counted['before']:+d}{costs})"

@@ -339,7 +339,7 @@ def print_table(rows: list[Row], stream, colour: bool = False) -> None:
     """The summary: one line per file, then skip reasons and errors indented below it.
     colour: statuses in colour (failed red, written green)."""
     width = max([len(r.file) for r in rows] + [4])
-    print(f"{'file':{width}}  {'status':16} {'applied':44} {'counted bytes':>26}  {'artifact (cap 16000000)':>24}  check", file=stream)
+    print(f"{'file':{width}}  {'status':16} {'applied':44} {'code bytes':>26}  {'artifact (cap 16000000)':>24}  check", file=stream)
     for r in rows:
         size = "" if r.bytes_before is None else (f"{r.bytes_before}->{r.bytes_after}" if r.bytes_after is not None else str(r.bytes_before))
         size += f" {r.counted_as}" if r.counted_as else ""

@@ -92,7 +92,9 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
     module = script.module if script.module is not None else cst.parse_module(script.source)
     surveyed = survey(module)
     counting = counting_of(module, script.wrapped, surveyed.collector)
-    before = counting.start(script.raw, script.source) if counting.how == "minified" else None  # runs while the script is patched
+    # The input's minified count (and its compile under this Python) runs in a worker while the script is patched.
+    minified = counting.how == "minified"
+    before = counting.start(script.raw, script.source, compile_as=str(in_path)) if minified else None
     result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
     for note in result.skipped:
         if note.unfixable:
@@ -102,8 +104,10 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
     wrote = False
     text = script.raw
     patched = keep_style(script, result.source)  # the input's line endings and BOM
+    # The patched code's count runs in a worker beside what remains (compile, write, check).
+    after = counting.start(patched, patched) if minified and result.changed else None
     if result.changed:
-        _compile_like_input(script, patched)
+        _compile_like_input(script, patched, before)
         text = render(script, patched, rewrap=options.rewrap)
     elif result.already_patched and not options.rewrap:
         text = script.source
@@ -117,19 +121,23 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
         "applied": result.applied,
         "skipped": [n.as_dict() for n in result.skipped],
         "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
-        "code_bytes": _counted_bytes(script, result, set(options.enabled), counting, before, options),
+        "code_bytes": None,
         "wrapped": script.wrapped,
     }
+    check = None
+    if wrote and options.check:  # the minifier's worker, if any, runs meanwhile
+        check_started = time.perf_counter()
+        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
+        started += time.perf_counter() - check_started
+    report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, before, options, after)
     budget = _budget(in_path, report["code_bytes"])
     if budget is not None and budget.over and not options.byte_breakdown and result.changed:
         # over the cap: what each feature costs is what the user needs to choose, so count it
         report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, None, replace(options, byte_breakdown=True))
     if budget is not None:
         report["artifact"] = budget.as_dict()
-    report["seconds"] = round(time.perf_counter() - started, 3)
-    check = None
-    if wrote and options.check:
-        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
+    report["seconds"] = round(time.perf_counter() - started, 3)  # the check's own time is not the patch's
+    if check is not None:
         report["check"] = check.as_dict()
     over_cap = f"{in_path}: {_over_cap_line(budget, report['code_bytes'])}" if budget is not None and budget.over else None
     if over_cap is not None or (check is not None and not check.ok):
@@ -170,13 +178,21 @@ def _check_written(text: str, written: Script, out_path, in_path: Path, options:
     return compare_with_original(checked, original, **kwargs)
 
 
-def _compile_like_input(script, patched: str) -> None:
-    """Compile the patched source with the running Python when the input compiled with it."""
+def _compile_like_input(script, patched: str, before: PendingCount | None = None) -> None:
+    """Compile the patched source with the running Python when the input compiled with it.
+
+    before: the input's count under way in a worker that compiled the input too
+    (`Counting.start(..., compile_as=...)`); its verdict is taken when it has one, so the
+    input is compiled beside the patch rather than here."""
     bom = "\ufeff"
-    try:
-        compile(script.source.removeprefix(bom), str(script.path), "exec")
-    except SyntaxError:
-        return  # the input needs a newer Python; the output is no worse (see `check`)
+    verdict = before.compile_error() if before is not None else None
+    if verdict is None:
+        try:
+            compile(script.source.removeprefix(bom), str(script.path), "exec")
+        except SyntaxError:
+            return  # the input needs a newer Python; the output is no worse (see `check`)
+    elif verdict[0] is not None:
+        return
     try:
         compile(patched.removeprefix(bom), str(script.path), "exec")
     except SyntaxError as error:  # a bug in a transform, not the user's input
@@ -197,11 +213,11 @@ def _write(text: str, out_path, in_place: bool) -> bool:
     return True
 
 
-def _counted_bytes(script: Script, result, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions) -> dict:
+def _counted_bytes(script: Script, result, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions, after: PendingCount | None = None) -> dict:
     """The report's `code_bytes`: counted as the record counts them (see patcher.code_size);
-    `before`: the input's count, already under way, or None."""
+    `before` / `after`: the counts of the input and of the patched code, already under way, or None."""
     try:
-        return count_patch(script, result, enabled, counting, options.byte_breakdown, before, rewrap=options.rewrap)
+        return count_patch(script, result, enabled, counting, options.byte_breakdown, before, rewrap=options.rewrap, after=after)
     except CountError as error:
         raise SourceError(script.path, f"cannot count code bytes: {error}") from None
 

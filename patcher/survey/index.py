@@ -102,15 +102,29 @@ class ScriptIndex(cst.CSTVisitor):
         self._top: cst.CSTNode | None = None
         self._fstring_stack: list[cst.FormattedString] = []
         self._outer_function: cst.FunctionDef | None = None
+        self._visits: dict[type, object] = {}  # node type -> its bound visit_/leave_ method, or None
+        self._leaves: dict[type, object] = {}
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self._top is None:
             self._top = node if not isinstance(node, cst.Module) else None
         self._top_of[node] = self._top
-        return super().on_visit(node)
+        # CSTVisitor.on_visit, with its `visit_<Type>` lookup made once per node type
+        kind = type(node)
+        try:
+            visit = self._visits[kind]
+        except KeyError:
+            visit = self._visits[kind] = getattr(self, f"visit_{kind.__name__}", None)
+        return visit is None or visit(node) is not False
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
-        super().on_leave(original_node)
+        kind = type(original_node)
+        try:
+            leave = self._leaves[kind]
+        except KeyError:
+            leave = self._leaves[kind] = getattr(self, f"leave_{kind.__name__}", None)
+        if leave is not None:
+            leave(original_node)
         if original_node is self._top:
             self._top = None
 

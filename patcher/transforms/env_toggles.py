@@ -206,6 +206,6 @@ def _hyperparameters_listing(survey: Survey, log_name: str) -> cst.For | None:
     of_class = m.Call(func=m.Name("vars"), args=[m.Arg(m.Name(hp) | m.Call(func=m.Name("type"), args=[m.Arg(m.Name(value=m.MatchIfTrue(instances.__contains__)))]))])
     logs = m.Call(func=m.Name(log_name))
     for node in index.loops:
-        if any(m.matches(n, of_class) for n in walk(node.iter)) and any(m.matches(n, logs) for n in walk(node.body)):
+        if any(isinstance(n, cst.Call) and m.matches(n, of_class) for n in walk(node.iter)) and any(isinstance(n, cst.Call) and m.matches(n, logs) for n in walk(node.body)):
             return node
     return None

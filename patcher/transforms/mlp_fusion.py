@@ -141,7 +141,7 @@ def _plan(statement, sites, taken, ctx: Context):
     mul = ctx.code(" * ", "*")
     for site in sites:
         receiver = site.node.func.value
-        for cast in (n for n in walk(statement) if m.matches(n, CAST)):
+        for cast in (n for n in walk(statement) if isinstance(n, cst.Call) and m.matches(n, CAST)):
             if cast in replace:
                 continue
             name = _fresh(_cast_name(cast), taken)

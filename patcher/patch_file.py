@@ -125,6 +125,11 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
         "wrapped": script.wrapped,
     }
     check = None
+    if wrote and options.check and _forks_smoke():
+        # the import smoke forks this process (tree mode): no thread of ours may be running then
+        for pending in (before, after):
+            if pending is not None:
+                pending.compile_error(), _done(pending)
     if wrote and options.check:  # the minifier's worker, if any, runs meanwhile
         check_started = time.perf_counter()
         check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
@@ -147,6 +152,21 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
     else:
         status = WRITTEN if result.changed else NOTHING_TO_PATCH
     return FileResult(status, report, result, script.source, patched, check, budget, over_cap)
+
+
+def _forks_smoke() -> bool:
+    """Whether the check's import smoke forks this process (tree mode on Linux)."""
+    from patcher.check import import_smoke
+
+    return import_smoke._FORKED_SMOKE
+
+
+def _done(pending: PendingCount) -> None:
+    """Wait for `pending`'s worker (its error, if any, is raised later by `result()`)."""
+    try:
+        pending.result()
+    except CountError:
+        pass
 
 
 def _written_script(script: Script, result, text: str, patched: str) -> Script:

@@ -85,6 +85,18 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
     """
     started = time.perf_counter()
     in_path = Path(in_path)
+    if options.check and options.run_import and out_path is not None:
+        from patcher.check import import_smoke
+
+        import_smoke.prewarm()  # the check's import child starts (and imports torch) while the script is patched
+        try:
+            return _patch_file(in_path, out_path, options, started)
+        finally:
+            import_smoke.discard_warm()  # not taken: nothing written, or nothing imported
+    return _patch_file(in_path, out_path, options, started)
+
+
+def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -> FileResult:
     script = read_script(in_path)
     if options.in_place and (problem := output_problem(in_path)) is not None:
         raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")

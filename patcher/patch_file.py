@@ -19,7 +19,7 @@ import libcst as cst
 from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, PendingCount, count_patch, counting_of, read_artifact_bytes
 from patcher.transforms.features import DEFAULT_FEATURES
 from patcher.patch import PatchResult, patch_source
-from patcher.survey.survey import survey
+from patcher.survey.survey import index_of, survey
 from patcher.read.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
 
 WRITTEN, ALREADY_PATCHED, NOTHING_TO_PATCH, CHECK_FAILED = "written", "already patched", "nothing to patch", "check failed"
@@ -102,11 +102,12 @@ def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -
         raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
     # One parse (the reader's) and one survey, shared by the count and every transform.
     module = script.module if script.module is not None else cst.parse_module(script.source)
-    surveyed = survey(module)
-    counting = counting_of(module, script.wrapped, surveyed.collector)
-    # The input's minified count (and its compile under this Python) runs in a worker while the script is patched.
+    index = index_of(module)
+    counting = counting_of(module, script.wrapped, index)
+    # The input's minified count (and its compile under this Python) runs in a worker while the script is surveyed and patched.
     minified = counting.how == "minified"
     before = counting.start(script.raw, script.source, compile_as=str(in_path)) if minified else None
+    surveyed = survey(module, index)
     result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
     for note in result.skipped:
         if note.unfixable:

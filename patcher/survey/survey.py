@@ -98,8 +98,11 @@ class Survey:
         return [c for c in self.calls if c.binding is construction.binding and c.receiver == construction.target]
 
 
-def survey(module: cst.Module) -> Survey:
+def survey(module: cst.Module, index: ScriptIndex | None = None) -> Survey:
     """Analyse `module` (not modified). Returns a `Survey` whose nodes belong to `module`.
+
+    index: the `ScriptIndex` of a pass over `module` already made (`index_of`), so that
+    a caller can read it before the rest of the survey; without it the pass is made here.
 
     One pass of `ScriptIndex` over the module; loader classes, which are small, are
     then read on their own, and each is given the family whose unit recognises it
@@ -109,8 +112,7 @@ def survey(module: cst.Module) -> Survey:
     result = Survey(module=module, minified=is_minified(module), uses_torch=imports(module, "torch"))
     result.module_names = module_level_names(module)
     classes = {n.name.value: n for n in module.body if isinstance(n, cst.ClassDef)}
-    index = ScriptIndex()
-    cst_walk.visit(module, index)
+    index = index if index is not None else index_of(module)
     result.collector = index
     reach = ThreadReach(module, index, result.line_of)
     for cls in classes.values():
@@ -125,3 +127,10 @@ def survey(module: cst.Module) -> Survey:
     result.hyperparameters = find_hyperparameters(module, result.line_of)
     result.log_function = find_log_function(index)
     return result
+
+
+def index_of(module: cst.Module) -> ScriptIndex:
+    """The `ScriptIndex` of one pass over `module` (what `survey` reads)."""
+    index = ScriptIndex()
+    cst_walk.visit(module, index)
+    return index

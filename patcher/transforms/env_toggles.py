@@ -141,6 +141,9 @@ class _AppendAfter(Tracking):
         super().prepare(ctx)
         self.sample = ctx.resolve(self.sample)
 
+    def targets(self) -> list[cst.CSTNode]:
+        return [self.sample]
+
     def leave_SimpleStatementLine(self, original_node, updated_node):
         if not any(s is self.sample for s in original_node.body):
             return updated_node

@@ -178,6 +178,9 @@ class _Rewrite(Tracking):
         self.plans = {ctx.resolve(k): v for k, v in self.plans.items()}
         self.swaps = {ctx.resolve(k): v for k, v in self.swaps.items()}
 
+    def targets(self) -> list[cst.CSTNode]:
+        return [*self.plans, *self.swaps]
+
     def on_leave(self, original_node, updated_node):
         if original_node in self.swaps and not isinstance(original_node, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):
             return self.swaps[original_node]

@@ -104,3 +104,25 @@ def test_a_prewarmed_child_that_no_check_takes_is_ended(tmp_path):
     result = patch_file(path, tmp_path / "out.py", FileOptions())
     assert result.status == "nothing to patch" and result.check is None
     assert import_smoke._warm is None and _children_running() == []
+
+
+def test_an_edit_rebuilds_only_the_ancestors_of_what_it_changes():
+    import libcst as cst
+
+    from patcher.survey.survey import survey
+    from patcher.transforms.base import Context, ReplaceNodes, replace_nodes
+
+    source = "def main():\n    a = 1\n    for i in range(3):\n        b = f(i)\n    c = 2\n"
+    module = cst.parse_module(source)
+    surveyed = survey(module)
+    ctx = Context(surveyed, set())
+    block = module.body[0].body
+    loop = block.body[1]
+    call = loop.body.body[0].body[0].value
+    new = replace_nodes(module, {call: cst.parse_expression("g(i)")}, ctx)
+    assert new.code == source.replace("f(i)", "g(i)")
+    assert new.code == module.visit(ReplaceNodes({call: cst.parse_expression("g(i)")})).code  # as a full pass writes it
+    new_block = new.body[0].body
+    assert new_block.body[0] is block.body[0] and new_block.body[2] is block.body[2]  # siblings kept, not rebuilt
+    assert new_block.body[1] is not loop and ctx.resolve(loop) is new_block.body[1]  # the path rebuilt and tracked
+    assert ctx.resolve(block.body[0]) is block.body[0]

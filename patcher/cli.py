@@ -1,9 +1,16 @@
 """`patch-prefetch IN -o OUT` and its subcommands: arguments, reports, exit codes.
 
-The work is elsewhere (patch, check, verify, bench). Exit codes of the main job:
+The work is elsewhere (patch, check, verify, bench). The conventions are ruff's and
+black's: `--diff` alone prints the diff on stdout and writes nothing; `--json` puts one
+JSON document on stdout (the diff inside it); `-` is stdin as INPUT and stdout as `-o`;
+several INPUTs go to `--out-dir`; `-q`; `--color`; `--version`.
+Exit codes of the main job (`EXIT_HELP` is what `--help` prints):
 0 written (or already patched: said so), 2 bad input or usage, 3 nothing to patch
-(nothing written), 4 written but the check of the output failed.
-`patch-prefetch check FILE…`: 0 every check passed, 1 one failed, 2 bad input.
+(nothing written), 4 written but the check of the output failed, 5 no input file (an
+empty directory, a path pattern that matches nothing).
+`patch-prefetch check FILE…`: 0 every check passed, 1 one failed, 2 bad input (every
+file is checked and reported all the same).
+`patch-prefetch unwrap FILE [-o OUT]`: 0 written, 2 bad input, 3 not wrapped (nothing written).
 `patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 a batch differs or the patched
 loader behaves differently (raises, leaves a replaced worker running; the line names rank,
 phase, batch and field), 2 cannot verify (one line: why, e.g. "needs sentencepiece"; a
@@ -15,21 +22,37 @@ Every command: 130 interrupted (Ctrl-C), 141 stdout closed (quietly).
 from __future__ import annotations
 
 import argparse
-import difflib
+import glob
 import json
 import os
 import sys
+import tempfile
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
 from patcher.patch import features_from
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
+from patcher.colour import CHOICES as COLOUR_CHOICES, GREEN, RED, YELLOW, paint, use_colour
 from patcher.progress import coloured_diff, running_clock, wanted
-from patcher.read.source import SourceError, output_problem
+from patcher.read.source import SourceError, output_problem, read_script, write_atomic
+from patcher.review import review_diff
+from patcher.tree import NoFiles
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED, EXIT_NO_FILES = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+EXIT_HELP = """exit codes:
+  0    written (or already patched, and said so); with --diff and no -o: the diff printed
+  1    tree mode: some file failed (its row says why)
+  2    bad input or usage: one line naming the file and line; nothing written
+  3    nothing to patch: nothing written
+  4    written, but the check of the output failed (or the artifact is over the cap)
+  5    no input file: an empty directory, a --glob or path pattern that matches nothing
+  130  interrupted (Ctrl-C; tree mode says which files were written and which were not)
+  141  stdout closed (| head): quietly"""
+STDIN = "-"
+DEVNULL = os.devnull
 EXIT_BY_STATUS = {WRITTEN: EXIT_OK, ALREADY_PATCHED: EXIT_OK, NOTHING_TO_PATCH: EXIT_NOTHING, CHECK_FAILED: EXIT_CHECK_FAILED}
 IMPORT_SMOKE_HELP = (
     "the import smoke runs the script's definitions (imports, class bodies, decorators, default "
@@ -37,13 +60,14 @@ IMPORT_SMOKE_HELP = (
     "not entered) in a child Python process with your environment, in a scratch working directory; "
     "its process group is killed after --timeout seconds"
 )
-SUBCOMMANDS = ("check", "verify", "bench")
+SUBCOMMANDS = ("check", "verify", "bench", "unwrap")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="patch-prefetch",
-        description=(
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_wrapped(
             "Rewrite a parameter-golf / modded-nanogpt train_gpt.py so that training batches are "
             "built ahead in a forked producer process or a background thread (pinned memory), copied H2D on a dedicated CUDA "
             "stream, switchable at run time (TRAIN_PREFETCH, TRAIN_COPY_STREAM), "
@@ -54,12 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
             "and, with a submission.json beside the script, the artifact size against the 16,000,000-byte cap."
         ),
     )
-    parser.add_argument("input", help="training script (plain, or an lzma/zlib/bz2/gzip + base64 exec wrapper), or a directory (tree mode, with --out-dir)")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="training script (plain, or an lzma/zlib/bz2/gzip + base64 exec wrapper); '-' reads it from stdin; a directory or several INPUTs: tree mode, with --out-dir. A pattern the shell left unexpanded ('records/*/train_gpt.py') is expanded here")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     out = parser.add_mutually_exclusive_group()
-    out.add_argument("-o", "--output", help="where to write the patched script ('-' = stdout)")
+    out.add_argument("-o", "--output", help=f"where to write the patched script ('-' = stdout, {DEVNULL} = nowhere); default with INPUT '-': stdout")
     out.add_argument("--in-place", action="store_true", help="overwrite the input, keeping INPUT.orig")
-    parser.add_argument("--diff", action="store_true", help="print a unified diff of the unwrapped original vs the patched source")
-    parser.add_argument("--json", action="store_true", help="print one JSON object with the report")
+    parser.add_argument("--diff", action="store_true", help="print a unified diff of the unwrapped original vs the patched source (a wrapped record: its payloads, line by line; the injected runtime of a minified script shown formatted). Alone (no -o): the diff on stdout, nothing written, the report on stderr; with -o -: the diff on stderr")
+    parser.add_argument("--json", action="store_true", help="print one JSON document with the report (and the diff, under 'diff', with --diff) on stdout; with -o -, stdout is the script and the JSON goes to stderr")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no report and no progress: errors only (the diff and --json still print)")
+    parser.add_argument("--color", dest="color", choices=COLOUR_CHOICES, default="auto", help="colour the diff and the summary: auto (a terminal, unless NO_COLOR is set), always, never")
     parser.add_argument("--only", action="append", metavar="FEATURE", choices=FEATURES, help=f"apply only these ({', '.join(FEATURES)})")
     parser.add_argument("--skip", action="append", metavar="FEATURE", choices=FEATURES, help="do not apply this feature")
     parser.add_argument("--with", dest="extra", action="append", metavar="FEATURE", choices=FEATURES, help=f"also apply this feature; the diagnostics ({', '.join(DIAGNOSTICS)}) only add code until a toggle is set, so a default patch leaves them out")
@@ -69,28 +96,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
-    parser.add_argument("--no-byte-breakdown", action="store_true", help="report counted code bytes before and after only, not what each feature adds (that costs one more patch per feature; tree mode's default)")
+    parser.add_argument("--byte-breakdown", action="store_true", help="also report what each applied feature adds to the code bytes (one more patch, and counted as minified one more pyminify run, per feature; single files only)")
+    parser.add_argument("--no-byte-breakdown", action="store_true", help="code bytes before and after only (the default)")
     parser.add_argument("--python", default=None, help="target Python for the check: a version or an interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
-    tree = parser.add_argument_group("tree mode (INPUT is a directory)")
-    tree.add_argument("--out-dir", help="write each patched script to the same relative path here")
-    tree.add_argument("--glob", default="train*.py", help="file names to patch (default train*.py)")
+    tree = parser.add_argument_group("tree mode (a directory, or several INPUTs)")
+    tree.add_argument("--out-dir", help="write each patched script to its path relative to the INPUTs' common directory, here")
+    tree.add_argument("--glob", default="train*.py", help="file names to patch under a directory INPUT (default train*.py); files named as INPUT are patched whatever their name")
     tree.add_argument("--jobs", type=int, default=None, help="parallel processes (default: number of CPUs)")
     tree.add_argument("--file-timeout", type=_seconds, default=600.0, help="seconds one file may take, check included; past it the file's worker is killed and its row says so (default 600)")
-    parser.epilog = (
+    parser.epilog = _wrapped(
         "The output is checked unless --no-check: compiled under the target Python, then imported: "
         + IMPORT_SMOKE_HELP + ". --no-import compiles only. "
-        "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT (each has --help)."
+        "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT | unwrap FILE [-o OUT] (each has --help)."
+    ) + "\n\n" + EXIT_HELP
+    return parser
+
+
+def _wrapped(text: str) -> str:
+    """`text` filled to 79 columns (the help keeps line breaks as written: the exit codes' table)."""
+    return textwrap.fill(text, 79, break_on_hyphens=False)
+
+
+def _version() -> str:
+    from patcher.render.render import tool_version
+
+    return tool_version()
+
+
+def build_unwrap_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="patch-prefetch unwrap",
+        description="Write a compressed exec wrapper's payload (a wrapped record's train_gpt.py) as plain source: the code the record runs, for reading, diffing or patching by hand.",
+        epilog="Exit codes: 0 written, 2 bad input (one line; nothing written), 3 not wrapped (nothing written).",
     )
+    parser.add_argument("file", help="a wrapped training script ('-' = stdin)")
+    parser.add_argument("-o", "--output", default="-", help="where to write the payload (default '-': stdout)")
     return parser
 
 
 def build_check_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.", epilog="Note: " + IMPORT_SMOKE_HELP + ". --no-import compiles only.")
-    parser.add_argument("files", nargs="+", help="training scripts (plain or wrapped)")
+    parser.add_argument("files", nargs="+", help="training scripts (plain or wrapped); each is checked and reported, a bad one included")
     parser.add_argument("--python", default=None, help="target version or interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
     parser.add_argument("--no-import", action="store_true", help="compile only: no import smoke (nothing of the script runs)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per file, one per line")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout: the file's object; several files: {\"files\": [one object each], \"exit_code\": N}")
+    parser.epilog += " Exit codes: 0 every file passed (ok or partial), 1 one failed, 2 bad input (the other files are still checked)."
     return parser
 
 
@@ -150,19 +201,22 @@ def _main(argv: list[str] | None) -> int:
         from patcher.proof import bench
 
         return bench.main(argv[1:])
-    parser = {"check": build_check_parser, "verify": build_verify_parser}.get(command, build_parser)()
+    parser = {"check": build_check_parser, "verify": build_verify_parser, "unwrap": build_unwrap_parser}.get(command, build_parser)()
     try:
         args = parser.parse_args(argv[1:] if command else argv)
     except SystemExit as exit:
         return EXIT_BAD_INPUT if exit.code else EXIT_OK
-    run = {"check": _run_check, "verify": _run_verify}.get(command, _run)
+    run = {"check": _run_check, "verify": _run_verify, "unwrap": _run_unwrap}.get(command, _run)
     try:
         if hasattr(args, "python"):
             args.python = _target_python(args)
         return run(args)
-    except (SourceError, UsageError) as error:
+    except (SourceError, UsageError, NoFiles) as error:
+        code = EXIT_NO_FILES if isinstance(error, NoFiles) else EXIT_BAD_INPUT
         print(f"patch-prefetch: error: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(error), "exit_code": code}))  # stdout stays one JSON document
+        return code
 
 
 def _target_python(args) -> str:
@@ -182,23 +236,72 @@ def _target_python(args) -> str:
 
 
 def _run(args) -> int:
-    if Path(args.input).is_dir() or args.out_dir is not None:
+    args.inputs = _expand(args.inputs)
+    if len(args.inputs) > 1 or args.out_dir is not None or Path(args.inputs[0]).is_dir():
         return _run_tree(args)
-    in_path = Path(args.input)
+    name = args.inputs[0]
+    if name == STDIN:
+        if args.in_place:
+            raise UsageError("--in-place needs a file, not stdin")
+        with tempfile.TemporaryDirectory(prefix="patch-prefetch-") as tmp:
+            in_path = Path(tmp) / "stdin.py"
+            in_path.write_bytes(sys.stdin.buffer.read())
+            try:
+                return _run_file(args, in_path, "<stdin>")
+            except SourceError as error:  # name stdin, not the scratch copy
+                raise SourceError("<stdin>", error.message, error.line, error.col) from None
+    return _run_file(args, Path(name), name)
+
+
+def _expand(inputs: list[str]) -> list[str]:
+    """INPUTs with the patterns the shell left unexpanded (quoted, or no match there)
+    expanded, sorted, `**` included. A pattern that matches nothing: NoFiles (exit 5). A
+    path that exists is taken as given, even with `*` in its name."""
+    expanded: list[str] = []
+    for name in inputs:
+        if name == STDIN or os.path.lexists(name) or not glob.has_magic(name):
+            expanded.append(name)
+            continue
+        found = sorted(glob.glob(name, recursive=True))
+        if not found:
+            raise NoFiles(f"{name}: no file matches this pattern; nothing written")
+        expanded.extend(found)
+    if STDIN in expanded and len(expanded) > 1:
+        raise UsageError("'-' (stdin) is one script: it cannot be patched with other INPUTs")
+    return expanded
+
+
+def _run_file(args, in_path: Path, shown: str) -> int:
+    """One script: patch `in_path` (named `shown` in the report), print what was asked."""
     out_path = _output_path(args, in_path)
-    done = patch_file(in_path, out_path, _file_options(args))
-    stream = sys.stderr if out_path == "-" else sys.stdout
+    # Where the report goes: stdout, unless stdout carries the script, or the diff alone.
+    to_stdout = out_path == "-"
+    report_stream = sys.stderr if to_stdout or (args.diff and not args.json) else sys.stdout
+    diff_stream = sys.stderr if to_stdout else sys.stdout
+    clock = wanted(args.json) and not args.quiet and not to_stdout
+    with running_clock(f"patching {shown}", clock):
+        done = patch_file(in_path, out_path, _file_options(args))
+    done.report["input"] = shown
+    if out_path is None:
+        done.report["output"] = None
+    diff = None
     if args.diff:
-        diff = difflib.unified_diff(done.original.splitlines(True), done.patched.splitlines(True), f"{in_path} (original)", f"{in_path} (patched)")
-        stream.writelines(coloured_diff(diff) if stream.isatty() else diff)
+        minified = done.patch.survey is not None and done.patch.survey.minified
+        diff = list(review_diff(done.original, done.patched, shown, done.patch.runtime, minified))
     if args.json:
-        print(json.dumps(done.report), file=stream)
-    else:
-        _print_report(done.report, done.patch, stream)
+        if diff is not None:
+            done.report["diff"] = "".join(diff)
+        print(json.dumps(done.report), file=report_stream)
+    elif diff is not None:
+        diff_stream.writelines(coloured_diff(diff) if use_colour(args.color, diff_stream) else diff)
+    if not args.json and not args.quiet:
+        colour = use_colour(args.color, report_stream)
+        _print_report(done.report, done.patch, report_stream, colour)
         if done.check is not None:
             exit_note = "" if done.check.ok else " (exit 4)"
-            print(f"  check: {done.check.summary}{exit_note}", file=stream)
-            _print_check(done.check, stream, indent="    ")
+            verdict = paint(done.check.summary, GREEN if done.check.ok else RED, colour)
+            print(f"  check: {verdict}{exit_note}", file=report_stream)
+            _print_check(done.check, report_stream, indent="    ")
     if done.over_cap is not None:
         print(f"patch-prefetch: error: {done.over_cap}", file=sys.stderr)
     return EXIT_BY_STATUS[done.status]
@@ -217,7 +320,7 @@ def _file_options(args) -> FileOptions:
         run_import=not args.no_import,
         python=args.python,
         timeout=args.timeout,
-        byte_breakdown=not args.no_byte_breakdown,
+        byte_breakdown=args.byte_breakdown and not args.no_byte_breakdown,
         in_place=args.in_place,
         producer_toggles=args.producer_toggles,
     )
@@ -226,37 +329,89 @@ def _file_options(args) -> FileOptions:
 def _run_tree(args) -> int:
     from patcher import tree
 
-    if not Path(args.input).is_dir():
-        raise UsageError(f"{args.input}: --out-dir needs a directory as input")
+    several = len(args.inputs) > 1
+    if STDIN in args.inputs:
+        raise UsageError("'-' (stdin) is one script: tree mode takes files and directories")
     if args.out_dir is None:
-        raise UsageError(f"{args.input}: is a directory; give --out-dir for tree mode")
+        what = "several INPUTs" if several else f"{args.inputs[0]}: is a directory;"
+        raise UsageError(f"{what} give --out-dir for tree mode")
     if args.output is not None or args.in_place or args.diff:
-        raise UsageError("tree mode takes --out-dir, not -o, --in-place or --diff")
-    if Path(args.out_dir).resolve() == Path(args.input).resolve():
-        raise UsageError(f"{args.out_dir}: --out-dir is the input directory; nothing overwritten")
+        raise UsageError("tree mode (a directory or several INPUTs) takes --out-dir, not -o, --in-place or --diff")
+    out_dir = Path(args.out_dir).resolve()
+    for name in args.inputs:
+        if Path(name).is_dir() and Path(name).resolve() == out_dir:
+            raise UsageError(f"{args.out_dir}: --out-dir is the input directory; nothing overwritten")
     options = replace(_file_options(args), byte_breakdown=False)
+    args.colour = use_colour(args.color, sys.stdout)
     return tree.run(args, options)
 
 
 def _run_check(args) -> int:
+    """Check every file, a bad one included: its error is its report (exit 2 over 1)."""
     from patcher.check.check import check_file
 
-    failed = False
+    code, documents = EXIT_OK, []
     for name in args.files:
-        result = check_file(name, target=args.python, timeout=args.timeout, run_import=not args.no_import)
-        failed |= not result.ok
-        if args.json:
-            print(json.dumps(result.as_dict()))
-        else:
+        try:
+            result = check_file(name, target=args.python, timeout=args.timeout, run_import=not args.no_import)
+        except SourceError as error:
+            code = EXIT_BAD_INPUT
+            print(f"patch-prefetch: error: {error}", file=sys.stderr)
+            documents.append({"file": name, "ok": False, "error": str(error)})
+            if not args.json:
+                where = f":{error.line}" if error.line is not None else ""
+                print(f"{name}{where}: bad input (exit 2): {error.message}")
+            continue
+        if not result.ok and code == EXIT_OK:
+            code = EXIT_FAILED
+        documents.append(dict(result.as_dict(), file=name))
+        if not args.json:
             print(f"{name}: {result.summary}")
             _print_check(result, sys.stdout, indent="  ")
-    return EXIT_FAILED if failed else EXIT_OK
+    if args.json:
+        print(json.dumps(documents[0] if len(documents) == 1 else {"files": documents, "exit_code": code}))
+    return code
+
+
+def _run_unwrap(args) -> int:
+    """`patch-prefetch unwrap FILE [-o OUT]`: the payload of a wrapped script, as plain source."""
+    if args.file == STDIN:
+        with tempfile.TemporaryDirectory(prefix="patch-prefetch-") as tmp:
+            copy = Path(tmp) / "stdin.py"
+            copy.write_bytes(sys.stdin.buffer.read())
+            try:
+                script = read_script(copy)
+            except SourceError as error:
+                raise SourceError("<stdin>", error.message, error.line, error.col) from None
+    else:
+        script = read_script(args.file)
+    shown = "<stdin>" if args.file == STDIN else args.file
+    if not script.wrapped:
+        print(f"patch-prefetch unwrap: {shown}: not a compressed exec wrapper; nothing written", file=sys.stderr)
+        return EXIT_NOTHING
+    if args.output == "-":
+        sys.stdout.write(script.source)
+        return EXIT_OK
+    out = Path(args.output)
+    if args.file != STDIN and out.resolve() == Path(args.file).resolve():
+        raise UsageError(f"{out}: output path is the input path; nothing written")
+    problem = output_problem(out)
+    if problem is not None:
+        raise SourceError(out, f"cannot write output: {problem}; nothing written")
+    try:
+        write_atomic(out, script.source)
+    except OSError as error:
+        raise SourceError(out, f"cannot write output: {error.strerror or error}") from None
+    print(f"{shown}: payload ({script.wrapper.codec}) -> {out}", file=sys.stderr)
+    return EXIT_OK
 
 
 SKIPPED_SHOWN = 5  # skipped statements listed by line; the rest are counted
 
 
 def _print_check(result, stream, indent: str) -> None:
+    from patcher.check.stubs import summarise as summarise_stubs
+
     c = result.compile
     python = c.python or "no real interpreter (grammar check only)"
     where = " payload" if c.where == "payload" else ""
@@ -269,7 +424,7 @@ def _print_check(result, stream, indent: str) -> None:
     imp = result.imports
     if imp is not None:
         status = f"FAILED: {imp.error}" if not imp.ok else (f"partial: {imp.ran} of {imp.total} top-level statements" if imp.partial else "ok")
-        extra = f"; stubbed: {', '.join(imp.stubbed)}" if imp.stubbed else ""
+        extra = f"; stubbed: {', '.join(summarise_stubs(imp.stubbed))}" if imp.stubbed else ""
         where = f", as if at {imp.as_path}" if imp.as_path else ""
         print(f"{pad}import smoke (ran the script's definitions in a child process{where}): {status}{extra}", file=stream)
         if imp.note:
@@ -301,17 +456,14 @@ def _run_verify(args) -> int:
         with running_clock(f"verify {args.patched}: {batches} x {args.world_size} ranks", wanted(args.json)):
             result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens, workers=args.workers)
     except NothingToVerify as error:
-        print(f"patch-prefetch verify: nothing to verify: {error}", file=sys.stderr)
-        return EXIT_NOTHING
+        return _verify_error(args, f"nothing to verify: {error}", EXIT_NOTHING)
     except CannotVerify as error:
-        print(f"patch-prefetch verify: cannot verify: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _verify_error(args, f"cannot verify: {error}", EXIT_BAD_INPUT)
     except (SourceError, KeyboardInterrupt, BrokenPipeError):
         raise
     except Exception as error:  # the harness's own failure is never "the batches differ"
         where = _innermost_frame(error)
-        print(f"patch-prefetch verify: cannot verify: the harness failed{where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _verify_error(args, f"cannot verify: the harness failed{where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}", EXIT_BAD_INPUT)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
@@ -333,6 +485,15 @@ def _run_verify(args) -> int:
     return EXIT_OK if result.identical else EXIT_FAILED
 
 
+def _verify_error(args, line: str, code: int) -> int:
+    """Say why verify gave no verdict: one line on stderr, and with --json the document
+    `{"error", "exit_code"}` on stdout. Returns `code`."""
+    print(f"patch-prefetch verify: {line}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"error": line, "exit_code": code}))
+    return code
+
+
 def _innermost_frame(error: BaseException) -> str:
     """" at FILE:LINE" of the innermost frame of `error`'s traceback, or ""."""
     tb = error.__traceback__
@@ -342,12 +503,20 @@ def _innermost_frame(error: BaseException) -> str:
 
 
 def _output_path(args, in_path: Path):
+    """Where the patched script goes: a Path, "-" (stdout), or None (nowhere: `--diff`
+    alone, or `-o /dev/null`). Raises UsageError / SourceError for an output refused."""
     if args.in_place:
         return in_path
     if args.output is None:
-        raise UsageError("no output given: use -o OUT, -o - for stdout, or --in-place")
+        if args.diff:
+            return None  # ruff's and black's --diff: show, write nothing
+        if args.inputs == [STDIN]:
+            return "-"  # black's `-`: stdin to stdout
+        raise UsageError("no output given: use -o OUT, -o - for stdout, --diff to see the patch without writing it, or --in-place")
     if args.output == "-":
         return "-"
+    if os.path.abspath(args.output) == DEVNULL:
+        return None
     out = Path(args.output)
     try:
         same = out.resolve() == in_path.resolve()
@@ -361,20 +530,22 @@ def _output_path(args, in_path: Path):
     return out
 
 
-def _print_report(report: dict, result, stream) -> None:
+def _print_report(report: dict, result, stream, colour: bool = False) -> None:
     out = report["output"]
     if result.already_patched:
         print(f"{report['input']}: already patched; nothing changed" + (f" (copied to {out})" if out not in (None, report["input"]) else ""), file=stream)
     elif not result.changed:
         print(f"{report['input']}: nothing to patch; nothing written", file=stream)
+    elif out is None:
+        print(f"{report['input']}: patched, nothing written (--diff without -o)  ({'wrapped' if report['wrapped'] else 'plain'}, {report['seconds']} s)", file=stream)
     else:
         print(f"{report['input']} -> {out}  ({'wrapped' if report['wrapped'] else 'plain'}, {report['seconds']} s)", file=stream)
     for note in result.notes:
-        mark = "applied" if note.applied else "skipped"
+        mark = paint(f"{'applied' if note.applied else 'skipped':8}", GREEN if note.applied else YELLOW, colour)
         where = f" (line {note.line})" if note.line else ""
-        print(f"  {mark:8} {note.feature:15} {note.reason}{where}", file=stream)
+        print(f"  {mark} {note.feature:15} {note.reason}{where}", file=stream)
     cb = report["code_bytes"]
-    print(f"  code bytes (counted as {cb['counted_as']}): {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)
+    print(f"  code bytes, {cb['counted']}: {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)
     for name, added in cb["by_feature"].items():
         print(f"    {name:15} {added:+d}", file=stream)
     art = report.get("artifact")

@@ -20,26 +20,23 @@ largest, so that the budget check holds for every seed.
 
 from __future__ import annotations
 
-import base64
 import json
-import lzma
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.cst_walk import walk
+from patcher.cst_walk import visit, walk
+from patcher.survey.index import ScriptIndex
 
 ARTIFACT_CAP = 16_000_000
 
-# The wrapper a minifying record builds around its compressed code (its own bytes count).
-_MINIFIED_WRAPPER = {
-    "lzma": (b'import lzma as L,base64 as B\nexec(L.decompress(B.b85decode("', b'")))\n'),
-    "brotli": (b'import brotli as B,base64 as A\nexec(B.decompress(A.b85decode("', b'")))\n'),
-}
+# The worker that minifies and compresses (a script: it imports nothing of this package).
+_WORKER = Path(__file__).with_name("minify_worker.py")
 # The flags of the records' own code-size function, when a script names none we can read.
 DEFAULT_MINIFY_FLAGS = ("--no-rename-locals", "--no-hoist-literals", "--remove-literal-statements")
 # Keys of submission.json whose values are whole-artifact sizes in bytes.
@@ -71,51 +68,136 @@ class Counting:
             return minified_wrapper_bytes(source, self.minify_flags, self.compressor)
         return len(source.encode("utf-8"))
 
+    def label(self) -> str:
+        """What is counted and how, in the words of the report (text and JSON alike):
+        "counted as wrapper: ...", "counted as minified: ..." or "raw: ..."."""
+        if self.how == "wrapper":
+            return "counted as wrapper: the bytes of the wrapped file"
+        if self.how == "minified":
+            return f"counted as minified: pyminify {' '.join(self.minify_flags)}, {self.compressor}, base85 exec wrapper"
+        return "raw: the UTF-8 bytes of the code"
 
-def counting_of(module: cst.Module, wrapped: bool) -> Counting:
+    def start(self, file_text: str, source: str, compile_as: str | None = None) -> "PendingCount":
+        """`count(file_text, source)` under way: for "minified" in a worker process
+        (patcher/minify_worker.py: minifier and compressor), so the caller goes on
+        meanwhile, else done now. compile_as: a file name; for "minified" the worker
+        also compiles `source` under this Python (`PendingCount.compile_error`)."""
+        return PendingCount(self, file_text, source, compile_as)
+
+
+class PendingCount:
+    """A count started by `Counting.start`; `result()` waits for it and returns the bytes.
+
+    counting: the `Counting` it counts with. For "minified" the count runs in a worker
+    process (patcher/minify_worker.py) fed and read by a daemon thread: a command that
+    fails before it asks for the result does not wait for the minifier at exit.
+    """
+
+    def __init__(self, counting: Counting, file_text: str, source: str, compile_as: str | None = None):
+        self.counting = counting
+        self._value: int | None = None
+        self._error: Exception | None = None
+        self._compiled: tuple | None = None
+        self._compile_known = threading.Event()
+        self._thread = None
+        if counting.how != "minified":
+            self._value = counting.count(file_text, source)
+            self._compile_known.set()
+            return
+        self._thread = threading.Thread(target=self._run, args=(source, compile_as), name="count-minified", daemon=True)
+        self._thread.start()
+
+    def _run(self, source: str, compile_as: str | None) -> None:
+        try:
+            reply = _run_worker(source, self.counting.minify_flags, self.counting.compressor, compile_as, self._compiled_now)
+            self._value = reply["bytes"]
+        except Exception as error:  # raised again by result(), on the caller's thread
+            self._error = error
+        finally:
+            self._compile_known.set()
+
+    def _compiled_now(self, verdict) -> None:
+        self._compiled = (verdict,)
+        self._compile_known.set()
+
+    def result(self) -> int:
+        """The counted bytes. Raises CountError when the minifier failed."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def compile_error(self) -> tuple | None:
+        """With `compile_as` given to `start`: (None,) when the source compiled under this
+        Python, ([line, message],) when it did not (waits for that verdict only, not for the
+        count); None when it was not compiled."""
+        self._compile_known.wait()
+        return self._compiled
+
+
+def counting_of(module: cst.Module, wrapped: bool, index: ScriptIndex | None = None) -> Counting:
     """How the record whose code is `module` counts its code size.
 
     A wrapped file counts as "wrapper". A module with a function that names
     "pyminify" (the record's own code-size function) counts as "minified", with the
     `--` flags of the command list in that function and the compressor it calls
     (`brotli.compress` under any import alias, else lzma). Anything else is "raw".
+    index: the survey's `ScriptIndex` of `module` (`Survey.collector`), so that the
+    module is not walked again; without it one pass is made here.
     """
     if wrapped:
         return Counting("wrapper")
-    brotli_names = {a.asname.name.value if a.asname else "brotli" for n in walk(module) if isinstance(n, cst.Import) for a in n.names if cst.Module([]).code_for_node(a.name) == "brotli"}
-    for function in (n for n in walk(module) if isinstance(n, cst.FunctionDef)):
-        nodes = list(walk(function))
-        if not any(isinstance(n, cst.SimpleString) and n.evaluated_value == "pyminify" for n in nodes):
-            continue
-        flags = ()
-        for node in nodes:
-            if isinstance(node, cst.List):
-                found = tuple(e.value.evaluated_value for e in node.elements if isinstance(e.value, cst.SimpleString) and e.value.evaluated_value.startswith("--"))
-                if found:
-                    flags = found
-                    break
-        brotli = any(m.matches(n, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("compress")))) and n.func.value.value in brotli_names for n in nodes)
-        return Counting("minified", flags or DEFAULT_MINIFY_FLAGS, "brotli" if brotli else "lzma")
-    return Counting("raw")
+    if index is None:
+        index = ScriptIndex()
+        visit(module, index)
+    # A literal without a backslash reads "pyminify" only if its text holds it.
+    function = next((f for s, f in index.strings if f is not None and ("pyminify" in s.value or "\\" in s.value) and s.evaluated_value == "pyminify"), None)
+    if function is None:
+        return Counting("raw")
+    brotli_names = {a.asname.name.value if a.asname else "brotli" for n in index.imports for a in n.names if cst.Module([]).code_for_node(a.name) == "brotli"}
+    nodes = list(walk(function))
+    flags = ()
+    for node in nodes:
+        if isinstance(node, cst.List):
+            found = tuple(e.value.evaluated_value for e in node.elements if isinstance(e.value, cst.SimpleString) and e.value.evaluated_value.startswith("--"))
+            if found:
+                flags = found
+                break
+    brotli = any(m.matches(n, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("compress")))) and n.func.value.value in brotli_names for n in nodes)
+    return Counting("minified", flags or DEFAULT_MINIFY_FLAGS, "brotli" if brotli else "lzma")
 
 
 def minified_wrapper_bytes(source: str, flags: tuple = DEFAULT_MINIFY_FLAGS, compressor: str = "lzma") -> int:
     """Size in bytes of ``pyminify FLAGS`` -> ``lzma.compress`` (or ``brotli.compress(quality=11)``)
     -> base85 exec wrapper of `source`, as the records' own code-size function computes
-    it. Raises CountError (one line)."""
-    command = [sys.executable, "-m", "python_minifier", *flags, "-"]
-    done = subprocess.run(command, input=source.encode("utf-8"), capture_output=True)
-    if done.returncode != 0:
-        last = (done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
-        raise CountError(f"pyminify failed: {last}")
-    if compressor == "brotli":
-        import brotli
+    it (in a worker process, patcher/minify_worker.py). Raises CountError (one line)."""
+    return _run_worker(source, flags, compressor)["bytes"]
 
-        compressed = brotli.compress(done.stdout, quality=11)
-    else:
-        compressed = lzma.compress(done.stdout)
-    prefix, suffix = _MINIFIED_WRAPPER[compressor]
-    return len(prefix) + len(base64.b85encode(compressed)) + len(suffix)
+
+def _run_worker(source: str, flags: tuple, compressor: str, compile_as: str | None = None, on_compile=None) -> dict:
+    """The reply of patcher/minify_worker.py for `source`: {"bytes": N}. With `compile_as`,
+    `on_compile(verdict)` is called as soon as the worker has compiled the source (None,
+    or [line, message]). Raises CountError (one line) when the minifier fails."""
+    command = [sys.executable, str(_WORKER), compressor, *(["--compile", compile_as] if compile_as is not None else []), *flags]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        try:
+            proc.stdin.write(source.encode("utf-8"))  # the worker reads all of it before it writes
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        reply = {}
+        for line in proc.stdout:
+            reply = json.loads(line)
+            if "compile" in reply and on_compile is not None:
+                on_compile(reply["compile"])
+        errors = proc.stderr.read()
+    if "bytes" not in reply and "error" not in reply:
+        last = (errors.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
+        raise CountError(f"pyminify failed: {last}")
+    if "error" in reply:
+        raise CountError(f"pyminify failed: {reply['error']}")
+    return reply
 
 
 def read_artifact_bytes(script_path: str | Path) -> int | None:
@@ -172,47 +254,59 @@ class Budget:
         return {"cap": self.cap, "before": self.before, "after": self.after, "over": self.over}
 
 
-def count_patch(script, result, enabled: set[str], counting: Counting, breakdown: bool = True) -> dict:
+def count_patch(script, result, enabled: set[str], counting: Counting, breakdown: bool = True, before: PendingCount | None = None, rewrap: bool = True, after: PendingCount | None = None) -> dict:
     """Counted code bytes before and after a patch, and what each applied feature adds.
 
     Takes the `Script` read from disk, its `PatchResult`, the enabled features and the
-    script's `Counting`. A wrapped script is counted re-wrapped (what the record
-    submits), whatever `--no-rewrap` wrote. Features are charged in the order of
-    `FEATURES`, `env_toggles` last: `by_feature[f]` is the count of the patch with the
-    features up to `f` minus the count up to the one before, so a runtime piece shared by
-    two features is charged to the first and the parts add up to the total (with
-    `breakdown` False, `by_feature` is {}: one patch per feature less). Returns
-    {"before", "after", "counted_as", "by_feature"} in bytes. Raises CountError when the
-    minifier fails.
+    script's `Counting`; `before`, when given, is the count of the input already under
+    way (`counting.start(script.raw, script.source)`, started before the patch so that
+    the minifier runs while the script is patched); `after`, likewise, the count of the
+    patched code as written (`keep_style(script, result.source)`), started early by the
+    caller so that it runs beside the check. A wrapped script is counted
+    re-wrapped (what the record submits); with `rewrap` False (`--no-rewrap`, which
+    writes the payload as plain source) its code is counted raw, before and after. With
+    `breakdown`, features are charged in the order of `FEATURES`, `env_toggles` last:
+    `by_feature[f]` is the count of the patch with the features up to `f` minus the
+    count up to the one before, so a runtime piece shared by two features is charged to
+    the first and the parts add up to the total; that costs one more patch (and one
+    more minifier run, counted as minified) per applied feature but the last. Without
+    it `by_feature` is {}. Returns {"before", "after", "counted_as", "counted",
+    "by_feature"}: bytes, `counted_as` "wrapper" | "minified" | "raw" and `counted` its
+    `Counting.label()`. Raises CountError when the minifier fails.
     """
     from patcher.patch import patch_source
     from patcher.read.source import SourceError, keep_style, render
     from patcher.transforms.features import FEATURES
 
-    def counted(source: str) -> int:
+    def start(source: str) -> PendingCount:
         source = keep_style(script, source)  # as written: the input's line endings and BOM
         file_text = render(script, source, rewrap=True) if counting.how == "wrapper" else source
-        return counting.count(file_text, source)
+        return counting.start(file_text, source)
 
-    after = None
-    if counting.how == "wrapper" and result.changed:
+    if counting.how == "wrapper" and not rewrap:
+        counting = Counting("raw")
+    if after is not None and after.counting != counting:
+        after = None
+    if counting.how == "wrapper" and result.changed and after is None:
         try:
-            after = counted(result.source)
+            after = start(result.source)
         except SourceError:  # no wrapper can hold the patched payload (`--no-rewrap` only): count the code
             counting = Counting("raw")
-    before = counting.count(script.raw, script.source)
+    if before is None or before.counting != counting:
+        before = counting.start(script.raw, script.source)
     if not result.changed:
-        return {"before": before, "after": before, "counted_as": counting.how, "by_feature": {}}
-    after = counted(result.source) if after is None else after
-    if not breakdown:
-        return {"before": before, "after": after, "counted_as": counting.how, "by_feature": {}}
-    order = sorted(result.applied, key=lambda f: (f == "env_toggles", FEATURES.index(f)))
-    by_feature, previous, so_far = {}, before, set(enabled) - set(result.applied)
-    for feature in order:
-        so_far.add(feature)
-        if feature == order[-1]:
-            now = after
-        else:
-            now = counted(patch_source(script.source, so_far, module=result.survey.module, surveyed=result.survey, producer_toggles=result.producer_toggles).source)
+        return {"before": before.result(), "after": before.result(), "counted_as": counting.how, "counted": counting.label(), "by_feature": {}}
+    after = start(result.source) if after is None else after
+    steps = []
+    if breakdown:
+        order = sorted(result.applied, key=lambda f: (f == "env_toggles", FEATURES.index(f)))
+        so_far = set(enabled) - set(result.applied)
+        for feature in order[:-1]:  # each count starts before the next patch, so minifier runs overlap
+            so_far.add(feature)
+            steps.append((feature, start(patch_source(script.source, set(so_far), module=result.survey.module, surveyed=result.survey, producer_toggles=result.producer_toggles).source)))
+        steps.append((order[-1], after))
+    by_feature, previous = {}, before.result()
+    for feature, pending in steps:
+        now = pending.result()
         by_feature[feature], previous = now - previous, now
-    return {"before": before, "after": after, "counted_as": counting.how, "by_feature": by_feature}
+    return {"before": before.result(), "after": after.result(), "counted_as": counting.how, "counted": counting.label(), "by_feature": by_feature}

@@ -15,6 +15,7 @@ import ast
 import inspect
 import textwrap
 from functools import lru_cache
+from operator import attrgetter
 
 import libcst as cst
 
@@ -43,17 +44,33 @@ def field_order(node_type: type) -> tuple[str, ...] | None:
 
 def children(node: cst.CSTNode) -> list[cst.CSTNode]:
     """`node.children` without rebuilding `node`: its child nodes in visit order."""
-    order = field_order(type(node))
-    if order is None:
+    try:
+        fields = _FIELDS[type(node)]
+    except KeyError:
+        fields = _FIELDS[type(node)] = _field_getter(type(node))
+    if fields is None:
         return list(node.children)
     out: list[cst.CSTNode] = []
-    for name in order:
-        value = getattr(node, name)
+    for value in fields(node):
         if isinstance(value, cst.CSTNode):
             out.append(value)
         elif isinstance(value, (list, tuple)):
             out.extend(v for v in value if isinstance(v, cst.CSTNode))
     return out
+
+
+# node type -> a function giving the values of its fields in visit order (a tuple), or None
+_FIELDS: dict = {}
+
+
+def _field_getter(node_type: type):
+    order = field_order(node_type)
+    if order is None:
+        return None
+    if len(order) == 1:
+        name = order[0]
+        return lambda node: (getattr(node, name),)
+    return attrgetter(*order)
 
 
 def visit(node: cst.CSTNode, visitor: cst.CSTVisitor) -> None:

@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, count_patch, counting_of, read_artifact_bytes
+import libcst as cst
+
+from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, PendingCount, count_patch, counting_of, read_artifact_bytes
 from patcher.transforms.features import DEFAULT_FEATURES
 from patcher.patch import PatchResult, patch_source
+from patcher.survey.survey import index_of, survey
 from patcher.read.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
 
 WRITTEN, ALREADY_PATCHED, NOTHING_TO_PATCH, CHECK_FAILED = "written", "already patched", "nothing to patch", "check failed"
@@ -32,7 +35,9 @@ class FileOptions:
 
     enabled: feature names. rewrap: re-wrap a wrapped input's payload. check: check
     what was written (compile on `python`, import smoke unless not `run_import`, within
-    `timeout` seconds). byte_breakdown: count what each feature adds. in_place: the
+    `timeout` seconds). byte_breakdown: count what each feature adds (one more patch
+    per applied feature, so off by default; counted anyway when the artifact is over
+    the cap, for the error line). in_place: the
     output is the input (a `.orig` backup is kept). producer_toggles: also add
     `TRAIN_PREFETCH_WORKERS` and `TRAIN_PREFETCH_NUMPY` where the loader family has them.
     """
@@ -43,7 +48,7 @@ class FileOptions:
     run_import: bool = True
     python: str = "3.10"
     timeout: float = 60.0
-    byte_breakdown: bool = True
+    byte_breakdown: bool = False
     in_place: bool = False
     producer_toggles: bool = False
 
@@ -71,18 +76,39 @@ class FileResult:
     over_cap: str | None = field(default=None)
 
 
-def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> FileResult:
-    """Patch the script at `in_path` into `out_path` ("-": stdout). Returns a `FileResult`.
+def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions) -> FileResult:
+    """Patch the script at `in_path` into `out_path` ("-": stdout; None: nowhere, as for
+    a diff alone, and then nothing is checked). Returns a `FileResult`.
 
     Raises SourceError for bad input or an output that cannot be written (nothing is
     written then) and for a site the tool cannot rewrite for the target Python.
     """
     started = time.perf_counter()
     in_path = Path(in_path)
+    if options.check and options.run_import and out_path is not None:
+        from patcher.check import import_smoke
+
+        import_smoke.prewarm()  # the check's import child starts (and imports torch) while the script is patched
+        try:
+            return _patch_file(in_path, out_path, options, started)
+        finally:
+            import_smoke.discard_warm()  # not taken: nothing written, or nothing imported
+    return _patch_file(in_path, out_path, options, started)
+
+
+def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -> FileResult:
     script = read_script(in_path)
     if options.in_place and (problem := output_problem(in_path)) is not None:
         raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
-    result = patch_source(script.source, set(options.enabled), module=script.module, producer_toggles=options.producer_toggles)
+    # One parse (the reader's) and one survey, shared by the count and every transform.
+    module = script.module if script.module is not None else cst.parse_module(script.source)
+    index = index_of(module)
+    counting = counting_of(module, script.wrapped, index)
+    # The input's minified count (and its compile under this Python) runs in a worker while the script is surveyed and patched.
+    minified = counting.how == "minified"
+    before = counting.start(script.raw, script.source, compile_as=str(in_path)) if minified else None
+    surveyed = survey(module, index)
+    result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
     for note in result.skipped:
         if note.unfixable:
             if script.wrapped:
@@ -91,12 +117,14 @@ def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> Fil
     wrote = False
     text = script.raw
     patched = keep_style(script, result.source)  # the input's line endings and BOM
+    # The patched code's count runs in a worker beside what remains (compile, write, check).
+    after = counting.start(patched, patched) if minified and result.changed else None
     if result.changed:
-        _compile_like_input(script, patched)
+        _compile_like_input(script, patched, before)
         text = render(script, patched, rewrap=options.rewrap)
     elif result.already_patched and not options.rewrap:
         text = script.source
-    if result.changed or (result.already_patched and not options.in_place):
+    if out_path is not None and (result.changed or (result.already_patched and not options.in_place)):
         wrote = _write(text, out_path, options.in_place)
     report = {
         "input": str(in_path),
@@ -106,16 +134,28 @@ def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> Fil
         "applied": result.applied,
         "skipped": [n.as_dict() for n in result.skipped],
         "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
-        "code_bytes": _counted_bytes(script, result, set(options.enabled), breakdown=options.byte_breakdown),
+        "code_bytes": None,
         "wrapped": script.wrapped,
     }
+    check = None
+    if wrote and options.check and _forks_smoke():
+        # the import smoke forks this process (tree mode): no thread of ours may be running then
+        for pending in (before, after):
+            if pending is not None:
+                pending.compile_error(), _done(pending)
+    if wrote and options.check:  # the minifier's worker, if any, runs meanwhile
+        check_started = time.perf_counter()
+        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
+        started += time.perf_counter() - check_started
+    report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, before, options, after)
     budget = _budget(in_path, report["code_bytes"])
+    if budget is not None and budget.over and not options.byte_breakdown and result.changed:
+        # over the cap: what each feature costs is what the user needs to choose, so count it
+        report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, None, replace(options, byte_breakdown=True))
     if budget is not None:
         report["artifact"] = budget.as_dict()
-    report["seconds"] = round(time.perf_counter() - started, 3)
-    check = None
-    if wrote and options.check:
-        check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
+    report["seconds"] = round(time.perf_counter() - started, 3)  # the check's own time is not the patch's
+    if check is not None:
         report["check"] = check.as_dict()
     over_cap = f"{in_path}: {_over_cap_line(budget, report['code_bytes'])}" if budget is not None and budget.over else None
     if over_cap is not None or (check is not None and not check.ok):
@@ -125,6 +165,21 @@ def patch_file(in_path: Path, out_path: Path | str, options: FileOptions) -> Fil
     else:
         status = WRITTEN if result.changed else NOTHING_TO_PATCH
     return FileResult(status, report, result, script.source, patched, check, budget, over_cap)
+
+
+def _forks_smoke() -> bool:
+    """Whether the check's import smoke forks this process (tree mode on Linux)."""
+    from patcher.check import import_smoke
+
+    return import_smoke._FORKED_SMOKE
+
+
+def _done(pending: PendingCount) -> None:
+    """Wait for `pending`'s worker (its error, if any, is raised later by `result()`)."""
+    try:
+        pending.result()
+    except CountError:
+        pass
 
 
 def _written_script(script: Script, result, text: str, patched: str) -> Script:
@@ -156,13 +211,21 @@ def _check_written(text: str, written: Script, out_path, in_path: Path, options:
     return compare_with_original(checked, original, **kwargs)
 
 
-def _compile_like_input(script, patched: str) -> None:
-    """Compile the patched source with the running Python when the input compiled with it."""
+def _compile_like_input(script, patched: str, before: PendingCount | None = None) -> None:
+    """Compile the patched source with the running Python when the input compiled with it.
+
+    before: the input's count under way in a worker that compiled the input too
+    (`Counting.start(..., compile_as=...)`); its verdict is taken when it has one, so the
+    input is compiled beside the patch rather than here."""
     bom = "\ufeff"
-    try:
-        compile(script.source.removeprefix(bom), str(script.path), "exec")
-    except SyntaxError:
-        return  # the input needs a newer Python; the output is no worse (see `check`)
+    verdict = before.compile_error() if before is not None else None
+    if verdict is None:
+        try:
+            compile(script.source.removeprefix(bom), str(script.path), "exec")
+        except SyntaxError:
+            return  # the input needs a newer Python; the output is no worse (see `check`)
+    elif verdict[0] is not None:
+        return
     try:
         compile(patched.removeprefix(bom), str(script.path), "exec")
     except SyntaxError as error:  # a bug in a transform, not the user's input
@@ -183,12 +246,11 @@ def _write(text: str, out_path, in_place: bool) -> bool:
     return True
 
 
-def _counted_bytes(script: Script, result, enabled: set[str], breakdown: bool) -> dict:
-    """The report's `code_bytes`: counted as the record counts them (see patcher.code_size)."""
-    module = result.survey.module if result.survey is not None else script.module
-    counting = counting_of(module, script.wrapped) if module is not None else Counting("raw")
+def _counted_bytes(script: Script, result, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions, after: PendingCount | None = None) -> dict:
+    """The report's `code_bytes`: counted as the record counts them (see patcher.code_size);
+    `before` / `after`: the counts of the input and of the patched code, already under way, or None."""
     try:
-        return count_patch(script, result, enabled, counting, breakdown)
+        return count_patch(script, result, enabled, counting, options.byte_breakdown, before, rewrap=options.rewrap, after=after)
     except CountError as error:
         raise SourceError(script.path, f"cannot count code bytes: {error}") from None
 
@@ -203,6 +265,6 @@ def _budget(in_path: Path, counted: dict) -> Budget | None:
 
 def _over_cap_line(budget: Budget, counted: dict) -> str:
     costs = ", ".join(f"{name} {added:+d}" for name, added in counted["by_feature"].items())
-    costs = f": {costs}" if costs else " (per feature: run it without --no-byte-breakdown)"
+    costs = f": {costs}" if costs else ""
     already = f", already {budget.before - budget.cap} over before the patch" if budget.before > budget.cap else ""
     return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}{already}; the patch adds {counted['after'] - counted['before']:+d}{costs})"

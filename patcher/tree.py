@@ -7,7 +7,14 @@ is patched in its own process (`--jobs`, default the number of CPUs) exactly as
 summary, not the end of the run. A worker process that dies (a signal, an exit) or
 passes `--file-timeout` is killed and replaced; that file's row says what happened and
 the other files go on. Exit code: 0 when no file failed (written, already patched or
-nothing to patch), 1 when one or more failed, 2 for bad usage.
+nothing to patch), 1 when one or more failed, 2 for bad usage, 5 when no file matched
+(an empty directory, a `--glob` that matches nothing under it).
+
+Several inputs (`patch-prefetch a/train_gpt.py b/ --out-dir OUT`): each directory gives
+its matching files, each file is taken as given, and every output goes to its path
+relative to the inputs' closest common directory under OUT. Ctrl-C stops the workers
+and says which files were written, which were in hand (nothing of them written: outputs
+are renamed into place whole) and which were not started.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 
 from patcher.check.import_smoke import use_forked_smoke
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
+from patcher.colour import GREEN, RED, paint
 from patcher.progress import file_bar, wanted
 from patcher.read.source import SourceError
 
@@ -66,6 +74,22 @@ class Row:
         return self.status in FAILED_STATUSES
 
 
+class NoFiles(Exception):
+    """No input file to patch: an empty directory, a `--glob` that matches nothing
+    under a directory, or a path pattern that matches nothing (exit code 5)."""
+
+
+class TreeInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a tree run. rows: the Rows of the files finished before it (their
+    outputs are written, or their row says why not). in_hand: relative paths being
+    patched when it came (their workers were killed; nothing of theirs is written, since
+    an output is renamed into place whole). not_started: relative paths never begun."""
+
+    def __init__(self, rows: list, in_hand: list[str], not_started: list[str]):
+        super().__init__("interrupted")
+        self.rows, self.in_hand, self.not_started = rows, in_hand, not_started
+
+
 def find_scripts(root: Path, pattern: str, out_dir: Path) -> list[Path]:
     """Files under `root` whose name matches `pattern`, sorted, none under `out_dir`."""
     out = out_dir.resolve()
@@ -75,6 +99,28 @@ def find_scripts(root: Path, pattern: str, out_dir: Path) -> list[Path]:
         if path.is_file() and out != resolved and out not in resolved.parents:
             found.append(path)
     return found
+
+
+def collect(inputs: list[Path], pattern: str, out_dir: Path) -> tuple[Path, list[Path]]:
+    """The scripts of a tree run and the directory their relative paths start from.
+
+    inputs: directories (their files matching `pattern`, as `find_scripts`) and files
+    (taken as given, whatever their name). Returns (base, scripts): base is the closest
+    directory holding every input (a directory input counts as itself), scripts are
+    in input order, each once. Raises NoFiles for a directory with no match.
+    """
+    scripts: list[Path] = []
+    for path in inputs:
+        if path.is_dir():
+            found = find_scripts(path, pattern, out_dir)
+            if not found:
+                raise NoFiles(f"{path}: no file under it matches --glob {pattern!r}; nothing written")
+            scripts.extend(found)
+        else:
+            scripts.append(path)
+    unique = list({Path(os.path.abspath(p)): None for p in scripts})
+    anchors = [os.path.abspath(p) if p.is_dir() else os.path.dirname(os.path.abspath(p)) for p in inputs]
+    return Path(os.path.commonpath(anchors)), unique
 
 
 def patch_one(source: str, target: str, relative: str, options: FileOptions) -> Row:
@@ -120,8 +166,26 @@ def patch_tree(
     "crash" with the signal or exit code; the other files are patched all the same.
     progress: show files done of total, the file in hand and the elapsed time on stderr.
     """
-    scripts = find_scripts(root, pattern, out_dir)
-    tasks = [(str(p), str(out_dir / p.relative_to(root)), str(p.relative_to(root)), options) for p in scripts]
+    return patch_files(root, find_scripts(root, pattern, out_dir), out_dir, jobs, options, file_timeout, progress)
+
+
+def patch_files(
+    base: Path,
+    scripts: list[Path],
+    out_dir: Path,
+    jobs: int | None = None,
+    options: FileOptions = FileOptions(byte_breakdown=False),
+    file_timeout: float = DEFAULT_FILE_TIMEOUT_S,
+    progress: bool = False,
+) -> list[Row]:
+    """Patch `scripts` (paths under `base`) into the same relative paths under `out_dir`.
+
+    Returns one Row per script, in the order given; arguments as `patch_tree`. Raises
+    TreeInterrupted on Ctrl-C (the workers are killed first).
+    """
+    base = Path(os.path.abspath(base))
+    relative = [Path(os.path.abspath(p)).relative_to(base) for p in scripts]
+    tasks = [(str(p), str(out_dir / r), str(r), options) for p, r in zip(scripts, relative)]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks) or 1))
     # Largest files first, so that no long one is left running alone at the end.
     pending = sorted(tasks, key=lambda task: -os.path.getsize(task[0]))
@@ -175,6 +239,10 @@ class _Pool:
                 if self.bar is not None:
                     self.bar.update(len(done) - before)
                     self.bar.set_postfix_str(", ".join(task[2] for _, task, _ in self.busy.values()))
+        except KeyboardInterrupt:
+            in_hand = [task[2] for _, task, _ in self.busy.values()]
+            self._stop_all()
+            raise TreeInterrupted(list(done.values()), in_hand, [task[2] for task in pending]) from None
         finally:
             self._stop_all()
         return done
@@ -267,15 +335,17 @@ def _death(exitcode: int | None) -> str:
     return f"worker exited with code {exitcode} while patching this file; nothing written"
 
 
-def print_table(rows: list[Row], stream) -> None:
-    """The summary: one line per file, then skip reasons and errors indented below it."""
+def print_table(rows: list[Row], stream, colour: bool = False) -> None:
+    """The summary: one line per file, then skip reasons and errors indented below it.
+    colour: statuses in colour (failed red, written green)."""
     width = max([len(r.file) for r in rows] + [4])
-    print(f"{'file':{width}}  {'status':16} {'applied':44} {'counted bytes':>26}  {'artifact (cap 16000000)':>24}  check", file=stream)
+    print(f"{'file':{width}}  {'status':16} {'applied':44} {'code bytes':>26}  {'artifact (cap 16000000)':>24}  check", file=stream)
     for r in rows:
         size = "" if r.bytes_before is None else (f"{r.bytes_before}->{r.bytes_after}" if r.bytes_after is not None else str(r.bytes_before))
         size += f" {r.counted_as}" if r.counted_as else ""
         art = "-" if r.artifact is None else f"{r.artifact['after']}" + (f" OVER +{r.artifact['over']}" if r.artifact["over"] else "")
-        print(f"{r.file:{width}}  {r.status:16} {','.join(r.applied) or '-':44} {size:>26}  {art:>24}  {r.check or '-'}", file=stream)
+        status = paint(f"{r.status:16}", RED if r.failed else GREEN if r.status == WRITTEN else None, colour)
+        print(f"{r.file:{width}}  {status} {','.join(r.applied) or '-':44} {size:>26}  {art:>24}  {r.check or '-'}", file=stream)
         for reason in r.skipped:
             if reason.startswith("py310_fstrings: no "):
                 continue  # nothing to requote is not news
@@ -288,11 +358,43 @@ def print_table(rows: list[Row], stream) -> None:
 
 
 def run(args, options: FileOptions) -> int:
-    """The tree mode of the command line (`args.input` is a directory)."""
-    root, out_dir = Path(args.input), Path(args.out_dir)
-    rows = patch_tree(root, out_dir, args.glob, args.jobs, options, getattr(args, "file_timeout", DEFAULT_FILE_TIMEOUT_S), progress=wanted(args.json))
+    """The tree mode of the command line: `args.inputs` (directories and files) into
+    `args.out_dir`. Returns the exit code; raises NoFiles (nothing matched) and, on
+    Ctrl-C, TreeInterrupted after saying on stderr what was written and what was not."""
+    out_dir = Path(args.out_dir)
+    base, scripts = collect([Path(p) for p in args.inputs], args.glob, out_dir)
+    progress = wanted(args.json) and not getattr(args, "quiet", False)
+    try:
+        rows = patch_files(base, scripts, out_dir, args.jobs, options, getattr(args, "file_timeout", DEFAULT_FILE_TIMEOUT_S), progress=progress)
+    except TreeInterrupted as stop:
+        print(interrupted_summary(stop, out_dir), file=sys.stderr)
+        raise
     if args.json:
-        print(json.dumps({"root": str(root), "out_dir": str(out_dir), "files": [dict(asdict(r), failed=r.failed) for r in rows]}))
-    else:
-        print_table(rows, sys.stdout)
+        print(json.dumps({"root": str(base), "inputs": [str(p) for p in args.inputs], "out_dir": str(out_dir), "files": [dict(asdict(r), failed=r.failed) for r in rows]}))
+    elif not getattr(args, "quiet", False):
+        print_table(rows, sys.stdout, colour=getattr(args, "colour", False))
     return 1 if any(r.failed for r in rows) else 0
+
+
+def interrupted_summary(stop: TreeInterrupted, out_dir: Path, shown: int = 10) -> str:
+    """What a Ctrl-C left behind, in a few lines: files written (under `out_dir`),
+    files finished without an output (and why), files in hand (not written), files
+    not started; each list names its first `shown` files."""
+    written = [r.file for r in stop.rows if r.bytes_after is not None and r.status in (WRITTEN, CHECK_FAILED, ALREADY_PATCHED)]
+    unwritten = [f"{r.file} ({r.status})" for r in stop.rows if r.file not in written]
+
+    def names(files: list[str]) -> str:
+        more = f" and {len(files) - shown} more" if len(files) > shown else ""
+        return ", ".join(files[:shown]) + more
+
+    total = len(stop.rows) + len(stop.in_hand) + len(stop.not_started)
+    lines = [f"interrupted after {len(stop.rows)} of {total} files"]
+    if written:
+        lines.append(f"  written under {out_dir}: {len(written)}: {names(written)}")
+    if unwritten:
+        lines.append(f"  finished, nothing written: {len(unwritten)}: {names(unwritten)}")
+    if stop.in_hand:
+        lines.append(f"  stopped while being patched, nothing written: {len(stop.in_hand)}: {names(stop.in_hand)}")
+    if stop.not_started:
+        lines.append(f"  not started: {len(stop.not_started)}: {names(stop.not_started)}")
+    return "\n".join(lines)

@@ -13,7 +13,10 @@ import pytest
 import python_minifier
 
 from patcher.cli import main
-from patcher.code_size import ARTIFACT_CAP, Counting, counting_of, minified_wrapper_bytes, read_artifact_bytes
+from patcher.code_size import ARTIFACT_CAP, Counting, count_patch, counting_of, minified_wrapper_bytes, read_artifact_bytes
+from patcher.patch import patch_source
+from patcher.read.source import read_script
+from patcher.transforms.features import DEFAULT_FEATURES
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -104,13 +107,17 @@ def _record(tmp_path, artifact_bytes):
 
 def test_report_counts_bytes_per_feature_and_fits_the_cap(tmp_path, capsys):
     script = _record(tmp_path, 15_000_000)
-    assert main([str(script), "-o", str(tmp_path / "out.py"), "--no-check", "--json"]) == 0
+    assert main([str(script), "-o", str(tmp_path / "out.py"), "--no-check", "--json", "--byte-breakdown"]) == 0
     report = json.loads(capsys.readouterr().out)
     counted = report["code_bytes"]
     raw = (tmp_path / "out.py").read_bytes()
     assert counted["counted_as"] == "raw" and counted["after"] == len(raw) and counted["before"] == len(script.read_bytes())
     assert set(counted["by_feature"]) == set(report["applied"])
     assert sum(counted["by_feature"].values()) == counted["after"] - counted["before"]
+    # the default counts the same before and after, without the per-feature patches
+    assert main([str(script), "-o", str(tmp_path / "plain.py"), "--no-check", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["code_bytes"]
+    assert plain == dict(counted, by_feature={})
     assert report["artifact"] == {"cap": ARTIFACT_CAP, "before": 15_000_000, "after": 15_000_000 + counted["after"] - counted["before"], "over": 0}
 
 
@@ -123,3 +130,40 @@ def test_over_the_cap_exits_4_with_one_line_naming_the_cost(tmp_path, capsys):
     assert "\n" not in line and str(script) in line and "over the 16000000-byte cap" in line and "train_prefetch +" in line
     assert "artifact (submission.json, largest)" in out and "over the cap" in out
     assert (tmp_path / "out.py").exists()  # written; the check failed
+
+
+@pytest.mark.parametrize(
+    "fixture, args, how, label",
+    [
+        pytest.param("tokenstream_readable.py", [], "raw", "raw: the UTF-8 bytes of the code", id="raw"),
+        pytest.param("wrapped_lzma_raw.py", [], "wrapper", "counted as wrapper: the bytes of the wrapped file", id="wrapper"),
+        pytest.param("wrapped_lzma_raw.py", ["--no-rewrap"], "raw", "raw: the UTF-8 bytes of the code", id="no-rewrap"),
+    ],
+)
+def test_code_bytes_say_what_is_counted_alike_in_text_and_json(tmp_path, capsys, fixture, args, how, label):
+    script = FIXTURES / fixture
+    assert main([str(script), "-o", str(tmp_path / "j.py"), "--no-check", "--json", *args]) == 0
+    counted = json.loads(capsys.readouterr().out)["code_bytes"]
+    assert (counted["counted_as"], counted["counted"]) == (how, label)
+    if how == "raw":  # what was written is plain code: its bytes, and the input's code before
+        assert counted["after"] == len((tmp_path / "j.py").read_bytes())
+        assert counted["before"] == len(read_script(script).source.encode("utf-8"))
+    assert main([str(script), "-o", str(tmp_path / "t.py"), "--no-check", *args]) == 0
+    out = capsys.readouterr().out
+    [line] = [x for x in out.splitlines() if "code bytes" in x]
+    assert line.strip() == f"code bytes, {label}: {counted['before']} -> {counted['after']} ({counted['after'] - counted['before']:+d})"
+
+
+def test_a_minified_count_started_before_the_patch_equals_one_made_after(tmp_path):
+    source = SIZE_FUNCTION + (FIXTURES / "tokenstream_readable.py").read_text()
+    path = tmp_path / "train_gpt.py"
+    path.write_text(source)
+    script = read_script(path)
+    counting = counting_of(script.module, False)
+    assert counting.how == "minified"
+    before = counting.start(script.raw, script.source)  # under way while the patch runs
+    result = patch_source(script.source, module=script.module)
+    early = count_patch(script, result, set(DEFAULT_FEATURES), counting, breakdown=False, before=before)
+    late = count_patch(script, result, set(DEFAULT_FEATURES), counting, breakdown=False)
+    assert early == late and early["before"] == minified_wrapper_bytes(source, counting.minify_flags)
+    assert early["after"] == minified_wrapper_bytes(result.source, counting.minify_flags) > early["before"]

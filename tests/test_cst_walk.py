@@ -67,15 +67,19 @@ def test_deep_nesting_does_not_recurse():
     assert sum(1 for kind, _ in recorder.calls if kind == "visit") > 6000
 
 
-def test_survey_positions_match_libcst_metadata():
-    # survey._positions calls PositionProvider's printing step directly; it must give
-    # what the public MetadataWrapper path gives, for every node.
+def test_start_lines_match_libcst_metadata():
+    # cst_lines.start_lines prints once tracking lines only; it must give the start line
+    # the public MetadataWrapper path gives, for every node (syntactic starts, hoisted
+    # starts, decorators, comments and blank lines, a header, CRLF newlines).
     from libcst.metadata import MetadataWrapper, PositionProvider
 
-    from patcher.survey.survey import _positions
+    from patcher.cst_lines import start_lines
 
-    module = cst.parse_module((ROOT / "fixtures" / "tokenstream_readable.py").read_text())
-    expected = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-    got = _positions(module)
-    assert len(got) == len(expected) > 1000
-    assert all(got[node] == expected[node] for node in expected)
+    readable = (ROOT / "fixtures" / "tokenstream_readable.py").read_text()
+    for source in (readable, "# header\n\n" + readable.replace("\n", "\r\n")):
+        module = cst.parse_module(source)
+        expected = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+        got = start_lines(module)
+        assert len(got) == len(expected) > 1000
+        assert all(got[node] == expected[node].start.line for node in expected)
+        assert len({line for line in got.values()}) > 100  # lines advance

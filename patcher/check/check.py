@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import platform
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -170,22 +171,46 @@ def check_file(
     script = read_script(path) if script is None else script
     known = {script.source: script.module} if script.module is not None else EMPTY
     name = str(path)
-    compiled = compile_source(script.source, name, target, known)
+    # The compiles on the target Python and the import smoke are subprocesses that wait
+    # on nothing of each other: they run on threads beside the in-process analyses below,
+    # except where the import smoke forks this process (tree mode), which must have no
+    # other thread running then.
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="check") as pool:
+        run = pool.submit if not _forked_smoke() else _now
+        compiled = run(compile_source, script.source, name, target, known)
+        wrapper = run(compile_source, script.raw, name, target) if script.wrapped else None
+        imports = run(_import_if_compiles, script.source, name, timeout, known, path if as_path is None else as_path) if run_import else None
+        found = self_contained_warnings(script.source, script.path, script.wrapped, known)
+        undefined = undefined_names(script.source, name)
+        compiled, wrapper, imports = (None if job is None else job.result() for job in (compiled, wrapper, imports))
     compiled.where = "payload" if script.wrapped else "file"
-    wrapper = None
-    if script.wrapped:
-        wrapper = compile_source(script.raw, name, target)
+    if wrapper is not None:
         wrapper.where = "file"
-    imports = _import_if_compiles(script.source, name, timeout, known, path if as_path is None else as_path) if run_import else None
     return CheckResult(
         file=name,
         compile=compiled,
         wrapper_compile=wrapper,
         imports=imports,
         code_bytes=code_bytes(script.raw),
-        warnings=self_contained_warnings(script.source, script.path, script.wrapped, known),
-        undefined=undefined_names(script.source, name),
+        warnings=found,
+        undefined=undefined,
     )
+
+
+def _forked_smoke() -> bool:
+    from patcher.check import import_smoke
+
+    return import_smoke._FORKED_SMOKE
+
+
+def _now(function, *args) -> Future:
+    """`function(*args)` run here, as a finished Future (what `pool.submit` gives later)."""
+    done: Future = Future()
+    try:
+        done.set_result(function(*args))
+    except BaseException as error:
+        done.set_exception(error)
+    return done
 
 
 def compare_with_original(result: CheckResult, original: Script, **check_options) -> CheckResult:

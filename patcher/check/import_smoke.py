@@ -109,6 +109,63 @@ def use_forked_smoke() -> None:
         _FORKED_SMOKE = True
 
 
+# A child started ahead of its script (`prewarm`): it imports torch (what every training
+# script imports first; not the compiler stack, which only some touch), then reads one JSON line [script, module name, as_path, cwd] on stdin and runs
+# the import runner on it, as a fresh child would.
+_WARM_RUNNER = (
+    "import importlib, json, os, sys\n"
+    "try:\n    importlib.import_module('torch')\nexcept Exception:\n    pass\n"
+    "line = sys.stdin.readline()\n"
+    "if line:\n"
+    "    script, name, as_path, cwd = json.loads(line)\n"
+    "    os.chdir(cwd)\n"
+    "    from patcher.check.smoke_child import run_and_report\n"
+    "    run_and_report(script, name, as_path)\n"
+)
+_warm: subprocess.Popen | None = None
+
+
+def prewarm() -> None:
+    """Start the next import smoke's child now, so that its interpreter start and torch
+    import (seconds) run while the caller is still patching. The next `import_smoke` in
+    this process hands its script to that child (its timeout counts from then);
+    `discard_warm` ends it when no import smoke comes. Not in tree mode, which forks its
+    smokes from a process that has torch imported already (`use_forked_smoke`)."""
+    global _warm
+    if _warm is None and not _FORKED_SMOKE:
+        _warm = subprocess.Popen(
+            [sys.executable, "-c", _WARM_RUNNER],
+            env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+
+def discard_warm() -> None:
+    """End the child `prewarm` started, if no import smoke took it."""
+    global _warm
+    proc, _warm = _warm, None
+    if proc is not None:
+        _kill_group(proc)
+
+
+def _take_warm(script: str, module_name: str, cwd: str, as_path: str) -> subprocess.Popen | None:
+    """The prewarmed child, given its script, or None (none, or it died)."""
+    global _warm
+    proc, _warm = _warm, None
+    if proc is None:
+        return None
+    try:
+        proc.stdin.write((json.dumps([script, module_name, as_path, cwd]) + "\n").encode("utf-8"))
+        proc.stdin.flush()
+        return proc
+    except OSError:
+        _kill_group(proc)
+        return None
+
+
 def import_smoke(source: str, filename: str, timeout: float = 60.0, known: Mapping[str, cst.Module] = EMPTY, as_path: str | os.PathLike | None = None) -> ImportResult:
     """Import `source` in a child process of the running Python and report what happened.
 
@@ -152,15 +209,17 @@ def _run_child(script: str, module_name: str, cwd: str, timeout: float, as_path:
     """Run the import runner on `script`; kill its process group after `timeout` seconds."""
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _IMPORT_RUNNER, script, module_name, as_path],
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    proc = _take_warm(script, module_name, cwd, as_path)
+    if proc is None:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _IMPORT_RUNNER, script, module_name, as_path],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

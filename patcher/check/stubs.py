@@ -112,3 +112,25 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         pass
+
+
+GROUPED_FROM = 3  # a package with this many stubbed modules or more is one entry
+
+
+def summarise(stubbed: list[str]) -> list[str]:
+    """The stubbed module names (`StubFinder.stubbed`) as a report lists them: a
+    top-level package with `GROUPED_FROM` or more stubbed modules (itself included)
+    becomes one entry `"triton.* (17 modules)"`, in the place of its first module;
+    fewer are listed by name. Returns the entries in first-import order."""
+    counts: dict[str, int] = {}
+    for name in stubbed:
+        top = name.partition(".")[0]
+        counts[top] = counts.get(top, 0) + 1
+    entries: list[str] = []
+    for name in stubbed:
+        top = name.partition(".")[0]
+        if counts[top] < GROUPED_FROM:
+            entries.append(name)
+        elif f"{top}.* ({counts[top]} modules)" not in entries:
+            entries.append(f"{top}.* ({counts[top]} modules)")
+    return entries

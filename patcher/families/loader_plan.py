@@ -111,7 +111,7 @@ def _read_beyond_next_batch(module: cst.Module, target: str) -> bool:
     for node in nodes:
         if isinstance(node, cst.Name) and node.value == target:
             names += 1
-        elif m.matches(node, m.Attribute(value=m.Name(target), attr=m.Name("next_batch")) | m.AssignTarget(target=m.Name(target)) | m.Param(name=m.Name(target))):
+        elif isinstance(node, (cst.Attribute, cst.AssignTarget, cst.Param)) and m.matches(node, m.Attribute(value=m.Name(target), attr=m.Name("next_batch")) | m.AssignTarget(target=m.Name(target)) | m.Param(name=m.Name(target))):  # the type first: matchers are slow
             accounted += 1
         elif isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value in params:
             for index, arg in enumerate(node.args):

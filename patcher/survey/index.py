@@ -72,6 +72,9 @@ class ScriptIndex(cst.CSTVisitor):
     methods: those defined directly in a class body (not callable by their bare name).
     attribute_uses: every `AttributeUse`, in source order.
     fstrings: every f-string, with the f-strings it sits in (outermost first).
+    loops: every `for` statement, in source order. imports: every `import` statement
+    (not `from ... import`), in source order. strings: every simple string literal, with
+    the outermost function it sits in (None at module or class level), in source order.
     """
 
     def __init__(self) -> None:
@@ -90,25 +93,45 @@ class ScriptIndex(cst.CSTVisitor):
         self.methods: set[cst.FunctionDef] = set()
         self.calls_by_name: dict[str, list[cst.Call]] = {}
         self.fstrings: list[tuple[cst.FormattedString, tuple]] = []
+        self.loops: list[cst.For] = []
+        self.imports: list[cst.Import] = []
+        self.strings: list[tuple[cst.SimpleString, cst.FunctionDef | None]] = []
         # the pass's own state
         self._scope = self.module_scope
         self._stack = [self.module_scope]
         self._top: cst.CSTNode | None = None
         self._fstring_stack: list[cst.FormattedString] = []
+        self._outer_function: cst.FunctionDef | None = None
+        self._visits: dict[type, object] = {}  # node type -> its bound visit_/leave_ method, or None
+        self._leaves: dict[type, object] = {}
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if self._top is None:
             self._top = node if not isinstance(node, cst.Module) else None
         self._top_of[node] = self._top
-        return super().on_visit(node)
+        # CSTVisitor.on_visit, with its `visit_<Type>` lookup made once per node type
+        kind = type(node)
+        try:
+            visit = self._visits[kind]
+        except KeyError:
+            visit = self._visits[kind] = getattr(self, f"visit_{kind.__name__}", None)
+        return visit is None or visit(node) is not False
 
     def on_leave(self, original_node: cst.CSTNode) -> None:
-        super().on_leave(original_node)
+        kind = type(original_node)
+        try:
+            leave = self._leaves[kind]
+        except KeyError:
+            leave = self._leaves[kind] = getattr(self, f"leave_{kind.__name__}", None)
+        if leave is not None:
+            leave(original_node)
         if original_node is self._top:
             self._top = None
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         self._scope.bind(node.name.value, "other")
+        if self._outer_function is None:
+            self._outer_function = node
         self.functions.append(node)
         if isinstance(self._scope.node, cst.ClassDef):
             self.methods.add(node)
@@ -126,6 +149,8 @@ class ScriptIndex(cst.CSTVisitor):
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         self._pop()
+        if original_node is self._outer_function:
+            self._outer_function = None
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self._scope.bind(node.name.value, "other")
@@ -142,7 +167,14 @@ class ScriptIndex(cst.CSTVisitor):
         self._stack.pop()
         self._scope = self._stack[-1]
 
+    def visit_Import(self, node: cst.Import) -> None:
+        self.imports.append(node)
+
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        self.strings.append((node, self._outer_function))
+
     def visit_For(self, node: cst.For) -> None:
+        self.loops.append(node)
         for name in _target_names(node.target):
             self._scope.bind(name, "loop")
 

@@ -243,7 +243,7 @@ def _h2d_calls(next_batch: cst.FunctionDef, attr: str) -> list[cst.Call]:
             m.Arg(keyword=m.Name("non_blocking"), value=m.Name("True")),
         ],
     )
-    return [n for n in walk(next_batch) if m.matches(n, pattern)]
+    return [n for n in walk(next_batch) if isinstance(n, cst.Call) and m.matches(n, pattern)]
 
 
 def _reshape_only_param(fn: cst.FunctionDef, params: list[str]) -> int | None:
@@ -255,7 +255,7 @@ def _reshape_only_param(fn: cst.FunctionDef, params: list[str]) -> int | None:
     if elements is None:
         return None
     for index, param in enumerate(params):
-        refs = [n for n in walk(fn.body) if m.matches(n, m.Name(param))]
+        refs = [n for n in walk(fn.body) if isinstance(n, cst.Name) and n.value == param]
         reshaped_into = set()
         ok = bool(refs)
         for ref in refs:

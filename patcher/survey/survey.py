@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from patcher import cst_walk
+from patcher.cst_lines import start_lines
 from patcher.cst_walk import walk
 from patcher.families.registry import loader_family
 from patcher.survey.index import ScriptIndex
@@ -56,21 +56,22 @@ class Survey:
     log_function: tuple[str, cst.CSTNode] | None = None
     module_names: set[str] = field(default_factory=set)
     collector: ScriptIndex | None = field(default=None, repr=False)
-    _line_cache: dict = field(default_factory=dict, repr=False)
+    _lines: dict | None = field(default=None, repr=False)
     _shared: dict = field(default_factory=dict, repr=False)
-    _line_starts: dict = field(default_factory=dict, repr=False)
 
     def line_of(self, node: cst.CSTNode) -> int:
-        """1-based line of `node` in the surveyed source.
+        """1-based line of `node` in the surveyed source (its `PositionProvider` start line).
 
-        Positions are computed for the one top-level statement that holds `node`
-        (whole-module position metadata costs more than the rest of the survey).
+        The lines of every node come from one line-only printing pass over the module
+        (`cst_lines.start_lines`), made on the first call. Raises KeyError for a node
+        that is not in the surveyed module.
         """
-        top = self.top_level_of(node)
-        if top not in self._line_cache:
-            self._line_cache[top] = _positions_in_statement(self.module, top, self._line_starts)
-        start, positions = self._line_cache[top]
-        return start + positions[node].start.line - 1
+        if self._lines is None:
+            self._lines = start_lines(self.module)
+        try:
+            return self._lines[node]
+        except KeyError:
+            raise KeyError("node is not in the surveyed module") from None
 
     def top_level_of(self, node: cst.CSTNode) -> cst.CSTNode:
         """The statement of `module.body` that contains `node`."""
@@ -97,30 +98,11 @@ class Survey:
         return [c for c in self.calls if c.binding is construction.binding and c.receiver == construction.target]
 
 
-def _positions_in_statement(module: cst.Module, top: cst.CSTNode, starts: dict) -> tuple[int, dict]:
-    if not starts:
-        line = 1 + len(module.header)
-        for stmt in module.body:
-            starts[stmt] = line
-            line += module.code_for_node(stmt).count("\n")
-    alone = cst.Module(body=[top], default_indent=module.default_indent, default_newline=module.default_newline)
-    return starts[top], _positions(alone)
-
-
-def _positions(module: cst.Module) -> dict:
-    """{node: CodeRange} for `module`. libcst's PositionProvider prints the module with a
-    position-tracking state; resolving it through a MetadataWrapper also walks the whole
-    tree once more for nothing, so that internal step is called directly where it exists."""
-    provider = PositionProvider()
-    try:
-        provider._gen_impl(module)
-        return provider._computed
-    except AttributeError:  # a libcst without those internals
-        return MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
-
-
-def survey(module: cst.Module) -> Survey:
+def survey(module: cst.Module, index: ScriptIndex | None = None) -> Survey:
     """Analyse `module` (not modified). Returns a `Survey` whose nodes belong to `module`.
+
+    index: the `ScriptIndex` of a pass over `module` already made (`index_of`), so that
+    a caller can read it before the rest of the survey; without it the pass is made here.
 
     One pass of `ScriptIndex` over the module; loader classes, which are small, are
     then read on their own, and each is given the family whose unit recognises it
@@ -130,8 +112,7 @@ def survey(module: cst.Module) -> Survey:
     result = Survey(module=module, minified=is_minified(module), uses_torch=imports(module, "torch"))
     result.module_names = module_level_names(module)
     classes = {n.name.value: n for n in module.body if isinstance(n, cst.ClassDef)}
-    index = ScriptIndex()
-    cst_walk.visit(module, index)
+    index = index if index is not None else index_of(module)
     result.collector = index
     reach = ThreadReach(module, index, result.line_of)
     for cls in classes.values():
@@ -146,3 +127,10 @@ def survey(module: cst.Module) -> Survey:
     result.hyperparameters = find_hyperparameters(module, result.line_of)
     result.log_function = find_log_function(index)
     return result
+
+
+def index_of(module: cst.Module) -> ScriptIndex:
+    """The `ScriptIndex` of one pass over `module` (what `survey` reads)."""
+    index = ScriptIndex()
+    cst_walk.visit(module, index)
+    return index

@@ -135,7 +135,7 @@ def _survey_loop(survey: Survey, function: cst.FunctionDef, loop: cst.For) -> Va
     assigns = [s for s, _ in smalls if _slice_assign(s)]
     if not assigns:
         in_inner_loops = {id(n) for inner in walk_own(loop.body) if isinstance(inner, cst.For) for n in walk_own(inner)}
-        nested = [n for n in walk_own(loop.body) if m.matches(n, SLICE_TO) and id(n) not in in_inner_loops]
+        nested = [n for n in walk_own(loop.body) if isinstance(n, cst.Call) and m.matches(n, SLICE_TO) and id(n) not in in_inner_loops]  # the type first: matchers are slow
         if not nested:
             return None  # no slice here, or it belongs to an inner loop (reported there)
         site = ValLoop(function.name.value, function, loop, survey.line_of(loop))
@@ -318,7 +318,7 @@ def _single_value(function_body: cst.CSTNode, name: str, augmented: bool = False
                         values.append(ve.value)
     if len(values) != 1:
         return None
-    augments = sum(1 for n in walk_own(function_body) if m.matches(n, m.AugAssign(target=m.Name(name))))
+    augments = sum(1 for n in walk_own(function_body) if isinstance(n, cst.AugAssign) and m.matches(n, m.AugAssign(target=m.Name(name))))
     bound = _assigned_in(function_body).get(name, 0)
     return values[0] if bound == 1 or (augmented and bound == 1 + augments) else None
 

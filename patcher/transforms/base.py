@@ -7,6 +7,7 @@ from typing import Callable, Mapping, Sequence
 
 import libcst as cst
 
+from patcher.cst_walk import children
 from patcher.survey.survey import Survey
 
 
@@ -200,11 +201,25 @@ class Tracking(cst.CSTTransformer):
     def __init__(self):
         super().__init__()
         self.rebuilt = {}
+        self._path: set[int] | None = None
 
     def prepare(self, ctx: "Context") -> None:
         """Called before the pass: map survey nodes to their present versions."""
         self.ctx = ctx
         self.rebuilt = {}
+
+    def targets(self) -> list[cst.CSTNode] | None:
+        """The only nodes this transformer changes, each through a leave_ method of the
+        node itself or of one of its ancestors (after `prepare`), or None when it may change
+        any node. Given, `edit_tops` enters only the ancestors of these nodes (and the
+        nodes themselves): libcst rebuilds every node a transformer enters, and the rest
+        of a large top-level statement is then left as it is, the same objects."""
+        return None
+
+    def on_visit(self, node) -> bool:
+        if self._path is not None and id(node) not in self._path:
+            return False
+        return super().on_visit(node)
 
     def on_leave(self, original_node, updated_node):
         result = super().on_leave(original_node, updated_node)
@@ -224,6 +239,9 @@ class ReplaceNodes(Tracking):
         super().prepare(ctx)
         self.replacements = {ctx.resolve(k): v for k, v in self.replacements.items()}
 
+    def targets(self) -> list[cst.CSTNode]:
+        return list(self.replacements)
+
     def on_leave(self, original_node, updated_node):
         new = self.replacements.get(original_node)
         return super().on_leave(original_node, updated_node if new is None else new)
@@ -237,11 +255,14 @@ def edit_tops(module: cst.Module, ctx: "Context", originals: set, visitor: cst.C
     """
     wanted = {id(ctx.resolve(t)) for t in originals}
     visitor.prepare(ctx)
+    targets = visitor.targets() if isinstance(visitor, Tracking) else None
     body = []
     for stmt in module.body:
         if id(stmt) not in wanted:
             body.append(stmt)
             continue
+        if targets is not None:
+            visitor._path = _ancestors(stmt, targets)
         new = stmt.visit(visitor)
         if isinstance(new, cst.FlattenSentinel):  # statements inserted before a top-level one
             body.extend(new.nodes)
@@ -252,6 +273,28 @@ def edit_tops(module: cst.Module, ctx: "Context", originals: set, visitor: cst.C
         body.append(new)
     ctx.current.update(visitor.rebuilt)
     return module.with_changes(body=body)
+
+
+def _ancestors(top: cst.CSTNode, targets: list[cst.CSTNode]) -> set[int]:
+    """ids of the nodes under `top` (included) that are `targets` or hold one, found by
+    one read-only walk (no node rebuilt)."""
+    wanted = {id(t) for t in targets}
+    parent: dict[int, cst.CSTNode] = {}
+    found = []
+    stack = [top]
+    while stack:
+        node = stack.pop()
+        if id(node) in wanted:
+            found.append(node)
+        for child in children(node):
+            parent[id(child)] = node
+            stack.append(child)
+    path: set[int] = set()
+    for node in found:
+        while node is not None and id(node) not in path:
+            path.add(id(node))
+            node = parent.get(id(node))
+    return path
 
 
 def replace_nodes(module: cst.Module, replacements: dict, ctx: "Context") -> cst.Module:
@@ -279,6 +322,9 @@ class InsertBefore(Tracking):
     def prepare(self, ctx: "Context") -> None:
         super().prepare(ctx)
         self.anchor = ctx.resolve(self.anchor)
+
+    def targets(self) -> list[cst.CSTNode]:
+        return [self.anchor]
 
     def _insert(self, original_node, updated_node):
         body = list(updated_node.body)

@@ -141,6 +141,9 @@ class _AppendAfter(Tracking):
         super().prepare(ctx)
         self.sample = ctx.resolve(self.sample)
 
+    def targets(self) -> list[cst.CSTNode]:
+        return [self.sample]
+
     def leave_SimpleStatementLine(self, original_node, updated_node):
         if not any(s is self.sample for s in original_node.body):
             return updated_node
@@ -195,16 +198,17 @@ def _hyperparameters_listing(survey: Survey, log_name: str) -> cst.For | None:
     plain class's instance holds none of its class attributes.
     """
     hp = survey.hyperparameters.name
+    index = survey.collector  # the survey's one pass: its `name = f(...)` assignments and its loops
     instances = {
         target.target.value
-        for node in walk(survey.module)
+        for node, _ in index.call_assigns
         if m.matches(node, m.Assign(value=m.Call(func=m.Name(hp))))
         for target in node.targets
         if isinstance(target.target, cst.Name)
     }
     of_class = m.Call(func=m.Name("vars"), args=[m.Arg(m.Name(hp) | m.Call(func=m.Name("type"), args=[m.Arg(m.Name(value=m.MatchIfTrue(instances.__contains__)))]))])
     logs = m.Call(func=m.Name(log_name))
-    for node in walk(survey.module):
-        if isinstance(node, cst.For) and any(m.matches(n, of_class) for n in walk(node.iter)) and any(m.matches(n, logs) for n in walk(node.body)):
+    for node in index.loops:
+        if any(isinstance(n, cst.Call) and m.matches(n, of_class) for n in walk(node.iter)) and any(isinstance(n, cst.Call) and m.matches(n, logs) for n in walk(node.body)):
             return node
     return None

@@ -141,7 +141,7 @@ def _plan(statement, sites, taken, ctx: Context):
     mul = ctx.code(" * ", "*")
     for site in sites:
         receiver = site.node.func.value
-        for cast in (n for n in walk(statement) if m.matches(n, CAST)):
+        for cast in (n for n in walk(statement) if isinstance(n, cst.Call) and m.matches(n, CAST)):
             if cast in replace:
                 continue
             name = _fresh(_cast_name(cast), taken)
@@ -177,6 +177,9 @@ class _Rewrite(Tracking):
         super().prepare(ctx)
         self.plans = {ctx.resolve(k): v for k, v in self.plans.items()}
         self.swaps = {ctx.resolve(k): v for k, v in self.swaps.items()}
+
+    def targets(self) -> list[cst.CSTNode]:
+        return [*self.plans, *self.swaps]
 
     def on_leave(self, original_node, updated_node):
         if original_node in self.swaps and not isinstance(original_node, (cst.SimpleStatementLine, cst.SimpleStatementSuite)):

@@ -80,6 +80,10 @@ class _SplitBlocks(Tracking):
     def prepare(self, ctx: Context) -> None:
         super().prepare(ctx)
         self.by_first = {id(ctx.resolve(site.bytes.statements[0])): (site, branch) for site, branch in self.plans.values()}
+        self._changed = [ctx.resolve(s) for site, _ in self.plans.values() for s in site.bytes.statements]
+
+    def targets(self) -> list[cst.CSTNode]:
+        return self._changed  # their blocks, which leave_IndentedBlock splits, hold them
 
     def leave_IndentedBlock(self, original_node, updated_node):
         # Identity lives in original_node; updated_node holds fresh copies at the same positions.

@@ -118,6 +118,10 @@ class _RewriteLoops(Tracking):
         super().prepare(ctx)
         self.by_loop = {id(ctx.resolve(loop)): plan for loop, plan in self.plans.items()}
         self.to_calls = {id(ctx.resolve(plan.site.to_call)) for plan in self.plans.values()}
+        self._changed = [ctx.resolve(n) for loop, plan in self.plans.items() for n in (loop, plan.site.to_call)]
+
+    def targets(self) -> list[cst.CSTNode]:
+        return self._changed
 
     def leave_Call(self, original_node, updated_node):
         return cst.Name(BATCH_NAME) if id(original_node) in self.to_calls else updated_node

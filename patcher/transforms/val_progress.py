@@ -56,6 +56,10 @@ class _WrapIterable(Tracking):
     def prepare(self, ctx: Context) -> None:
         super().prepare(ctx)
         self.by_loop = {id(ctx.resolve(loop)): site for loop, site in self.plans.items()}
+        self._changed = [ctx.resolve(loop) for loop in self.plans]
+
+    def targets(self) -> list[cst.CSTNode]:
+        return self._changed
 
     def leave_For(self, original_node, updated_node):
         site = self.by_loop.get(id(original_node))

@@ -31,6 +31,7 @@ import torch
 from patcher.check.import_smoke import definitions_only
 from patcher.proof.compare import CannotVerify, Difference, first_rank_difference
 from patcher.proof.data import generator_tokens_per_item, write_iterator_shards, write_loader_shards
+from patcher.proof.module_verify import module_loader, verify_module
 from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, load_definitions, load_module, swapped
 from patcher.proof.host_cuda import cuda_as_host, host_only_pinning
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches, send_schedule
@@ -161,6 +162,11 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
         as_path = str(Path(original).resolve())
         notes.append(f"both scripts imported as if at {as_path} (__file__)")
         prefetched = _patched_runtime(sources[1], patched)
+        if module_loader(sources[0]) is not None:  # a data-loader module (nanochat's dataloader.py)
+            result = verify_module(sources[0], sources[1], original, batches, world_size, seed)
+            result.notes[:0] = notes
+            result.prefetched = prefetched
+            return result
         if not prefetched:
             notes.append("nothing was prefetched: the patched script has no training prefetch (train_prefetch was skipped), so its training loader is the original's")
         run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, workers, notes, started)
@@ -177,7 +183,7 @@ class NothingToVerify(CannotVerify):
 
 
 # The runtime functions a training prefetch injects (templates/prefetch_*.py).
-TRAIN_RUNTIME = ("_make_train_loader", "_prefetch_iterator", "_prefetch_next_batch")
+TRAIN_RUNTIME = ("_make_train_loader", "_prefetch_iterator", "_prefetch_next_batch", "_spawn_generator")
 
 
 def _patched_runtime(source: str, path) -> bool:

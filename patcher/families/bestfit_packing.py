@@ -155,7 +155,8 @@ def _judge(function: cst.FunctionDef, readers: set[str]) -> LoaderGenerator | No
         return LoaderGenerator(function, device, f"{function.name.value} uses `{device}` {misuse}; built on the CPU in a producer its batches could differ")
     unsafe = generator._generator_unsafe(function)
     if unsafe:
-        return LoaderGenerator(function, device, unsafe)
+        # the generator family speaks of a thread; here the producer is a spawned process
+        return LoaderGenerator(function, device, unsafe.replace("a background thread would change the draw order", "a spawned producer draws from its own RNG state"))
     return LoaderGenerator(function, device)
 
 

@@ -1,0 +1,103 @@
+"""Family `bestfit_packing` (patcher/families/bestfit_packing.py): nanochat's data-loader
+module patched as a module, recognised by structure; its noop table (the reason, exact),
+the rewrite of the fixture, the inner reader's site, and `verify` on the fixture.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from patch_tables import assert_noop
+
+from patcher.families.bestfit_packing import loader_generators
+from patcher.patch import patch_source
+from patcher.survey.survey import survey
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "bestfit_packing.py"
+SOURCE = FIXTURE.read_text(encoding="utf-8")
+SIGNATURE = 'def packed_loader_with_state(tokenizer, B, T, split, tokenizer_threads=2, tokenizer_batch_size=16, device="cuda", resume_state_dict=None, buffer_size=24):'
+
+
+def test_fixture_is_recognised_by_structure():
+    [loader] = loader_generators(cst.parse_module(SOURCE))
+    assert (loader.name, loader.device, loader.refusal) == ("packed_loader_with_state", "device", None)
+    # the inner reader's site belongs to the family, and is not run ahead on its own
+    [site] = survey(cst.parse_module(SOURCE)).iterators
+    assert (site.target, site.function, site.family, site.training) == ("batches", "_document_batches", "bestfit_packing", False)
+    assert site.reason == "`batches` is read inside packed_loader_with_state, which runs whole in a spawned producer (module mode)"
+
+
+def test_module_rewrite_keeps_the_original_and_the_signature():
+    result = patch_source(SOURCE, enabled={"train_prefetch", "env_toggles"})
+    out = result.source
+    assert out.count(SIGNATURE) == 1  # the public function, same parameters
+    assert "def _original_" + SIGNATURE[4:] in out  # the original, renamed only
+    assert 'yield from _spawn_generator(_original_packed_loader_with_state, {"tokenizer": tokenizer, "B": B, "T": T, "split": split,' in out
+    assert '"device", prefetch=TRAIN_PREFETCH)' in out
+    assert 'TRAIN_PREFETCH = int(os.environ.get("TRAIN_PREFETCH", 1))' in out
+    # everything else of the module is byte-identical
+    body = SOURCE.split("def _document_batches", 1)[1]
+    assert body.replace("def packed_loader_with_state(", "def _original_packed_loader_with_state(", 1).split("def packed_loader(*args")[0] in out
+    assert "def _spawn_producer(" in out and "def _make_train_loader" not in out
+    again = patch_source(out)
+    assert again.already_patched and again.source == out
+
+
+def variant(old: str, new: str) -> str:
+    assert old in SOURCE
+    return SOURCE.replace(old, new, 1)
+
+
+NOOPS = [
+    pytest.param(
+        variant(SIGNATURE, "def packed_loader_with_state(tokenizer, B, T, split, *args, device=\"cuda\", resume_state_dict=None, buffer_size=24, tokenizer_threads=2, tokenizer_batch_size=16):"),
+        "packed_loader_with_state takes *args, **kwargs or positional-only parameters; its arguments cannot be passed by name to a spawned producer",
+        id="star-args",
+    ),
+    pytest.param(
+        variant("    rows = torch.empty((B, row_len), dtype=torch.long)\n", "    rows = torch.empty((B, row_len), dtype=torch.long)\n    rows = rows.to(device)\n"),
+        "packed_loader_with_state uses `device` beyond the device buffer's `device=` and a pinning flag; built on the CPU in a producer its batches could differ",
+        id="device-used-in-packing",
+    ),
+    pytest.param(
+        variant("    docs = []\n", "    docs = []\n    random.shuffle(docs)\n"),
+        "packed_loader_with_state draws from the global random module (random.shuffle); a spawned producer draws from its own RNG state",
+        id="global-rng",
+    ),
+]
+
+
+@pytest.mark.parametrize("before, reason", NOOPS)
+def test_noop(before, reason):
+    assert_noop(before, reason, 49, only="train_prefetch")
+
+
+def test_not_this_family_without_the_pinned_copy():
+    # a generator that packs but never stages into pinned memory is not a module loader
+    source = variant("pin_memory=use_cuda", "dtype=torch.long").replace(", dtype=torch.long, dtype=torch.long", ", dtype=torch.long")
+    assert loader_generators(cst.parse_module(source)) == []
+
+
+def test_verify_the_fixture_identical(tmp_path):
+    pytest.importorskip("pyarrow")
+    from patcher.proof.verify import verify
+
+    patched = tmp_path / "bestfit_packing.py"
+    patched.write_text(patch_source(SOURCE).source)
+    result = verify(FIXTURE, patched, batches=12)
+    assert result.identical and result.prefetched, result.difference
+    assert any("row group boundary" in n and "file boundary" in n for n in result.notes)
+    assert not any(n.startswith("partial") for n in result.notes)
+
+
+def test_verify_catches_a_wrong_state(tmp_path):
+    pytest.importorskip("pyarrow")
+    from patcher.proof.verify import verify
+
+    patched = tmp_path / "bestfit_packing.py"
+    wrong = patch_source(SOURCE).source.replace('state = {"pq_idx": pq_idx, "rg_idx": rg_idx, "epoch": epoch}', 'state = {"pq_idx": pq_idx, "rg_idx": rg_idx + 1, "epoch": epoch}')
+    patched.write_text(wrong)
+    result = verify(FIXTURE, patched, batches=6)
+    assert not result.identical and result.difference.field is not None

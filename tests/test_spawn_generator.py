@@ -1,0 +1,103 @@
+"""templates/spawn_generator.py as plain Python: a generator run ahead in a spawned process.
+
+Each test builds a small importable module (a generator that, like nanochat's loader,
+refills one buffer it keeps and yields views of it with a state dict) and compares what
+`_spawn_generator` hands out with what the generator itself yields.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from patcher.proof.host_cuda import cuda_on_host
+from templates.spawn_generator import _spawn_generator
+
+SOURCE = textwrap.dedent(
+    '''
+    import torch
+
+    def gen(n, device="cpu", fail_at=None, stop=None):
+        buffer = torch.empty(2, 3, dtype=torch.long, device=device)
+        for k in range(n if stop is None else stop):
+            if k == fail_at:
+                raise ValueError(f"bad row group {k}")
+            buffer.copy_(torch.arange(6).view(2, 3) * (k + 1))
+            yield buffer[0], buffer[1], {"pq_idx": k // 3, "rg_idx": k % 3, "epoch": 1}
+    '''
+)
+
+
+@pytest.fixture
+def module(tmp_path, monkeypatch):
+    name = f"spawn_gen_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    yield importlib.import_module(name)
+    sys.modules.pop(name, None)
+
+
+def expected(module, **arguments):
+    return [(a.clone(), b.clone(), dict(s)) for a, b, s in module.gen(**arguments)]
+
+
+def test_same_batches_and_states_each_valid_after_the_next(module, capsys):
+    arguments = {"n": 7, "device": "cpu", "fail_at": None, "stop": None}
+    got = []
+    for batch in _spawn_generator(module.gen, arguments, "device"):
+        got.append(batch)
+    want = expected(module, n=7)
+    assert len(got) == 7
+    for (a, b, s), (x, y, t) in zip(want, got):  # every batch still holds its values after all later ones
+        assert torch.equal(a, x) and torch.equal(b, y) and s == t and type(t) is dict
+    assert "runs in the training process" not in capsys.readouterr().err  # the producer was spawned
+    assert not multiprocessing.active_children()
+
+
+def test_cuda_path_through_the_pinned_ring(module, capsys):
+    arguments = {"n": 5, "device": "cuda", "fail_at": None, "stop": None}
+    with cuda_on_host():
+        got = [(x.cpu().clone(), y.cpu().clone(), s) for x, y, s in _spawn_generator(module.gen, arguments, "device")]
+    want = expected(module, n=5)
+    assert all(torch.equal(a, x) and torch.equal(b, y) and s == t for (a, b, s), (x, y, t) in zip(want, got)) and len(got) == 5
+    assert "runs in the training process" not in capsys.readouterr().err
+
+
+def test_error_reaches_the_caller_at_its_batch_with_the_traceback(module):
+    arguments = {"n": 9, "device": "cpu", "fail_at": 4, "stop": None}
+    got = []
+    with pytest.raises(ValueError, match="bad row group 4") as raised:
+        for batch in _spawn_generator(module.gen, arguments, "device"):
+            got.append(batch)
+    assert len(got) == 4
+    assert "Traceback" in str(raised.value.__cause__) and "in gen" in str(raised.value.__cause__)
+    assert not multiprocessing.active_children()
+
+
+def test_close_ends_the_producer(module):
+    generator = _spawn_generator(module.gen, {"n": 10**6, "device": "cpu", "fail_at": None, "stop": None}, "device")
+    next(generator)
+    assert multiprocessing.active_children()
+    generator.close()
+    assert not multiprocessing.active_children()
+
+
+def test_prefetch_off_is_the_original(module):
+    generator = _spawn_generator(module.gen, {"n": 3, "device": "cpu", "fail_at": None, "stop": None}, "device", prefetch=False)
+    first = next(generator)
+    assert not multiprocessing.active_children()
+    second = next(generator)
+    assert first[0].data_ptr() == second[0].data_ptr()  # the original's own reused buffer
+
+
+def test_a_module_not_importable_by_name_runs_here_and_says_why(module, capsys, monkeypatch):
+    monkeypatch.setattr(module.gen, "__module__", "__main__")
+    got = [(a.clone(), b.clone(), s) for a, b, s in _spawn_generator(module.gen, {"n": 4, "device": "cpu", "fail_at": None, "stop": None}, "device")]
+    assert [s for *_, s in got] == [s for *_, s in expected(module, n=4)]
+    assert "cannot be imported by name in a spawned process" in capsys.readouterr().err

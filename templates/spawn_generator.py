@@ -10,9 +10,24 @@ process that Python would take the GIL from the training loop, and a forked chil
 would inherit neither the tokenizer's nor pyarrow's threads. A spawned child
 (`multiprocessing` "spawn" context) imports the module by name, calls the original
 generator with the same arguments (its own resume state among them) but
-`device="cpu"`, and sends each batch's host tensors and non-tensor values (the state
-dict of THAT batch) through a bounded queue, `queue_depth` batches ahead. The parent
-does the pinned copy and the H2D itself, on the current stream, as the original does.
+`device="cpu"`, and hands each batch over `queue_depth` batches ahead, as the lean
+runtime (`prefetch_lean.py`) does for a forked loader: its tensors are written into
+shared-memory slot `n % queue_depth`, a semaphore counts the free slots, and a small
+message on a pipe carries the batch's structure, its non-tensor values (the state dict
+of THAT batch) and the slot's number. The parent copies the slot out (into its pinned
+buffer on CUDA: the H2D source) and frees it; it does the H2D itself, on the current
+stream, as the original does.
+
+The hand-out. Sent whole through a `multiprocessing.Queue`, a batch of nanochat's
+default packing sizes (two int64 [8, 512] tensors, 64 KiB) was larger than a pipe's
+buffer: each `next()` read half of it and waited for the child to be scheduled to
+write the rest (0.8 ms median with the child ahead, 31 ms at worst, on a loaded
+2-core host), then unpickled it. Through the slots it is one small read and two copies
+(0.4 ms median, 0.6 ms at worst, same host). The child runs at nice +10: on a host
+without a core to spare, a woken child that has slept preempts the training process
+(the kernel favours sleepers), which then waited out the child's batch inside its own
+`next()` (about one involuntary switch a hand-out); niced, it yields to the training
+loop and takes what the loop leaves. Where cores are free, niceness changes nothing.
 
 Lifetime: the original yields views of one reused device buffer (valid until the next
 `next()`); here each batch has its own pinned staging buffer and device buffer out of a
@@ -34,10 +49,12 @@ parent, whose exit ends it) and leaves by itself when the parent has gone.
 """
 
 import importlib
+import mmap
 import multiprocessing
+import multiprocessing.reduction
 import os
 import pickle
-import queue
+import select
 import signal
 import sys
 import traceback
@@ -47,21 +64,38 @@ import torch
 
 from templates.staging import _each_leaf
 
+# The producer's niceness: it yields the CPU to the training loop (the module docstring says why).
+_PRODUCER_NICE = 10
+# Tensors start at multiples of this in a slot: any dtype's view of the slot's bytes is aligned.
+_SLOT_ALIGN = 64
+
 
 class _HostTensor:
-    """A tensor as it crosses the process boundary: dtype, shape, and its bytes (a numpy uint8 array)."""
+    """A tensor as it crosses the process boundary: dtype, shape, and where its bytes are:
+    at `offset` in the batch's shared-memory slot (`data` None), or in `data` (a numpy
+    uint8 array, pickled with the message) where the slot has no room for it."""
 
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "offset")
 
-    def __init__(self, tensor):
-        tensor = tensor.detach().contiguous()
-        self.dtype, self.shape = tensor.dtype, tuple(tensor.shape)
-        # A copy: the loader refills its buffers after the yield, and the queue pickles later.
-        self.data = tensor.reshape(-1).view(torch.uint8).numpy().copy()
+    def __init__(self, tensor, slot=None, offset=0):
+        tensor = tensor.detach()
+        self.dtype, self.shape, self.offset, self.data = tensor.dtype, tuple(tensor.shape), offset, None
+        if slot is not None:
+            _view(slot, offset, tensor.dtype, tensor.shape).copy_(tensor)
+        else:  # a copy: the loader refills its buffers after the yield
+            self.data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
 
-    def tensor(self):
-        """The tensor itself, in fresh memory of its own (no copy beyond unpickling)."""
+    def tensor(self, slot):
+        """The tensor: a view of `slot` (valid until the slot is freed), or its own memory."""
+        if self.data is None:
+            return _view(slot, self.offset, self.dtype, self.shape)
         return torch.from_numpy(self.data).view(self.dtype).view(self.shape)
+
+
+def _view(slot, offset, dtype, shape):
+    """The tensor of `dtype` and `shape` whose bytes start at `offset` of `slot` (uint8)."""
+    size = torch.Size(shape).numel() * dtype.itemsize
+    return slot[offset : offset + size].view(dtype).view(shape)
 
 
 def _spawn_generator(function, arguments, device_param="device", prefetch=True, queue_depth=2):
@@ -86,9 +120,11 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         yield from _run_here(function, arguments, f"module {function.__module__} cannot be imported by name in a spawned process")
         return
     spawn = multiprocessing.get_context("spawn")
-    channel = spawn.Queue(max(1, int(queue_depth)))
+    depth = max(1, int(queue_depth))
+    receiver, sender = spawn.Pipe(True)  # a socket pair: it carries the slots' file descriptor too
+    free = spawn.Semaphore(depth)  # slots the child may fill: released here once a slot's batch is copied out
     child_arguments = dict(arguments, **{device_param: "cpu"})
-    child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, child_arguments, channel), daemon=True, name=f"prefetch {function.__name__}")
+    child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, child_arguments, sender, free, depth), daemon=True, name=f"prefetch {function.__name__}")
     main = sys.modules["__main__"]
     # Spawn re-runs the main script in the child unless it is guarded; a training script
     # that trains at top level would train there. The child needs only this module.
@@ -96,18 +132,24 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     try:
         child.start()
     except Exception as error:  # the arguments do not pickle, no processes to spare
-        channel.close()
+        receiver.close()
         yield from _run_here(function, arguments, f"no spawned producer ({type(error).__name__}: {error})")
         return
     finally:
         sys.modules["__main__"] = main
+        sender.close()  # the child's end: closed here, so that the child's exit is an end of file
     device = torch.device(arguments[device_param])
     pin = device.type == "cuda" and torch.cuda.is_available()
-    ring = [[None, None, None, None], [None, None, None, None]]  # per slot: pinned buffers, device buffers, the event after their H2D, the hand-out
-    taken = 0
+    ring = [[None, None, None], [None, None, None]]  # per batch in turn: pinned buffers, device buffers, the event after their H2D
+    slots, taken = None, 0
+    readable = select.poll()  # one poll object: a `Connection.poll` builds a selector per call
+    readable.register(receiver, select.POLLIN)
     try:
         while True:
-            message = _receive(channel, child)
+            message = _receive(receiver, readable, child)
+            if message[0] == "slots":  # once, before the first batch: the size of a slot (0: no slots)
+                slots = _attach_slots(receiver, message[1], depth) if message[1] else None
+                continue
             if message[0] == "setup":  # the child could not build the generator: nothing was yielded yet
                 yield from _run_here(function, arguments, message[1])
                 return
@@ -115,63 +157,62 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
                 return
             if message[0] == "error":
                 raise message[1] from RuntimeError(message[2])
-            slot = ring[taken % 2]
+            shared = slots[message[2]] if slots is not None else None
+            leaves = []
+            _each_leaf(message[1], lambda v: leaves.append(v) if isinstance(v, _HostTensor) else None)
+            host = [leaf.tensor(shared) for leaf in leaves]
+            staged = ring[taken % 2]
             taken += 1
-            if pin:
-                slot[0:2] = _to_device(message[1], device, slot)
-                slot[3] = iter(list(slot[1]))
-                slot[2] = torch.cuda.Event()
-                slot[2].record()
-            yield _each_leaf(message[1], lambda v: _fetch(v, device, slot, pin))
+            if pin:  # out of the shared slot straight into this ring slot's pinned buffers, then the H2D
+                staged[0:2] = _to_device(host, device, staged)
+                staged[2] = torch.cuda.Event()
+                staged[2].record()
+                handed = iter(list(staged[1]))
+            elif device.type == "cpu":  # fresh memory per batch: a view of the shared slot is copied out
+                handed = iter([t.clone() if leaf.data is None else t for leaf, t in zip(leaves, host)])
+            else:
+                handed = iter([t.to(device) for t in host])
+            free.release()  # the slot is copied out: the child may refill it
+            yield _each_leaf(message[1], lambda v: next(handed) if isinstance(v, _HostTensor) else v)
     finally:
         child.terminate()
         child.join(5)
         if child.exitcode is None:
             child.kill()
             child.join()
-        channel.close()
-        channel.cancel_join_thread()
+        receiver.close()
 
 
-def _to_device(batch, device, slot):
-    """Issue the H2D copies of `batch`'s tensors through this slot's pinned buffers.
+def _to_device(host, device, staged):
+    """Issue the H2D copies of the tensors `host` through the pinned buffers of `staged`.
 
-    Waits first for the event of the slot's previous H2D: its pinned buffers are not
+    Waits first for the event of this ring slot's previous H2D: its pinned buffers are not
     rewritten before that copy has read them. Returns (pinned, device) buffer lists.
     """
-    if slot[2] is not None:
-        slot[2].synchronize()
-    pinned, on_device = slot[0] or [], slot[1] or []
-    leaves = []
-    _each_leaf(batch, lambda v: leaves.append(v) if isinstance(v, _HostTensor) else None)
-    for index, leaf in enumerate(leaves):
-        host = leaf.tensor()
-        if index >= len(pinned) or pinned[index].shape != host.shape or pinned[index].dtype != host.dtype:
-            pinned[index:] = [torch.empty(host.shape, dtype=host.dtype, pin_memory=True)]
-            on_device[index:] = [torch.empty(host.shape, dtype=host.dtype, device=device)]
-        pinned[index].copy_(host)
+    if staged[2] is not None:
+        staged[2].synchronize()
+    pinned, on_device = staged[0] or [], staged[1] or []
+    for index, tensor in enumerate(host):
+        if index >= len(pinned) or pinned[index].shape != tensor.shape or pinned[index].dtype != tensor.dtype:
+            pinned[index:] = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)]
+            on_device[index:] = [torch.empty(tensor.shape, dtype=tensor.dtype, device=device)]
+        pinned[index].copy_(tensor)
         on_device[index].copy_(pinned[index], non_blocking=True)
-    return pinned, on_device[: len(leaves)]
+    return pinned, on_device[: len(host)]
 
 
-def _fetch(value, device, slot, pin):
-    """One leaf of a received batch as handed out: a tensor on `device`, else the value itself."""
-    if not isinstance(value, _HostTensor):
-        return value
-    if pin:
-        return next(slot[3])
-    tensor = value.tensor()
-    return tensor if device.type == "cpu" else tensor.to(device)
+def _receive(receiver, readable, child):
+    """The child's next message; RuntimeError when the child has died without one.
 
-
-def _receive(channel, child):
-    """The child's next message; RuntimeError when the child has died without one."""
-    while True:
-        try:
-            return channel.get(timeout=0.5)
-        except queue.Empty:
-            if not child.is_alive() and channel.empty():
-                raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None
+    readable: a `select.poll` object with `receiver` registered."""
+    while not readable.poll(500):
+        if not child.is_alive() and not receiver.poll():
+            break
+    try:
+        return receiver.recv()
+    except EOFError:  # every copy of the sending end is closed: the child is gone
+        child.join(1)
+        raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None
 
 
 def _run_here(function, arguments, reason):
@@ -180,40 +221,105 @@ def _run_here(function, arguments, reason):
     yield from function(**arguments)
 
 
-def _spawn_producer(module_name, function_name, arguments, channel):
-    """The spawned child: run `module.function(**arguments)` and send every batch, in order.
+def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
+    """The spawned child: run `module.function(**arguments)` and hand every batch over, in order.
 
-    Messages: ("setup", reason) when the generator cannot be built; ("batch", batch with
-    tensors as `_HostTensor`s); ("error", exception, traceback text) at the batch where
+    Batch n's tensors are written into shared-memory slot `n % depth` (`_make_slots`:
+    allocated after the first batch, sized by it), after a `free` slot is acquired; the
+    message that follows carries the batch's structure, its non-tensor values (the state
+    dict of THAT batch) and the slot's number, a few hundred bytes that one write of the
+    pipe delivers (a batch of 64 KiB pickled filled the pipe, and each hand-out then
+    waited for the child to be scheduled to write the rest). A tensor the slot has no
+    room for (a batch larger than the first) travels in the message. Messages: ("slots", slot bytes) once, then the descriptor;
+    ("batch", batch with tensors as `_HostTensor`s, slot); ("setup", reason) when the
+    generator cannot be built; ("error", exception, traceback text) at the batch where
     the generator raised; ("end",) when it returns. Leaves when the parent has gone.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    os.nice(_PRODUCER_NICE)  # before the loader starts its threads: they inherit it
     parent = multiprocessing.parent_process()
     try:
         batches = getattr(importlib.import_module(module_name), function_name)(**arguments)
     except Exception as error:
-        return _send(channel, parent, ("setup", f"a spawned producer cannot build it ({type(error).__name__}: {error})"))
+        return _send(sender, ("setup", f"a spawned producer cannot build it ({type(error).__name__}: {error})"))
+    slots, size, n = None, 0, 0
     try:
-        for batch in batches:
-            _send(channel, parent, ("batch", _each_leaf(batch, lambda v: _HostTensor(v) if isinstance(v, torch.Tensor) else v)))
+        while True:
+            while not free.acquire(timeout=0.05):
+                if parent is not None and not parent.is_alive():
+                    os._exit(0)
+            batch = next(batches, _END)
+            if batch is _END:
+                break
+            if n == 0:  # the first batch sizes the slots
+                tensors = []
+                _each_leaf(batch, lambda v: tensors.append(v) if isinstance(v, torch.Tensor) else None)
+                size = sum(-(-t.numel() * t.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN for t in tensors)
+                slots = _make_slots(sender, size, depth)
+            slot, offset = slots[n % depth] if slots is not None else None, [0]
+
+            def host(value):
+                if not isinstance(value, torch.Tensor):
+                    return value
+                start = offset[0]
+                offset[0] += -(-value.numel() * value.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN
+                return _HostTensor(value, slot if slot is not None and offset[0] <= size else None, start)
+
+            _send(sender, ("batch", _each_leaf(batch, host), n % depth))
+            n += 1
     except BaseException as error:
         text = traceback.format_exc()
         try:
             pickle.loads(pickle.dumps(error))
         except Exception:  # rebuilt in the parent only where it pickles both ways
             error = RuntimeError(f"{type(error).__name__}: {error}")
-        _send(channel, parent, ("error", error, text))
+        _send(sender, ("error", error, text))
     else:
-        _send(channel, parent, ("end",))
-    channel.close()
-    channel.join_thread()
+        _send(sender, ("end",))
 
 
-def _send(channel, parent, message):
-    """Put `message`, waiting for room; exit at once when the parent process is gone."""
-    while True:
-        try:
-            return channel.put(message, timeout=0.5)
-        except queue.Full:
-            if parent is not None and not parent.is_alive():
-                os._exit(0)
+_END = object()
+
+
+def _make_slots(sender, size, depth):
+    """`depth` slots of `size` bytes (uint8 tensors) in one anonymous shared file (memfd),
+    its descriptor sent to the parent with the message ("slots", size); ("slots", 0) and
+    None where there is no such file (not Linux, no memory): the tensors then travel in
+    the messages. The file has no name and goes when both processes have unmapped it."""
+    try:
+        fd = os.memfd_create("prefetch-slots") if size else None
+    except OSError:
+        fd = None
+    if fd is None:
+        _send(sender, ("slots", 0))
+        return None
+    try:
+        os.ftruncate(fd, size * depth)
+        memory = mmap.mmap(fd, size * depth)
+        _send(sender, ("slots", size))
+        multiprocessing.reduction.send_handle(sender, fd, os.getppid())
+    except (BrokenPipeError, ConnectionResetError):
+        os._exit(0)
+    finally:
+        os.close(fd)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    return [whole[i * size : (i + 1) * size] for i in range(depth)]
+
+
+def _attach_slots(receiver, size, depth):
+    """The parent's view of the child's slots (`_make_slots`): their descriptor, received, mapped."""
+    fd = multiprocessing.reduction.recv_handle(receiver)
+    try:
+        memory = mmap.mmap(fd, size * depth)
+    finally:
+        os.close(fd)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    return [whole[i * size : (i + 1) * size] for i in range(depth)]
+
+
+def _send(sender, message):
+    """Send `message`; exit at once when the parent process is gone (its end is closed)."""
+    try:
+        sender.send(message)
+    except (BrokenPipeError, ConnectionResetError):
+        os._exit(0)

@@ -28,6 +28,16 @@ SOURCE = textwrap.dedent(
                 raise ValueError(f"bad row group {k}")
             buffer.copy_(torch.arange(6).view(2, 3) * (k + 1))
             yield buffer[0], buffer[1], {"pq_idx": k // 3, "rg_idx": k % 3, "epoch": 1}
+
+    def gen_shapes(device="cpu"):
+        # batch 1 is larger than batch 0 (whose tensors size the shared slots), batch 2 smaller
+        for k, rows in enumerate((2, 40, 1, 2)):
+            wide = torch.arange(rows * 6, dtype=torch.float16).view(6, rows).t() * (k + 1)  # not contiguous
+            yield {"x": wide, "mask": wide > 3, "count": torch.tensor(k * 7), "k": k, "name": f"b{k}"}
+
+    def gen_nice(device="cpu"):
+        import os
+        yield torch.zeros(1, device=device), os.nice(0)
     '''
 )
 
@@ -101,3 +111,27 @@ def test_a_module_not_importable_by_name_runs_here_and_says_why(module, capsys, 
     got = [(a.clone(), b.clone(), s) for a, b, s in _spawn_generator(module.gen, {"n": 4, "device": "cpu", "fail_at": None, "stop": None}, "device")]
     assert [s for *_, s in got] == [s for *_, s in expected(module, n=4)]
     assert "cannot be imported by name in a spawned process" in capsys.readouterr().err
+
+
+def test_batches_larger_or_smaller_than_the_first_and_any_dtype(module):
+    """Slots are sized by the first batch: a larger one travels in the message, a smaller one in the slot."""
+    want = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in module.gen_shapes()]
+    generator = _spawn_generator(module.gen_shapes, {"device": "cpu"}, "device", queue_depth=1)
+    got = [next(generator)]
+    assert "memfd:prefetch-slots" in open("/proc/self/maps").read()  # shared through an anonymous file
+    got += list(generator)
+    del generator
+    assert "memfd:prefetch-slots" not in open("/proc/self/maps").read()  # and unmapped when the loader ends
+    assert len(got) == len(want) == 4
+    for w, g in zip(want, got):  # every batch still holds its values after all later ones
+        assert g.keys() == w.keys() and g["k"] == w["k"] and g["name"] == w["name"]
+        for key in ("x", "mask", "count"):
+            assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape and torch.equal(g[key], w[key])
+    assert not multiprocessing.active_children()
+
+
+def test_the_producer_yields_the_cpu_to_the_training_process(module):
+    import os
+
+    (_, niceness), = list(_spawn_generator(module.gen_nice, {"device": "cpu"}, "device"))
+    assert niceness > os.nice(0)

@@ -117,6 +117,7 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
     if ctx.constants:
         if "os" not in imports:
             block.append(cst.parse_statement("import os\n"))
+            imports = imports | {"os"}  # the runtime below it needs no second `import os`
         block.extend(cst.SimpleStatementLine(body=[s]) for s in ctx.constants)
     if ctx.templates:
         facts = render.cut_facts(ctx.templates, ctx.runtime_calls)

@@ -92,6 +92,11 @@ class _HostTensor:
         return torch.from_numpy(self.data).view(self.dtype).view(self.shape)
 
 
+def _slot_bytes(tensor):
+    """The bytes `tensor` takes in a slot: its own, rounded up to `_SLOT_ALIGN`."""
+    return -(-tensor.numel() * tensor.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN
+
+
 def _view(slot, offset, dtype, shape):
     """The tensor of `dtype` and `shape` whose bytes start at `offset` of `slot` (uint8)."""
     size = torch.Size(shape).numel() * dtype.itemsize
@@ -148,7 +153,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         while True:
             message = _receive(receiver, readable, child)
             if message[0] == "slots":  # once, before the first batch: the size of a slot (0: no slots)
-                slots = _attach_slots(receiver, message[1], depth) if message[1] else None
+                slots = _map_slots(multiprocessing.reduction.recv_handle(receiver), message[1], depth) if message[1] else None
                 continue
             if message[0] == "setup":  # the child could not build the generator: nothing was yielded yet
                 yield from _run_here(function, arguments, message[1])
@@ -254,15 +259,15 @@ def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
             if n == 0:  # the first batch sizes the slots
                 tensors = []
                 _each_leaf(batch, lambda v: tensors.append(v) if isinstance(v, torch.Tensor) else None)
-                size = sum(-(-t.numel() * t.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN for t in tensors)
-                slots = _make_slots(sender, size, depth)
+                size = sum(_slot_bytes(t) for t in tensors)
+                slots = _make_slots(sender, size, depth) if size else None
             slot, offset = slots[n % depth] if slots is not None else None, [0]
 
             def host(value):
                 if not isinstance(value, torch.Tensor):
                     return value
                 start = offset[0]
-                offset[0] += -(-value.numel() * value.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN
+                offset[0] += _slot_bytes(value)
                 return _HostTensor(value, slot if slot is not None and offset[0] <= size else None, start)
 
             _send(sender, ("batch", _each_leaf(batch, host), n % depth))
@@ -282,33 +287,30 @@ _END = object()
 
 
 def _make_slots(sender, size, depth):
-    """`depth` slots of `size` bytes (uint8 tensors) in one anonymous shared file (memfd),
-    its descriptor sent to the parent with the message ("slots", size); ("slots", 0) and
-    None where there is no such file (not Linux, no memory): the tensors then travel in
-    the messages. The file has no name and goes when both processes have unmapped it."""
+    """`depth` slots of `size` bytes in one anonymous shared file (memfd), its descriptor
+    sent to the parent after the message ("slots", size); ("slots", 0) and None where there
+    is no such file (not Linux, no memory): the tensors then travel in the messages. The
+    file has no name and goes when both processes have unmapped it."""
     try:
-        fd = os.memfd_create("prefetch-slots") if size else None
-    except OSError:
-        fd = None
-    if fd is None:
-        _send(sender, ("slots", 0))
-        return None
+        fd = os.memfd_create("prefetch-slots")
+    except (AttributeError, OSError):
+        return _send(sender, ("slots", 0))
     try:
         os.ftruncate(fd, size * depth)
-        memory = mmap.mmap(fd, size * depth)
-        _send(sender, ("slots", size))
-        multiprocessing.reduction.send_handle(sender, fd, os.getppid())
-    except (BrokenPipeError, ConnectionResetError):
-        os._exit(0)
-    finally:
+    except OSError:
         os.close(fd)
-    whole = torch.frombuffer(memory, dtype=torch.uint8)
-    return [whole[i * size : (i + 1) * size] for i in range(depth)]
+        return _send(sender, ("slots", 0))
+    _send(sender, ("slots", size))
+    try:
+        multiprocessing.reduction.send_handle(sender, fd, os.getppid())
+    except OSError:  # the parent has gone
+        os._exit(0)
+    return _map_slots(fd, size, depth)
 
 
-def _attach_slots(receiver, size, depth):
-    """The parent's view of the child's slots (`_make_slots`): their descriptor, received, mapped."""
-    fd = multiprocessing.reduction.recv_handle(receiver)
+def _map_slots(fd, size, depth):
+    """The file `fd` mapped as `depth` uint8 tensors of `size` bytes; closes `fd` (the
+    mapping keeps the file). The parent maps the descriptor it receives with this too."""
     try:
         memory = mmap.mmap(fd, size * depth)
     finally:

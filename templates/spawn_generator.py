@@ -242,6 +242,7 @@ def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.nice(_PRODUCER_NICE)  # before the loader starts its threads: they inherit it
+    torch.set_num_threads(1)  # as torchrun gives each rank: the loader's tensor work is small copies, and idle OpenMP threads spin
     parent = multiprocessing.parent_process()
     try:
         batches = getattr(importlib.import_module(module_name), function_name)(**arguments)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import libcst as cst
+import libcst.matchers as m
 import pytest
 from patch_tables import assert_noop
 
@@ -41,6 +42,9 @@ def test_module_rewrite_keeps_the_original_and_the_signature():
     body = SOURCE.split("def _document_batches", 1)[1]
     assert body.replace("def packed_loader_with_state(", "def _original_packed_loader_with_state(", 1).split("def packed_loader(*args")[0] in out
     assert "def _spawn_producer(" in out and "def _make_train_loader" not in out
+    # the module imports no os: the toggle block imports it once, the runtime not again
+    imported = [a.name.value for n in cst.parse_module(out).body if m.matches(n, m.SimpleStatementLine(body=[m.Import()])) for a in n.body[0].names if isinstance(a.name, cst.Name)]
+    assert imported.count("os") == 1 and "mmap" in imported
     again = patch_source(out)
     assert again.already_patched and again.source == out
 

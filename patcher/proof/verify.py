@@ -309,6 +309,11 @@ def _verify_generator(recipe: IteratorRecipe, run: _Run, compare) -> VerifyResul
 # How verify drives a script's training data source, by name (the name a loader family
 # gives for its driver), tried in this order: the first driver whose recipe reads the
 # original script drives it.
+# A data-loader module (module mode, nanochat's dataloader.py) is not here: it is no
+# script (nothing builds or rebuilds its loader, there is no warm-up reset), so `verify`
+# hands it to `module_verify.verify_module` before a driver is chosen: the "generator"
+# driver would take its inner parquet reader for a script's generator, which cannot be
+# built outside the loader (`split` is the loader's argument).
 DRIVERS = {
     # a class with `next_batch`, built as `name = Cls(...)` (and rebuilt after the warm-up)
     "loader_class": Driver("loader_class", LoaderRecipe, lambda original, patched: LoaderRecipe.from_source(original), compare_loader_rank, _verify_loader_class, DEFAULT_BATCHES),

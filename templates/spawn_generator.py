@@ -21,9 +21,9 @@ stream, as the original does.
 The hand-out. Sent whole through a `multiprocessing.Queue`, a batch of nanochat's
 default packing sizes (two int64 [8, 512] tensors, 64 KiB) was larger than a pipe's
 buffer: each `next()` read half of it and waited for the child to be scheduled to
-write the rest (0.8 ms median with the child ahead, 31 ms at worst, on a loaded
+write the rest (0.7-0.8 ms median with the child ahead, up to 31 ms, on a loaded
 2-core host), then unpickled it. Through the slots it is one small read and two copies
-(0.4 ms median, 0.6 ms at worst, same host). The child runs at nice +10: on a host
+(0.35-0.46 ms median, same host). The child runs at nice +10: on a host
 without a core to spare, a woken child that has slept preempts the training process
 (the kernel favours sleepers), which then waited out the child's batch inside its own
 `next()` (about one involuntary switch a hand-out); niced, it yields to the training

@@ -40,7 +40,13 @@ is a fresh tensor per batch.
 Where the child cannot be used (the module runs as `__main__`, the arguments do not
 pickle, the child cannot import the module or find the function), the original runs in
 this process, exactly, with one line on stderr saying why. `TRAIN_PREFETCH=0` (the
-`prefetch` argument) restores the original path. The child's exception is raised here
+`prefetch` argument) restores the original path. Only the training split's loader
+spawns (`split_param` / `train_split`, where the loader names its splits): a loader of
+another split, such as the val loader a training script rebuilds at every evaluation,
+runs the original in this process, silently, since a child's start (4.6-6.8 s on a
+loaded 2-core host, nearly all importing torch and pyarrow) would cost each evaluation
+more than it gives back; `TRAIN_PREFETCH_EVERY_SPLIT=1` (`every_split`) spawns for
+every split. The child's exception is raised here
 at the batch where it happened, with the child's formatted traceback as its cause
 (an exception that does not pickle arrives as RuntimeError naming its type). The
 child is a daemon: `multiprocessing` terminates it at exit; closing the generator
@@ -103,20 +109,27 @@ def _view(slot, offset, dtype, shape):
     return slot[offset : offset + size].view(dtype).view(shape)
 
 
-def _spawn_generator(function, arguments, device_param="device", prefetch=True, queue_depth=2):
+def _spawn_generator(function, arguments, device_param="device", prefetch=True, queue_depth=2, split_param=None, train_split=None, every_split=False):
     """Yield what `function(**arguments)` yields, built ahead by a spawned process.
 
     Takes: function: a module-level generator function of an importable module (the
     loader, e.g. yielding `inputs, targets: int64 [B, T]` on `device` and a state dict
     `{pq_idx, rg_idx, epoch}`); arguments: its arguments by parameter name, defaults
     applied; device_param: the name of its device parameter (the child gets "cpu");
-    prefetch: bool (`TRAIN_PREFETCH`); queue_depth: batches built ahead (>= 1).
+    prefetch: bool (`TRAIN_PREFETCH`); queue_depth: batches built ahead (>= 1);
+    split_param, train_split: the parameter naming the split and its training value
+    (`"split"`, `"train"`): a build whose split is another (`"val"`) runs `function` here,
+    as the original, unless every_split (`TRAIN_PREFETCH_EVERY_SPLIT`); None: every
+    build spawns.
     Yields: each batch of the original, equal bit for bit, in order, with the same
     structure; tensors on `arguments[device_param]`.
     Raises: the child's exception at its batch (cause: the child's traceback);
     RuntimeError when the child dies without a word.
     """
-    if not prefetch:
+    if not prefetch or (split_param is not None and not every_split and arguments.get(split_param) != train_split):
+        # Another split's loader (nanochat rebuilds the val loader at every evaluation and
+        # draws a few dozen batches from it): a child's start, seconds of importing torch
+        # and pyarrow, would cost more than running ahead gives back.
         yield from function(**arguments)
         return
     module_name = getattr(sys.modules.get(function.__module__), "__spec__", None)

@@ -35,6 +35,13 @@ SOURCE = textwrap.dedent(
             wide = torch.arange(rows * 6, dtype=torch.float16).view(6, rows).t() * (k + 1)  # not contiguous
             yield {"x": wide, "mask": wide > 3, "count": torch.tensor(k * 7), "k": k, "name": f"b{k}"}
 
+    def gen_split(split, device="cpu"):
+        # like nanochat's loader: the split selects the files; each batch says where it was built
+        import os
+        assert split in ["train", "val"]
+        for k in range(3):
+            yield torch.arange(4, device=device) + k + (100 if split == "val" else 0), {"pid": os.getpid(), "k": k}
+
     def gen_nice(device="cpu"):
         import os
         yield torch.zeros(1, device=device), os.nice(0)
@@ -90,14 +97,6 @@ def test_error_reaches_the_caller_at_its_batch_with_the_traceback(module):
     assert not multiprocessing.active_children()
 
 
-def test_close_ends_the_producer(module):
-    generator = _spawn_generator(module.gen, {"n": 10**6, "device": "cpu", "fail_at": None, "stop": None}, "device")
-    next(generator)
-    assert multiprocessing.active_children()
-    generator.close()
-    assert not multiprocessing.active_children()
-
-
 def test_prefetch_off_is_the_original(module):
     generator = _spawn_generator(module.gen, {"n": 3, "device": "cpu", "fail_at": None, "stop": None}, "device", prefetch=False)
     first = next(generator)
@@ -113,8 +112,47 @@ def test_a_module_not_importable_by_name_runs_here_and_says_why(module, capsys, 
     assert "cannot be imported by name in a spawned process" in capsys.readouterr().err
 
 
+def test_only_the_training_split_spawns_a_producer(module, capsys):
+    """A val build runs the original here (no child: its start would cost each evaluation
+    seconds); a train build spawns; every_split spawns for val too; the values are the same."""
+    import os
+
+    def run(split, every_split=False):
+        generator = _spawn_generator(module.gen_split, {"split": split, "device": "cpu"}, "device", split_param="split", train_split="train", every_split=every_split)
+        first = next(generator)
+        children = multiprocessing.active_children()
+        batches = [first, *generator]
+        assert not multiprocessing.active_children()
+        return [(x.clone(), s["k"]) for x, s in batches], {s["pid"] for _, s in batches}, children
+
+    for split in ("train", "val"):
+        want = [(x.clone(), s["k"]) for x, s in module.gen_split(split)]
+        for every_split in (False, True):
+            if split == "train" and every_split:
+                continue
+            got, pids, children = run(split, every_split)
+            assert len(got) == len(want) == 3 and all(torch.equal(a, b) and j == k for (a, j), (b, k) in zip(want, got))
+            if split == "val" and not every_split:
+                assert pids == {os.getpid()} and not children  # built here, no child started
+            else:
+                assert len(pids) == 1 and os.getpid() not in pids and [c.pid for c in children] == list(pids)
+    assert "runs in the training process" not in capsys.readouterr().err  # the val build is the default, not a fallback
+
+
+def test_close_ends_the_producer_of_the_training_split(module):
+    generator = _spawn_generator(module.gen_split, {"split": "train", "device": "cpu"}, "device", split_param="split", train_split="train")
+    next(generator)
+    assert multiprocessing.active_children()
+    generator.close()
+    assert not multiprocessing.active_children()
+
+
 def test_batches_larger_or_smaller_than_the_first_and_any_dtype(module):
     """Slots are sized by the first batch: a larger one travels in the message, a smaller one in the slot."""
+    import gc
+
+    gc.collect()  # a mapping an earlier test's traceback kept (a cycle through its generator's frame) goes first
+    assert "memfd:prefetch-slots" not in open("/proc/self/maps").read()
     want = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in module.gen_shapes()]
     generator = _spawn_generator(module.gen_shapes, {"device": "cpu"}, "device", queue_depth=1)
     got = [next(generator)]

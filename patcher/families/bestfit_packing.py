@@ -23,9 +23,14 @@ collective in the loader (`generator._generator_unsafe`).
 Rewrite (`rewrite`): the loader's `def name(` becomes `def _original_name(` (nothing else
 of it changes) and a new `def name(<the same parameters>)` follows it:
 `yield from _spawn_generator(_original_name, {every argument by name}, "<device param>",
-prefetch=TRAIN_PREFETCH)` (`templates/spawn_generator.py`: a spawned process rebuilds
-the generator from its arguments and sends CPU batches; this process does the pinned
-copy and the H2D). Other functions of the module that call `name` (the
+prefetch=TRAIN_PREFETCH, split_param="split", train_split="train",
+every_split=TRAIN_PREFETCH_EVERY_SPLIT)` (`templates/spawn_generator.py`: a spawned
+process rebuilds the generator from its arguments and sends CPU batches; this process
+does the pinned copy and the H2D). The split options are written where the loader
+asserts its split parameter's values (`_training_split`): a build for another split (the
+val loader nanochat rebuilds at every evaluation) runs the original in the training
+process, where a child's start (seconds) would cost more than it gives back;
+`TRAIN_PREFETCH_EVERY_SPLIT=1` spawns for every split. Other functions of the module that call `name` (the
 `..._bos_bestfit` helper without the state) get the prefetched one.
 
 As a generator family (`recognise`, `refuse`): the inner parquet reader. A site of it
@@ -61,12 +66,15 @@ class LoaderGenerator:
     """A module-level loader generator of this family.
 
     function: its definition; device: the name of its device parameter; refusal: why it
-    is left alone (None: it is rewritten); line: its `def` line (set by the caller).
+    is left alone (None: it is rewritten); split: (parameter, training value) where the
+    loader asserts its split parameter is one of a few strings, "train" among them
+    (`assert split in ["train", "val"]`; `_training_split`), else None.
     """
 
     function: cst.FunctionDef
     device: str | None
     refusal: str | None = None
+    split: tuple[str, str] | None = None
 
     @property
     def name(self) -> str:
@@ -88,7 +96,9 @@ def refuse(site, function: cst.FunctionDef, index) -> str | None:
     generator that runs whole in a spawned producer; elsewhere the `generator` family's rules."""
     top = index.top_of.get(site.node)
     if isinstance(top, cst.FunctionDef):
-        module = cst.Module(body=[s for s in index.top_of.values() if isinstance(s, cst.FunctionDef)])
+        # top_of maps every node to its statement: each function once, not once per node
+        functions = {id(s): s for s in index.top_of.values() if isinstance(s, cst.FunctionDef)}
+        module = cst.Module(body=list(functions.values()))
         found = _judge(top, _reader_names(module))
         if found is not None and found.refusal is None:
             return f"`{site.target}` is read inside {top.name.value}, which runs whole in a spawned producer (module mode)"
@@ -157,7 +167,31 @@ def _judge(function: cst.FunctionDef, readers: set[str]) -> LoaderGenerator | No
     if unsafe:
         # the generator family speaks of a thread; here the producer is a spawned process
         return LoaderGenerator(function, device, unsafe.replace("a background thread would change the draw order", "a spawned producer draws from its own RNG state"))
-    return LoaderGenerator(function, device)
+    return LoaderGenerator(function, device, split=_training_split(nodes, names))
+
+
+# The split value a training loop builds its long-lived loader with.
+TRAINING_SPLIT = "train"
+
+
+def _training_split(nodes, names: list[str]) -> tuple[str, str] | None:
+    """(parameter, "train") where the loader asserts that one of its parameters is one of
+    a list or tuple of string literals containing "train" (nanochat: `assert split in
+    ["train", "val"]`), else None.
+
+    Why: a training script builds the training loader once and draws from it for the
+    whole run, but may build a loader of another split at every evaluation (nanochat's
+    `build_val_loader`); a spawned producer's start (importing torch and pyarrow, seconds)
+    is paid back only by the long-lived one. The runtime spawns for the training value
+    only and runs any other split's build in the training process, as the original."""
+    for n in nodes:
+        if not m.matches(n, m.Assert(test=m.Comparison(left=m.Name(), comparisons=[m.ComparisonTarget(operator=m.In(), comparator=m.List() | m.Tuple())]))):
+            continue
+        param = n.test.left.value
+        values = [e.value for e in n.test.comparisons[0].comparator.elements]
+        if param in names and values and all(isinstance(v, cst.SimpleString) for v in values) and TRAINING_SPLIT in {v.evaluated_value for v in values}:
+            return param, TRAINING_SPLIT
+    return None
 
 
 def _yields_state(nodes) -> bool:
@@ -211,7 +245,10 @@ def rewrite(module: cst.Module, ctx, loaders: list[LoaderGenerator]) -> cst.Modu
         params = statement.params
         names = [p.name.value for p in params.params + params.kwonly_params]
         arguments = ctx.code("{" + ", ".join(f'"{n}": {n}' for n in names) + "}", "{" + ",".join(f'"{n}":{n}' for n in names) + "}")
-        call = ctx.runtime_call(MODULE_RUNTIME, [original, arguments, f'"{loader.device}"'], {"prefetch": ctx.toggle_value("TRAIN_PREFETCH")})
+        options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH")}
+        if loader.split is not None:  # only the training split's build spawns a producer
+            options.update(split_param=loader.split[0], train_split=loader.split[1], every_split=ctx.toggle_value("TRAIN_PREFETCH_EVERY_SPLIT"))
+        call = ctx.runtime_call(MODULE_RUNTIME, [original, arguments, f'"{loader.device}"'], options)
         wrapper = cst.FunctionDef(
             name=cst.Name(loader.name),
             params=params,

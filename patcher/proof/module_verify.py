@@ -53,6 +53,8 @@ STUBS = {
 # groups, files and epochs in a few dozen batches); every other parameter keeps its default.
 CALL = {"B": 2, "T": 24, "split": "train", "tokenizer_threads": 1, "tokenizer_batch_size": 6, "buffer_size": 12}
 FILES, ROW_GROUPS, DOCS_PER_GROUP = 3, 3, 6
+# The split of the loader an evaluation builds (the last parquet file, as in nanochat).
+VAL_SPLIT = "val"
 
 
 class ByteTokenizer:
@@ -141,6 +143,15 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
                 if difference:
                     return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
                 compared += len(resumed)
+                if rank == 0 and loader.split is not None and loader.split[0] in call:
+                    # another split's build runs the original here: no producer, same batches
+                    other = dict(call, **{loader.split[0]: VAL_SPLIT})
+                    val = _draw(original_fn(ByteTokenizer(), **other, **{loader.device: "cpu"}), batches // 2)
+                    difference = _compare(val, patched_fn, dict(other, tokenizer=ByteTokenizer()), loader.device, "cuda-on-host", rank, f"{loader.split[0]}={VAL_SPLIT!r}", spawned=False)
+                    if difference:
+                        return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
+                    compared += len(val)
+                    notes.append(f"{loader.split[0]}={VAL_SPLIT!r} (rank 0, {len(val)} batches): run in the training process, no producer started (only {loader.split[0]}={loader.split[1]!r} spawns one)")
         finally:
             sys.path.remove(str(tmp))
             os.environ.clear()
@@ -206,20 +217,31 @@ def _count_crossings(reference: list, seen: dict) -> None:
         seen["epoch"] += a["epoch"] != b["epoch"]
 
 
-def _compare(reference: list, patched_fn, arguments: dict, device_param: str, device: str, rank: int, phase: str) -> Difference | None:
-    """The first difference between `reference` and the patched loader's batches, or None."""
+def _compare(reference: list, patched_fn, arguments: dict, device_param: str, device: str, rank: int, phase: str, spawned: bool = True) -> Difference | None:
+    """The first difference between `reference` and the patched loader's batches, or None.
+
+    spawned: whether the patched loader must run in a spawned producer (True) or in this
+    process, starting no child (False: another split than the training one)."""
+    import multiprocessing
+
     from patcher.proof.host_cuda import cuda_on_host
 
     on_host = device == "cuda-on-host"
     context = cuda_on_host() if on_host else _nothing()
     said = io.StringIO()
     with context, contextlib.redirect_stderr(said):
+        children = set(multiprocessing.active_children())
         generator = patched_fn(**arguments, **{device_param: "cuda" if on_host else "cpu"})
         previous = None
         try:
             for index, expected in enumerate(reference):
                 got = next(generator)
-                for which, batch, at in ((index, got, "handed out"), (index - 1, previous, "after the next was taken")):
+                if index == 0 and not spawned and set(multiprocessing.active_children()) - children:
+                    return Difference(rank, f"{phase} ({device})", 0, None, "the patched loader started a producer process for a split that should run in the training process")
+                # the spawned path promises a batch one `next()` longer; in this process the
+                # original's promise holds (views of its reused buffers, until the next `next()`)
+                checks = ((index, got, "handed out"), (index - 1, previous, "after the next was taken")) if spawned else ((index, got, "handed out"),)
+                for which, batch, at in checks:
                     if batch is None:
                         continue
                     difference = first_difference(reference[which], batch if device == "cpu" else _on_host(batch))
@@ -230,7 +252,7 @@ def _compare(reference: list, patched_fn, arguments: dict, device_param: str, de
             return Difference(rank, f"{phase} ({device})", index, None, f"the patched loader raised {type(error).__name__}: {error}")
         finally:
             generator.close()
-    if "runs in the training process" in said.getvalue():  # the fallback path proves nothing about the producer
+    if spawned and "runs in the training process" in said.getvalue():  # the fallback path proves nothing about the producer
         return Difference(rank, f"{phase} ({device})", 0, None, "the patched loader did not start its spawned producer: " + said.getvalue().strip())
     return None
 

@@ -92,7 +92,8 @@ def _module_mode(module: cst.Module, ctx: Context, loaders) -> tuple[cst.Module,
         if loader.refusal is not None:
             notes.append(Note(FEATURE, False, loader.refusal, line))
         else:
-            notes.append(Note(FEATURE, True, f"{loader.name} (line {line}) runs ahead in a spawned producer process; the H2D copy stays here, through a ring of pinned buffers", line))
+            splits = f"; a build with `{loader.split[0]}` other than {loader.split[1]!r} runs the original in the training process (a child's start costs seconds; TRAIN_PREFETCH_EVERY_SPLIT=1 spawns for every split)" if loader.split else ""
+            notes.append(Note(FEATURE, True, f"{loader.name} (line {line}) runs ahead in a spawned producer process; the H2D copy stays here, through a ring of pinned buffers{splits}", line))
     if any(loader.refusal is None for loader in loaders):
         ctx.need(bestfit_packing.RUNTIME_TEMPLATE)
         module = bestfit_packing.rewrite(module, ctx, loaders)
@@ -203,6 +204,7 @@ TOGGLES = (
     Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", position=1),
     Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", position=9),
     Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", position=10),
+    Toggle("TRAIN_PREFETCH_EVERY_SPLIT", 0, "spawn a data-loader module's producer for every split (val too), not only the training split", position=11),
 )
 RUNTIME = {
     "staging": (),

@@ -160,7 +160,7 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
                 del sys.modules[key]
         crossed = [k for k, v in seen.items() if v]
         notes.append(f"rank states crossed: {', '.join(f'{k} boundary x{seen[k]}' for k in crossed) or 'nothing'}; each rank also resumed from the state dict of its batch {batches // 2}")
-        notes.append("patched loader run on the CUDA path driven with host memory (pinned ring, events) for every rank, and on a CPU device for rank 0; each batch re-checked after the next is taken")
+        notes.append("patched loader run on the CUDA path driven with host memory (pinned ring, events) for every rank, and on a CPU device for rank 0; each batch re-checked after the next is taken" + ("; the val build's batches as handed out (it keeps the original's lifetime)" if loader.split is not None else ""))
         result = VerifyResult(True, world_size, compared, None, notes, time.perf_counter() - started)
         if len(crossed) < 3:
             result.notes.append("partial: the run did not cross a row group, a file and an epoch boundary")

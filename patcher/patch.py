@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
+from patcher.families.bestfit_packing import MODULE_RUNTIME
 from patcher.render import render
 from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
 from patcher.survey.survey import Survey, survey
@@ -86,6 +87,7 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     module = module if module is not None else cst.parse_module(source)
     surveyed = surveyed if surveyed is not None and surveyed.module is module else survey(module)
     already = {feature for feature, name in INJECTED_NAMES.items() if name in surveyed.module_names}
+    already |= {"train_prefetch"} if MODULE_RUNTIME in surveyed.module_names else set()  # a patched data-loader module
     if already:
         names = ", ".join(sorted(already))
         return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)
@@ -115,6 +117,7 @@ def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:
     if ctx.constants:
         if "os" not in imports:
             block.append(cst.parse_statement("import os\n"))
+            imports = imports | {"os"}  # the runtime below it needs no second `import os`
         block.extend(cst.SimpleStatementLine(body=[s]) for s in ctx.constants)
     if ctx.templates:
         facts = render.cut_facts(ctx.templates, ctx.runtime_calls)

@@ -554,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if exit.code else 0
     try:
         with running_clock(f"bench {args.script}: {args.steps} steps", wanted(args.json)):
+            from patcher.proof.module_bench import module_loader, print_module_report, run_module_bench
+
+            if module_loader(read_script(args.script).source) is not None:  # a data-loader module (nanochat)
+                report = run_module_bench(args.script, args.steps, args.compute_ms, args.main_thread)
+                print(json.dumps(report)) if args.json else print_module_report(report, sys.stdout)
+                return 0
             report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers, pageable_h2d=args.pageable_h2d)
     except (BenchError, SourceError) as error:
         print(f"patch-prefetch bench: error: {error}", file=sys.stderr)

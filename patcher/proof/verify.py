@@ -32,6 +32,7 @@ from patcher.check.import_smoke import definitions_only
 from patcher.proof.compare import CannotVerify, Difference, first_rank_difference
 from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
+from patcher.proof.module_verify import module_loader, verify_module
 from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, load_definitions, load_module, swapped
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, host_only_pinning
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches
@@ -172,6 +173,11 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
         as_path = str(Path(original).resolve())
         notes.append(f"both scripts imported as if at {as_path} (__file__)")
         prefetched = _patched_runtime(sources[1], patched)
+        if module_loader(sources[0]) is not None:  # a data-loader module (nanochat's dataloader.py)
+            result = verify_module(sources[0], sources[1], original, batches, world_size, seed)
+            result.notes[:0] = notes
+            result.prefetched = prefetched
+            return result
         if not prefetched and STAGING_RUNTIME in survey_of(sources[1]).module_names:
             notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")
         elif not prefetched:
@@ -191,7 +197,7 @@ class NothingToVerify(CannotVerify):
 
 
 # The runtime functions a training prefetch injects (templates/prefetch_*.py).
-TRAIN_RUNTIME = ("_make_train_loader", "_prefetch_iterator", "_prefetch_next_batch")
+TRAIN_RUNTIME = ("_make_train_loader", "_prefetch_iterator", "_prefetch_next_batch", "_spawn_generator")
 
 
 def _patched_runtime(source: str, path) -> bool:
@@ -369,6 +375,11 @@ def _compare_generator_configurations(driver_compare, recipe, modules, rank, wor
 # How verify drives a script's training data source, by name (the name a loader family
 # gives for its driver), tried in this order: the first driver whose recipe reads the
 # original script drives it.
+# A data-loader module (module mode, nanochat's dataloader.py) is not here: it is no
+# script (nothing builds or rebuilds its loader, there is no warm-up reset), so `verify`
+# hands it to `module_verify.verify_module` before a driver is chosen: the "generator"
+# driver would take its inner parquet reader for a script's generator, which cannot be
+# built outside the loader (`split` is the loader's argument).
 DRIVERS = {
     # a class with `next_batch`, built as `name = Cls(...)` (and rebuilt after the warm-up)
     "loader_class": Driver("loader_class", LoaderRecipe, lambda original, patched: LoaderRecipe.from_source(original), compare_loader_rank, _verify_loader_class, DEFAULT_BATCHES),

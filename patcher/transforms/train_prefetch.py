@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import libcst as cst
 
+from patcher.families import bestfit_packing
 from patcher.families.base import MAKE_TRAIN_LOADER, DataVariable
 from patcher.families.registry import BY_NAME
 from patcher.transforms.base import Code, Context, Feature, Note, Toggle, replace_nodes
@@ -48,6 +49,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     survey = ctx.survey
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
+    loaders = bestfit_packing.loader_generators(survey.module)
+    if loaders:  # module mode: the data-loader module a training script imports
+        return _module_mode(module, ctx, loaders)
     variables = _data_variables(survey)
     staged = [i for i in survey.iterators if i.staged]
     if not variables and staged:  # the generator's reason, not that of a loader built inside it
@@ -80,6 +84,22 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     if replacements:
         ctx.need(THREAD_RUNTIME if full else wrapped[0][0].family.runtime)
         module = replace_nodes(module, replacements, ctx)
+    return module, notes
+
+
+def _module_mode(module: cst.Module, ctx: Context, loaders) -> tuple[cst.Module, list[Note]]:
+    """Rewrite the loader generators of a data-loader module (`patcher/families/bestfit_packing.py`)."""
+    notes = []
+    for loader in loaders:
+        line = ctx.survey.line_of(loader.function)
+        if loader.refusal is not None:
+            notes.append(Note(FEATURE, False, loader.refusal, line))
+        else:
+            splits = f"; a build with `{loader.split[0]}` other than {loader.split[1]!r} runs the original in the training process (a child's start costs seconds; TRAIN_PREFETCH_EVERY_SPLIT=1 spawns for every split)" if loader.split else ""
+            notes.append(Note(FEATURE, True, f"{loader.name} (line {line}) runs ahead in a spawned producer process; the H2D copy stays here, through a ring of pinned buffers{splits}", line))
+    if any(loader.refusal is None for loader in loaders):
+        ctx.need(bestfit_packing.RUNTIME_TEMPLATE)
+        module = bestfit_packing.rewrite(module, ctx, loaders)
     return module, notes
 
 
@@ -187,6 +207,7 @@ TOGGLES = (
     Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", position=1),
     Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", position=9),
     Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", position=10),
+    Toggle("TRAIN_PREFETCH_EVERY_SPLIT", 0, "spawn a data-loader module's producer for every split (val too), not only the training split", position=12),
 )
 RUNTIME = {
     "staging": (),
@@ -195,6 +216,7 @@ RUNTIME = {
     "prefetch_iterator": ("prefetch_loader",),
     "ordered_handoff": ("prefetch_loader",),
     "shuffled_assembly": (),
+    "spawn_generator": ("staging",),
 }
 # The options of `_make_train_loader` whose code a script gets only where a call site
 # chooses them. The lean runtime's depth is one: a default patch passes none (the

@@ -1,0 +1,269 @@
+"""`verify` for a data-loader module (family `bestfit_packing`, module mode): nanochat's `dataloader.py`.
+
+The module is not a script: nothing in it builds the loader. The harness builds it the
+way `scripts/base_train.py` does, `loader(tokenizer, B, T, split="train", device=...,
+resume_state_dict=...)`, for every rank, on a synthetic parquet corpus it writes with
+pyarrow (a test extra, never a runtime dependency), with a byte-level test tokenizer
+(`ByteTokenizer`: the two methods the loader calls, `get_bos_token_id()` and
+`encode(texts, prepend=, num_threads=)`). What the module imports from its own package
+and the harness supplies (`get_dist_info` from the launcher's RANK / WORLD_SIZE,
+`list_parquet_files` over the corpus) is written as stub modules beside it and named in
+the notes. Both modules are imported by name from that package, so that the patched
+one's spawned producer imports it as in a run.
+
+Compared, for every rank: each batch's inputs, targets and state dict (dtype, shape,
+bytes; values), when handed out and again after the next one is taken; then a resume
+from the state dict of a batch part-way through, both modules resumed from it. The
+verdict says whether the run crossed a row-group boundary, a file boundary and an
+epoch; "identical" only where the states show it did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import libcst as cst
+import torch
+
+from patcher.families.bestfit_packing import LoaderGenerator, loader_generators
+from patcher.proof.compare import CannotVerify, Difference, first_difference
+
+# What the harness supplies for helpers the module imports from its own package.
+STUBS = {
+    "get_dist_info": (
+        "def get_dist_info():\n"
+        "    rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))\n"
+        "    return world > 1, rank, int(os.environ.get('LOCAL_RANK', rank)), world\n"
+    ),
+    "list_parquet_files": (
+        "def list_parquet_files(data_dir=None, warn_on_legacy=False):\n"
+        "    data_dir = data_dir or os.environ['PATCH_PREFETCH_PARQUET_DIR']\n"
+        "    return sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith('.parquet'))\n"
+    ),
+}
+# Arguments of the loader the harness sets by name (small, so that the run crosses row
+# groups, files and epochs in a few dozen batches); every other parameter keeps its default.
+CALL = {"B": 2, "T": 24, "split": "train", "tokenizer_threads": 1, "tokenizer_batch_size": 6, "buffer_size": 12}
+FILES, ROW_GROUPS, DOCS_PER_GROUP = 3, 3, 6
+# The split of the loader an evaluation builds (the last parquet file, as in nanochat).
+VAL_SPLIT = "val"
+
+
+class ByteTokenizer:
+    """A test tokenizer: token id = byte + 1, BOS = 0. Picklable (a spawned producer gets a copy)."""
+
+    def get_bos_token_id(self) -> int:
+        return 0
+
+    def encode(self, text, prepend=None, append=None, num_threads=8):
+        """Ids of one string or a list of strings, with `prepend` / `append` ids."""
+        if isinstance(text, str):
+            return self.encode([text], prepend, append)[0]
+        return [([prepend] if prepend is not None else []) + [b + 1 for b in t.encode("utf-8")] + ([append] if append is not None else []) for t in text]
+
+
+def write_corpus(directory: Path, seed: int = 0) -> list[Path]:
+    """FILES parquet files of ROW_GROUPS row groups of DOCS_PER_GROUP documents (column `text`, 3-60 characters)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    paths = []
+    for f in range(FILES):
+        texts = ["".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(3, 60))) for _ in range(ROW_GROUPS * DOCS_PER_GROUP)]
+        path = directory / f"shard_{f:05d}.parquet"
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=DOCS_PER_GROUP)
+        paths.append(path)
+    return paths
+
+
+def module_loader(source: str) -> LoaderGenerator | None:
+    """The loader generator module mode rewrites in `source`, or None."""
+    return next((lg for lg in loader_generators(cst.parse_module(source)) if lg.refusal is None), None)
+
+
+def verify_module(original: str, patched: str, original_path, batches: int | None = None, world_size: int = 2, seed: int = 0):
+    """Compare the original and patched module's loader for ranks 0..world_size-1. Returns a
+    `VerifyResult`; raises CannotVerify (one line) when the module cannot be driven."""
+    from patcher.proof.verify import VerifyResult
+
+    started = time.perf_counter()
+    loader = module_loader(original)
+    if loader is None:
+        raise CannotVerify(f"{original_path}: no data-loader generator of the bestfit_packing family")
+    name = loader.name
+    batches = batches or 40
+    notes: list[str] = []
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise CannotVerify("needs pyarrow (pip install 'patch-prefetch[test]')") from None
+    params = [p for p in loader.function.params.params + loader.function.params.kwonly_params]
+    missing = [p.name.value for p in params if p.default is None and p.name.value not in CALL and p.name.value not in ("tokenizer", loader.device)]
+    if missing:
+        raise CannotVerify(f"{name} needs {', '.join(missing)}, which the harness does not know how to give")
+    call = {k: v for k, v in CALL.items() if k in {p.name.value for p in params}}
+    with tempfile.TemporaryDirectory(prefix="verify-module-") as tmp:
+        tmp = Path(tmp)
+        package, stubbed = _package(tmp, original, patched, Path(original_path).stem, notes)
+        data = tmp / "data"
+        data.mkdir()
+        write_corpus(data, seed)
+        notes.append(f"synthetic corpus: {FILES} parquet files x {ROW_GROUPS} row groups x {DOCS_PER_GROUP} documents (the last file is the val split); tokenizer: a byte-level test double")
+        notes.append(f"stubbed for the module: {', '.join(stubbed)}; called as {name}(tokenizer, {', '.join(f'{k}={v!r}' for k, v in call.items())}, device=...)")
+        env = dict(os.environ)
+        sys.path.insert(0, str(tmp))
+        compared, seen = 0, {"row group": 0, "file": 0, "epoch": 0}
+        try:
+            os.environ["PATCH_PREFETCH_PARQUET_DIR"] = str(data)
+            for rank in range(world_size):
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+                modules = [importlib.import_module(f"{package}.{m}") for m in ("_verify_original", Path(original_path).stem)]
+                original_fn, patched_fn = (getattr(m, name) for m in modules)
+                reference = _draw(original_fn(ByteTokenizer(), **call, **{loader.device: "cpu"}), batches)
+                _count_crossings(reference, seen)
+                for device in ("cuda-on-host", "cpu"):
+                    difference = _compare(reference, patched_fn, dict(call, tokenizer=ByteTokenizer()), loader.device, device, rank, "train")
+                    if difference:
+                        return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
+                    compared += len(reference)
+                    if rank:
+                        break
+                state = reference[len(reference) // 2][2]
+                resumed = _draw(original_fn(ByteTokenizer(), **call, resume_state_dict=state, **{loader.device: "cpu"}), batches // 2)
+                difference = _compare(resumed, patched_fn, dict(call, tokenizer=ByteTokenizer(), resume_state_dict=state), loader.device, "cuda-on-host", rank, f"resumed from {state}")
+                if difference:
+                    return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
+                compared += len(resumed)
+                if rank == 0 and loader.split is not None and loader.split[0] in call:
+                    # another split's build runs the original here: no producer, same batches
+                    other = dict(call, **{loader.split[0]: VAL_SPLIT})
+                    val = _draw(original_fn(ByteTokenizer(), **other, **{loader.device: "cpu"}), batches // 2)
+                    difference = _compare(val, patched_fn, dict(other, tokenizer=ByteTokenizer()), loader.device, "cuda-on-host", rank, f"{loader.split[0]}={VAL_SPLIT!r}", spawned=False)
+                    if difference:
+                        return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
+                    compared += len(val)
+                    notes.append(f"{loader.split[0]}={VAL_SPLIT!r} (rank 0, {len(val)} batches): run in the training process, no producer started (only {loader.split[0]}={loader.split[1]!r} spawns one)")
+        finally:
+            sys.path.remove(str(tmp))
+            os.environ.clear()
+            os.environ.update(env)
+            for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+                del sys.modules[key]
+        crossed = [k for k, v in seen.items() if v]
+        notes.append(f"rank states crossed: {', '.join(f'{k} boundary x{seen[k]}' for k in crossed) or 'nothing'}; each rank also resumed from the state dict of its batch {batches // 2}")
+        notes.append("patched loader run on the CUDA path driven with host memory (pinned ring, events) for every rank, and on a CPU device for rank 0; each batch re-checked after the next is taken" + ("; the val build's batches as handed out (it keeps the original's lifetime)" if loader.split is not None else ""))
+        result = VerifyResult(True, world_size, compared, None, notes, time.perf_counter() - started)
+        if len(crossed) < 3:
+            result.notes.append("partial: the run did not cross a row group, a file and an epoch boundary")
+        return result
+
+
+def _package(tmp: Path, original: str, patched: str, stem: str, notes: list[str]) -> tuple[str, list[str]]:
+    """Write the package both modules live in (`<pkg>/_verify_original.py`, `<pkg>/<stem>.py`)
+    and the stubs of what they import from it. Returns (package name, stubbed names)."""
+    module = cst.parse_module(original)
+    imports = {}
+    for statement in module.body:
+        for small in statement.body if isinstance(statement, cst.SimpleStatementLine) else ():
+            if isinstance(small, cst.ImportFrom) and small.module is not None and not isinstance(small.names, cst.ImportStar):
+                dotted = cst.Module([]).code_for_node(small.module)
+                for alias in small.names:
+                    imports.setdefault(dotted, []).append(alias.name.value)
+    own = [d for d in imports if "." in d and importlib.util.find_spec(d.split(".")[0]) is None]
+    packages = sorted({d.split(".")[0] for d in own}) or ["loader_module"]
+    package = packages[0]
+    root = tmp / package
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    stubbed = []
+    for dotted in own:
+        parts = dotted.split(".")
+        unknown = [n for n in imports[dotted] if n not in STUBS]
+        if unknown:
+            raise CannotVerify(f"the module imports {', '.join(unknown)} from {dotted}, which the harness cannot supply")
+        target = tmp.joinpath(*parts[:-1], parts[-1] + ".py")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("import os\n\n" + "\n".join(STUBS[n] for n in imports[dotted]))
+        stubbed += [f"{dotted}.{n}" for n in imports[dotted]]
+    (root / "_verify_original.py").write_text(original)
+    (root / f"{stem}.py").write_text(patched)
+    return package, stubbed
+
+
+def _draw(generator, count: int) -> list:
+    """`count` batches of `generator`, each copied when drawn (the original reuses its buffers)."""
+    out = []
+    for _ in range(count):
+        inputs, targets, state = next(generator)
+        out.append((inputs.clone(), targets.clone(), dict(state)))
+    generator.close()
+    return out
+
+
+def _count_crossings(reference: list, seen: dict) -> None:
+    """Count the row-group, file and epoch changes between consecutive batches' states."""
+    for (_, _, a), (_, _, b) in zip(reference, reference[1:]):
+        seen["row group"] += a["rg_idx"] != b["rg_idx"]
+        seen["file"] += a["pq_idx"] != b["pq_idx"]
+        seen["epoch"] += a["epoch"] != b["epoch"]
+
+
+def _compare(reference: list, patched_fn, arguments: dict, device_param: str, device: str, rank: int, phase: str, spawned: bool = True) -> Difference | None:
+    """The first difference between `reference` and the patched loader's batches, or None.
+
+    spawned: whether the patched loader must run in a spawned producer (True) or in this
+    process, starting no child (False: another split than the training one)."""
+    import multiprocessing
+
+    from patcher.proof.host_cuda import cuda_on_host
+
+    on_host = device == "cuda-on-host"
+    context = cuda_on_host() if on_host else _nothing()
+    said = io.StringIO()
+    with context, contextlib.redirect_stderr(said):
+        children = set(multiprocessing.active_children())
+        generator = patched_fn(**arguments, **{device_param: "cuda" if on_host else "cpu"})
+        previous = None
+        try:
+            for index, expected in enumerate(reference):
+                got = next(generator)
+                if index == 0 and not spawned and set(multiprocessing.active_children()) - children:
+                    return Difference(rank, f"{phase} ({device})", 0, None, "the patched loader started a producer process for a split that should run in the training process")
+                # the spawned path promises a batch one `next()` longer; in this process the
+                # original's promise holds (views of its reused buffers, until the next `next()`)
+                checks = ((index, got, "handed out"), (index - 1, previous, "after the next was taken")) if spawned else ((index, got, "handed out"),)
+                for which, batch, at in checks:
+                    if batch is None:
+                        continue
+                    difference = first_difference(reference[which], batch if device == "cpu" else _on_host(batch))
+                    if difference:
+                        return Difference(rank, f"{phase} ({device}, {at})", which, difference[0], difference[1])
+                previous = got
+        except Exception as error:
+            return Difference(rank, f"{phase} ({device})", index, None, f"the patched loader raised {type(error).__name__}: {error}")
+        finally:
+            generator.close()
+    if spawned and "runs in the training process" in said.getvalue():  # the fallback path proves nothing about the producer
+        return Difference(rank, f"{phase} ({device})", 0, None, "the patched loader did not start its spawned producer: " + said.getvalue().strip())
+    return None
+
+
+def _on_host(batch):
+    return tuple(v.cpu() if isinstance(v, torch.Tensor) else v for v in batch) if isinstance(batch, tuple) else batch
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

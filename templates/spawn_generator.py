@@ -1,0 +1,341 @@
+"""Injected runtime: a data-loader generator run ahead in a spawned process (module mode, family `bestfit_packing`).
+
+`patch-prefetch nanochat/dataloader.py` keeps the module's loader generator as
+`_original_<name>` and defines `<name>` again, with the same parameters, as
+`yield from _spawn_generator(_original_<name>, {every argument by name}, "device", ...)`.
+
+Why a spawned process: nanochat's loader tokenizes (the tokenizer runs its own
+threads) and packs documents by best fit in pure Python; on a thread of the training
+process that Python would take the GIL from the training loop, and a forked child
+would inherit neither the tokenizer's nor pyarrow's threads. A spawned child
+(`multiprocessing` "spawn" context) imports the module by name, calls the original
+generator with the same arguments (its own resume state among them) but
+`device="cpu"`, and hands each batch over `queue_depth` batches ahead, as the lean
+runtime (`prefetch_lean.py`) does for a forked loader: its tensors are written into
+shared-memory slot `n % queue_depth`, a semaphore counts the free slots, and a small
+message on a pipe carries the batch's structure, its non-tensor values (the state dict
+of THAT batch) and the slot's number. The parent copies the slot out (into its pinned
+buffer on CUDA: the H2D source) and frees it; it does the H2D itself, on the current
+stream, as the original does.
+
+The hand-out. Sent whole through a `multiprocessing.Queue`, a batch of nanochat's
+default packing sizes (two int64 [8, 512] tensors, 64 KiB) was larger than a pipe's
+buffer: each `next()` read half of it and waited for the child to be scheduled to
+write the rest (0.7-0.8 ms median with the child ahead, up to 31 ms, on a loaded
+2-core host), then unpickled it. Through the slots it is one small read and two copies
+(0.35-0.46 ms median, same host). The child runs at nice +10: on a host
+without a core to spare, a woken child that has slept preempts the training process
+(the kernel favours sleepers), which then waited out the child's batch inside its own
+`next()` (about one involuntary switch a hand-out); niced, it yields to the training
+loop and takes what the loop leaves. Where cores are free, niceness changes nothing.
+
+Lifetime: the original yields views of one reused device buffer (valid until the next
+`next()`); here each batch has its own pinned staging buffer and device buffer out of a
+ring of two, so a batch stays valid for one more `next()` than the original promises.
+A pinned buffer is rewritten only after the CUDA event recorded behind its last H2D has
+completed (the original refills its one pinned buffer without waiting for the previous
+non-blocking copy, a possible race this removes by construction). On the CPU the batch
+is a fresh tensor per batch.
+
+Where the child cannot be used (the module runs as `__main__`, the arguments do not
+pickle, the child cannot import the module or find the function), the original runs in
+this process, exactly, with one line on stderr saying why. `TRAIN_PREFETCH=0` (the
+`prefetch` argument) restores the original path. Only the training split's loader
+spawns (`split_param` / `train_split`, where the loader names its splits): a loader of
+another split, such as the val loader a training script rebuilds at every evaluation,
+runs the original in this process, silently, since a child's start (4.6-6.8 s on a
+loaded 2-core host, nearly all importing torch and pyarrow) would cost each evaluation
+more than it gives back; `TRAIN_PREFETCH_EVERY_SPLIT=1` (`every_split`) spawns for
+every split. The child's exception is raised here
+at the batch where it happened, with the child's formatted traceback as its cause
+(an exception that does not pickle arrives as RuntimeError naming its type). The
+child is a daemon: `multiprocessing` terminates it at exit; closing the generator
+(or dropping it) terminates it at once; the child ignores SIGINT (Ctrl-C reaches the
+parent, whose exit ends it) and leaves by itself when the parent has gone.
+"""
+
+import importlib
+import mmap
+import multiprocessing
+import multiprocessing.reduction
+import os
+import pickle
+import select
+import signal
+import sys
+import traceback
+import types
+
+import torch
+
+from templates.staging import _each_leaf
+
+# The producer's niceness: it yields the CPU to the training loop (the module docstring says why).
+_PRODUCER_NICE = 10
+# Tensors start at multiples of this in a slot: any dtype's view of the slot's bytes is aligned.
+_SLOT_ALIGN = 64
+
+
+class _HostTensor:
+    """A tensor as it crosses the process boundary: dtype, shape, and where its bytes are:
+    at `offset` in the batch's shared-memory slot (`data` None), or in `data` (a numpy
+    uint8 array, pickled with the message) where the slot has no room for it."""
+
+    __slots__ = ("dtype", "shape", "data", "offset")
+
+    def __init__(self, tensor, slot=None, offset=0):
+        tensor = tensor.detach()
+        self.dtype, self.shape, self.offset, self.data = tensor.dtype, tuple(tensor.shape), offset, None
+        if slot is not None:
+            _view(slot, offset, tensor.dtype, tensor.shape).copy_(tensor)
+        else:  # a copy: the loader refills its buffers after the yield
+            self.data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+
+    def tensor(self, slot):
+        """The tensor: a view of `slot` (valid until the slot is freed), or its own memory."""
+        if self.data is None:
+            return _view(slot, self.offset, self.dtype, self.shape)
+        return torch.from_numpy(self.data).view(self.dtype).view(self.shape)
+
+
+def _slot_bytes(tensor):
+    """The bytes `tensor` takes in a slot: its own, rounded up to `_SLOT_ALIGN`."""
+    return -(-tensor.numel() * tensor.element_size() // _SLOT_ALIGN) * _SLOT_ALIGN
+
+
+def _view(slot, offset, dtype, shape):
+    """The tensor of `dtype` and `shape` whose bytes start at `offset` of `slot` (uint8)."""
+    size = torch.Size(shape).numel() * dtype.itemsize
+    return slot[offset : offset + size].view(dtype).view(shape)
+
+
+def _spawn_generator(function, arguments, device_param="device", prefetch=True, queue_depth=2, split_param=None, train_split=None, every_split=False):
+    """Yield what `function(**arguments)` yields, built ahead by a spawned process.
+
+    Takes: function: a module-level generator function of an importable module (the
+    loader, e.g. yielding `inputs, targets: int64 [B, T]` on `device` and a state dict
+    `{pq_idx, rg_idx, epoch}`); arguments: its arguments by parameter name, defaults
+    applied; device_param: the name of its device parameter (the child gets "cpu");
+    prefetch: bool (`TRAIN_PREFETCH`); queue_depth: batches built ahead (>= 1);
+    split_param, train_split: the parameter naming the split and its training value
+    (`"split"`, `"train"`): a build whose split is another (`"val"`) runs `function` here,
+    as the original, unless every_split (`TRAIN_PREFETCH_EVERY_SPLIT`); None: every
+    build spawns.
+    Yields: each batch of the original, equal bit for bit, in order, with the same
+    structure; tensors on `arguments[device_param]`.
+    Raises: the child's exception at its batch (cause: the child's traceback);
+    RuntimeError when the child dies without a word.
+    """
+    if not prefetch or (split_param is not None and not every_split and arguments.get(split_param) != train_split):
+        # Another split's loader (nanochat rebuilds the val loader at every evaluation and
+        # draws a few dozen batches from it): a child's start, seconds of importing torch
+        # and pyarrow, would cost more than running ahead gives back.
+        yield from function(**arguments)
+        return
+    module_name = getattr(sys.modules.get(function.__module__), "__spec__", None)
+    module_name = module_name.name if module_name is not None else function.__module__
+    if module_name in ("__main__", "__mp_main__") or getattr(sys.modules.get(module_name), function.__name__, None) is not function:
+        yield from _run_here(function, arguments, f"module {function.__module__} cannot be imported by name in a spawned process")
+        return
+    spawn = multiprocessing.get_context("spawn")
+    depth = max(1, int(queue_depth))
+    receiver, sender = spawn.Pipe(True)  # a socket pair: it carries the slots' file descriptor too
+    free = spawn.Semaphore(depth)  # slots the child may fill: released here once a slot's batch is copied out
+    child_arguments = dict(arguments, **{device_param: "cpu"})
+    child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, child_arguments, sender, free, depth), daemon=True, name=f"prefetch {function.__name__}")
+    main = sys.modules["__main__"]
+    # Spawn re-runs the main script in the child unless it is guarded; a training script
+    # that trains at top level would train there. The child needs only this module.
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        child.start()
+    except Exception as error:  # the arguments do not pickle, no processes to spare
+        receiver.close()
+        yield from _run_here(function, arguments, f"no spawned producer ({type(error).__name__}: {error})")
+        return
+    finally:
+        sys.modules["__main__"] = main
+        sender.close()  # the child's end: closed here, so that the child's exit is an end of file
+    device = torch.device(arguments[device_param])
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    ring = [[None, None, None], [None, None, None]]  # per batch in turn: pinned buffers, device buffers, the event after their H2D
+    slots, taken = None, 0
+    readable = select.poll()  # one poll object: a `Connection.poll` builds a selector per call
+    readable.register(receiver, select.POLLIN)
+    try:
+        while True:
+            message = _receive(receiver, readable, child)
+            if message[0] == "slots":  # once, before the first batch: the size of a slot (0: no slots)
+                slots = _map_slots(multiprocessing.reduction.recv_handle(receiver), message[1], depth) if message[1] else None
+                continue
+            if message[0] == "setup":  # the child could not build the generator: nothing was yielded yet
+                yield from _run_here(function, arguments, message[1])
+                return
+            if message[0] == "end":
+                return
+            if message[0] == "error":
+                raise message[1] from RuntimeError(message[2])
+            shared = slots[message[2]] if slots is not None else None
+            leaves = []
+            _each_leaf(message[1], lambda v: leaves.append(v) if isinstance(v, _HostTensor) else None)
+            host = [leaf.tensor(shared) for leaf in leaves]
+            staged = ring[taken % 2]
+            taken += 1
+            if pin:  # out of the shared slot straight into this ring slot's pinned buffers, then the H2D
+                staged[0:2] = _to_device(host, device, staged)
+                staged[2] = torch.cuda.Event()
+                staged[2].record()
+                handed = iter(list(staged[1]))
+            elif device.type == "cpu":  # fresh memory per batch: a view of the shared slot is copied out
+                handed = iter([t.clone() if leaf.data is None else t for leaf, t in zip(leaves, host)])
+            else:
+                handed = iter([t.to(device) for t in host])
+            free.release()  # the slot is copied out: the child may refill it
+            yield _each_leaf(message[1], lambda v: next(handed) if isinstance(v, _HostTensor) else v)
+    finally:
+        child.terminate()
+        child.join(5)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+        receiver.close()
+
+
+def _to_device(host, device, staged):
+    """Issue the H2D copies of the tensors `host` through the pinned buffers of `staged`.
+
+    Waits first for the event of this ring slot's previous H2D: its pinned buffers are not
+    rewritten before that copy has read them. Returns (pinned, device) buffer lists.
+    """
+    if staged[2] is not None:
+        staged[2].synchronize()
+    pinned, on_device = staged[0] or [], staged[1] or []
+    for index, tensor in enumerate(host):
+        if index >= len(pinned) or pinned[index].shape != tensor.shape or pinned[index].dtype != tensor.dtype:
+            pinned[index:] = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)]
+            on_device[index:] = [torch.empty(tensor.shape, dtype=tensor.dtype, device=device)]
+        pinned[index].copy_(tensor)
+        on_device[index].copy_(pinned[index], non_blocking=True)
+    return pinned, on_device[: len(host)]
+
+
+def _receive(receiver, readable, child):
+    """The child's next message; RuntimeError when the child has died without one.
+
+    readable: a `select.poll` object with `receiver` registered."""
+    while not readable.poll(500):
+        if not child.is_alive() and not receiver.poll():
+            break
+    try:
+        return receiver.recv()
+    except EOFError:  # every copy of the sending end is closed: the child is gone
+        child.join(1)
+        raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None
+
+
+def _run_here(function, arguments, reason):
+    """The original generator, in this process, after one line on stderr saying why."""
+    print(f"prefetch: {function.__name__} runs in the training process: {reason} (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
+    yield from function(**arguments)
+
+
+def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
+    """The spawned child: run `module.function(**arguments)` and hand every batch over, in order.
+
+    Batch n's tensors are written into shared-memory slot `n % depth` (`_make_slots`:
+    allocated after the first batch, sized by it), after a `free` slot is acquired; the
+    message that follows carries the batch's structure, its non-tensor values (the state
+    dict of THAT batch) and the slot's number, a few hundred bytes that one write of the
+    pipe delivers (a batch of 64 KiB pickled filled the pipe, and each hand-out then
+    waited for the child to be scheduled to write the rest). A tensor the slot has no
+    room for (a batch larger than the first) travels in the message. Messages: ("slots", slot bytes) once, then the descriptor;
+    ("batch", batch with tensors as `_HostTensor`s, slot); ("setup", reason) when the
+    generator cannot be built; ("error", exception, traceback text) at the batch where
+    the generator raised; ("end",) when it returns. Leaves when the parent has gone.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    os.nice(_PRODUCER_NICE)  # before the loader starts its threads: they inherit it
+    torch.set_num_threads(1)  # as torchrun gives each rank: the loader's tensor work is small copies, and idle OpenMP threads spin
+    parent = multiprocessing.parent_process()
+    try:
+        batches = getattr(importlib.import_module(module_name), function_name)(**arguments)
+    except Exception as error:
+        return _send(sender, ("setup", f"a spawned producer cannot build it ({type(error).__name__}: {error})"))
+    slots, size, n = None, 0, 0
+    try:
+        while True:
+            while not free.acquire(timeout=0.05):
+                if parent is not None and not parent.is_alive():
+                    os._exit(0)
+            batch = next(batches, _END)
+            if batch is _END:
+                break
+            if n == 0:  # the first batch sizes the slots
+                tensors = []
+                _each_leaf(batch, lambda v: tensors.append(v) if isinstance(v, torch.Tensor) else None)
+                size = sum(_slot_bytes(t) for t in tensors)
+                slots = _make_slots(sender, size, depth) if size else None
+            slot, offset = slots[n % depth] if slots is not None else None, [0]
+
+            def host(value):
+                if not isinstance(value, torch.Tensor):
+                    return value
+                start = offset[0]
+                offset[0] += _slot_bytes(value)
+                return _HostTensor(value, slot if slot is not None and offset[0] <= size else None, start)
+
+            _send(sender, ("batch", _each_leaf(batch, host), n % depth))
+            n += 1
+    except BaseException as error:
+        text = traceback.format_exc()
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:  # rebuilt in the parent only where it pickles both ways
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        _send(sender, ("error", error, text))
+    else:
+        _send(sender, ("end",))
+
+
+_END = object()
+
+
+def _make_slots(sender, size, depth):
+    """`depth` slots of `size` bytes in one anonymous shared file (memfd), its descriptor
+    sent to the parent after the message ("slots", size); ("slots", 0) and None where there
+    is no such file (not Linux, no memory): the tensors then travel in the messages. The
+    file has no name and goes when both processes have unmapped it."""
+    try:
+        fd = os.memfd_create("prefetch-slots")
+    except (AttributeError, OSError):
+        return _send(sender, ("slots", 0))
+    try:
+        os.ftruncate(fd, size * depth)
+    except OSError:
+        os.close(fd)
+        return _send(sender, ("slots", 0))
+    _send(sender, ("slots", size))
+    try:
+        multiprocessing.reduction.send_handle(sender, fd, os.getppid())
+    except OSError:  # the parent has gone
+        os._exit(0)
+    return _map_slots(fd, size, depth)
+
+
+def _map_slots(fd, size, depth):
+    """The file `fd` mapped as `depth` uint8 tensors of `size` bytes; closes `fd` (the
+    mapping keeps the file). The parent maps the descriptor it receives with this too."""
+    try:
+        memory = mmap.mmap(fd, size * depth)
+    finally:
+        os.close(fd)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    return [whole[i * size : (i + 1) * size] for i in range(depth)]
+
+
+def _send(sender, message):
+    """Send `message`; exit at once when the parent process is gone (its end is closed)."""
+    try:
+        sender.send(message)
+    except (BrokenPipeError, ConnectionResetError):
+        os._exit(0)

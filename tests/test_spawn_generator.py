@@ -1,0 +1,175 @@
+"""templates/spawn_generator.py as plain Python: a generator run ahead in a spawned process.
+
+Each test builds a small importable module (a generator that, like nanochat's loader,
+refills one buffer it keeps and yields views of it with a state dict) and compares what
+`_spawn_generator` hands out with what the generator itself yields.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from patcher.proof.host_cuda import cuda_on_host
+from templates.spawn_generator import _spawn_generator
+
+SOURCE = textwrap.dedent(
+    '''
+    import torch
+
+    def gen(n, device="cpu", fail_at=None, stop=None):
+        buffer = torch.empty(2, 3, dtype=torch.long, device=device)
+        for k in range(n if stop is None else stop):
+            if k == fail_at:
+                raise ValueError(f"bad row group {k}")
+            buffer.copy_(torch.arange(6).view(2, 3) * (k + 1))
+            yield buffer[0], buffer[1], {"pq_idx": k // 3, "rg_idx": k % 3, "epoch": 1}
+
+    def gen_shapes(device="cpu"):
+        # batch 1 is larger than batch 0 (whose tensors size the shared slots), batch 2 smaller
+        for k, rows in enumerate((2, 40, 1, 2)):
+            wide = torch.arange(rows * 6, dtype=torch.float16).view(6, rows).t() * (k + 1)  # not contiguous
+            yield {"x": wide, "mask": wide > 3, "count": torch.tensor(k * 7), "k": k, "name": f"b{k}"}
+
+    def gen_split(split, device="cpu"):
+        # like nanochat's loader: the split selects the files; each batch says where it was built
+        import os
+        assert split in ["train", "val"]
+        for k in range(3):
+            yield torch.arange(4, device=device) + k + (100 if split == "val" else 0), {"pid": os.getpid(), "k": k}
+
+    def gen_nice(device="cpu"):
+        import os
+        yield torch.zeros(1, device=device), os.nice(0)
+    '''
+)
+
+
+@pytest.fixture
+def module(tmp_path, monkeypatch):
+    name = f"spawn_gen_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    yield importlib.import_module(name)
+    sys.modules.pop(name, None)
+
+
+def expected(module, **arguments):
+    return [(a.clone(), b.clone(), dict(s)) for a, b, s in module.gen(**arguments)]
+
+
+def test_same_batches_and_states_each_valid_after_the_next(module, capsys):
+    arguments = {"n": 7, "device": "cpu", "fail_at": None, "stop": None}
+    got = []
+    for batch in _spawn_generator(module.gen, arguments, "device"):
+        got.append(batch)
+    want = expected(module, n=7)
+    assert len(got) == 7
+    for (a, b, s), (x, y, t) in zip(want, got):  # every batch still holds its values after all later ones
+        assert torch.equal(a, x) and torch.equal(b, y) and s == t and type(t) is dict
+    assert "runs in the training process" not in capsys.readouterr().err  # the producer was spawned
+    assert not multiprocessing.active_children()
+
+
+def test_cuda_path_through_the_pinned_ring(module, capsys):
+    arguments = {"n": 5, "device": "cuda", "fail_at": None, "stop": None}
+    with cuda_on_host():
+        got = [(x.cpu().clone(), y.cpu().clone(), s) for x, y, s in _spawn_generator(module.gen, arguments, "device")]
+    want = expected(module, n=5)
+    assert all(torch.equal(a, x) and torch.equal(b, y) and s == t for (a, b, s), (x, y, t) in zip(want, got)) and len(got) == 5
+    assert "runs in the training process" not in capsys.readouterr().err
+
+
+def test_error_reaches_the_caller_at_its_batch_with_the_traceback(module):
+    arguments = {"n": 9, "device": "cpu", "fail_at": 4, "stop": None}
+    got = []
+    with pytest.raises(ValueError, match="bad row group 4") as raised:
+        for batch in _spawn_generator(module.gen, arguments, "device"):
+            got.append(batch)
+    assert len(got) == 4
+    assert "Traceback" in str(raised.value.__cause__) and "in gen" in str(raised.value.__cause__)
+    assert not multiprocessing.active_children()
+
+
+def test_prefetch_off_is_the_original(module):
+    generator = _spawn_generator(module.gen, {"n": 3, "device": "cpu", "fail_at": None, "stop": None}, "device", prefetch=False)
+    first = next(generator)
+    assert not multiprocessing.active_children()
+    second = next(generator)
+    assert first[0].data_ptr() == second[0].data_ptr()  # the original's own reused buffer
+
+
+def test_a_module_not_importable_by_name_runs_here_and_says_why(module, capsys, monkeypatch):
+    monkeypatch.setattr(module.gen, "__module__", "__main__")
+    got = [(a.clone(), b.clone(), s) for a, b, s in _spawn_generator(module.gen, {"n": 4, "device": "cpu", "fail_at": None, "stop": None}, "device")]
+    assert [s for *_, s in got] == [s for *_, s in expected(module, n=4)]
+    assert "cannot be imported by name in a spawned process" in capsys.readouterr().err
+
+
+def test_only_the_training_split_spawns_a_producer(module, capsys):
+    """A val build runs the original here (no child: its start would cost each evaluation
+    seconds); a train build spawns; every_split spawns for val too; the values are the same."""
+    import os
+
+    def run(split, every_split=False):
+        generator = _spawn_generator(module.gen_split, {"split": split, "device": "cpu"}, "device", split_param="split", train_split="train", every_split=every_split)
+        first = next(generator)
+        children = multiprocessing.active_children()
+        batches = [first, *generator]
+        assert not multiprocessing.active_children()
+        return [(x.clone(), s["k"]) for x, s in batches], {s["pid"] for _, s in batches}, children
+
+    for split in ("train", "val"):
+        want = [(x.clone(), s["k"]) for x, s in module.gen_split(split)]
+        for every_split in (False, True):
+            if split == "train" and every_split:
+                continue
+            got, pids, children = run(split, every_split)
+            assert len(got) == len(want) == 3 and all(torch.equal(a, b) and j == k for (a, j), (b, k) in zip(want, got))
+            if split == "val" and not every_split:
+                assert pids == {os.getpid()} and not children  # built here, no child started
+            else:
+                assert len(pids) == 1 and os.getpid() not in pids and [c.pid for c in children] == list(pids)
+    assert "runs in the training process" not in capsys.readouterr().err  # the val build is the default, not a fallback
+
+
+def test_close_ends_the_producer_of_the_training_split(module):
+    generator = _spawn_generator(module.gen_split, {"split": "train", "device": "cpu"}, "device", split_param="split", train_split="train")
+    next(generator)
+    assert multiprocessing.active_children()
+    generator.close()
+    assert not multiprocessing.active_children()
+
+
+def test_batches_larger_or_smaller_than_the_first_and_any_dtype(module):
+    """Slots are sized by the first batch: a larger one travels in the message, a smaller one in the slot."""
+    import gc
+
+    gc.collect()  # a mapping an earlier test's traceback kept (a cycle through its generator's frame) goes first
+    assert "memfd:prefetch-slots" not in open("/proc/self/maps").read()
+    want = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in module.gen_shapes()]
+    generator = _spawn_generator(module.gen_shapes, {"device": "cpu"}, "device", queue_depth=1)
+    got = [next(generator)]
+    assert "memfd:prefetch-slots" in open("/proc/self/maps").read()  # shared through an anonymous file
+    got += list(generator)
+    del generator
+    assert "memfd:prefetch-slots" not in open("/proc/self/maps").read()  # and unmapped when the loader ends
+    assert len(got) == len(want) == 4
+    for w, g in zip(want, got):  # every batch still holds its values after all later ones
+        assert g.keys() == w.keys() and g["k"] == w["k"] and g["name"] == w["name"]
+        for key in ("x", "mask", "count"):
+            assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape and torch.equal(g[key], w[key])
+    assert not multiprocessing.active_children()
+
+
+def test_the_producer_yields_the_cpu_to_the_training_process(module):
+    import os
+
+    (_, niceness), = list(_spawn_generator(module.gen_nice, {"device": "cpu"}, "device"))
+    assert niceness > os.nice(0)

@@ -36,7 +36,7 @@ from typing import Mapping
 import libcst as cst
 
 from patcher.check.compile_check import EMPTY, CompileResult, compile_source
-from patcher.check.import_smoke import ImportResult, import_smoke, runnable_part
+from patcher.check.import_smoke import ImportResult, import_smoke, kill_running, runnable_part
 from patcher.check.interpreters import DEFAULT_TARGET, find_python
 from patcher.check.self_contained import self_contained_warnings
 from patcher.check.undefined import UndefinedName, undefined_names
@@ -177,12 +177,18 @@ def check_file(
     # other thread running then.
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="check") as pool:
         run = pool.submit if not _forked_smoke() else _now
-        compiled = run(compile_source, script.source, name, target, known)
-        wrapper = run(compile_source, script.raw, name, target) if script.wrapped else None
-        imports = run(_import_if_compiles, script.source, name, timeout, known, path if as_path is None else as_path) if run_import else None
-        found = self_contained_warnings(script.source, script.path, script.wrapped, known)
-        undefined = undefined_names(script.source, name)
-        compiled, wrapper, imports = (None if job is None else job.result() for job in (compiled, wrapper, imports))
+        try:
+            compiled = run(compile_source, script.source, name, target, known)
+            wrapper = run(compile_source, script.raw, name, target) if script.wrapped else None
+            imports = run(_import_if_compiles, script.source, name, timeout, known, path if as_path is None else as_path) if run_import else None
+            found = self_contained_warnings(script.source, script.path, script.wrapped, known)
+            undefined = undefined_names(script.source, name)
+            compiled, wrapper, imports = (None if job is None else job.result() for job in (compiled, wrapper, imports))
+        except BaseException:
+            # Ctrl-C here: the pool's exit waits for its threads, and the import smoke's
+            # thread waits on its child until the timeout; end the child so it returns now.
+            kill_running()
+            raise
     compiled.where = "payload" if script.wrapped else "file"
     if wrapper is not None:
         wrapper.where = "file"

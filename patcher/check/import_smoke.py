@@ -22,7 +22,6 @@ from typing import Mapping
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 from patcher import cst_walk
 from patcher.cst_walk import dotted
@@ -123,6 +122,7 @@ _WARM_RUNNER = (
     "    run_and_report(script, name, as_path)\n"
 )
 _warm: subprocess.Popen | None = None
+_running: set[subprocess.Popen] = set()  # import children now waited on (by a check thread)
 
 
 def prewarm() -> None:
@@ -149,6 +149,15 @@ def discard_warm() -> None:
     proc, _warm = _warm, None
     if proc is not None:
         _kill_group(proc)
+
+
+def kill_running() -> None:
+    """SIGKILL every import child now running (and what it started), and the prewarmed one.
+    For a Ctrl-C in the main thread while a check thread waits on the import smoke: the
+    thread's wait then ends at once instead of at the smoke's timeout."""
+    for proc in list(_running):
+        _kill_tree(proc.pid)
+    discard_warm()
 
 
 def _take_warm(script: str, module_name: str, cwd: str, as_path: str) -> subprocess.Popen | None:
@@ -220,6 +229,7 @@ def _run_child(script: str, module_name: str, cwd: str, timeout: float, as_path:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+    _running.add(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -228,6 +238,8 @@ def _run_child(script: str, module_name: str, cwd: str, timeout: float, as_path:
     except BaseException:  # Ctrl-C: the child and what it started go too
         _kill_group(proc)
         raise
+    finally:
+        _running.discard(proc)
     return _import_result(out, time.monotonic() - start, f"import child exited with code {proc.returncode} and no result: {last_line(err)}")
 
 

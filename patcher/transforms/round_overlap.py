@@ -40,7 +40,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import walk
-from patcher.transforms.base import Context, Feature, Note, ReplaceNodes, Toggle, replace_nodes
+from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "round_overlap"
 NESTED = (cst.FunctionDef, cst.ClassDef, cst.Lambda)

@@ -65,7 +65,7 @@ def test_a_pending_count_reports_whether_its_source_compiles():
 def _children_running() -> list[str]:
     """This process's child processes, as `pid args` lines, less those that an earlier
     test in the same worker left on purpose (multiprocessing's resource tracker)."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(__import__("os").getpid())], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(__import__("os").getpid())], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "ps -o" not in line and "multiprocessing.resource_tracker" not in line]
 
 

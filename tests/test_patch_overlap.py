@@ -66,7 +66,7 @@ def _children_running() -> list[str]:
     """This process's child processes, as `pid args` lines, less those that an earlier
     test in the same worker left on purpose (multiprocessing's resource tracker)."""
     out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(__import__("os").getpid())], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "ps -o" not in line and "multiprocessing.resource_tracker" not in line]
+    return [line for line in out.splitlines() if "ps -ww -o" not in line and "multiprocessing.resource_tracker" not in line]
 
 
 def test_a_checked_patch_of_a_minified_record_counts_and_checks_as_before(tmp_path):

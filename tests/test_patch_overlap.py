@@ -69,7 +69,13 @@ def _children_running() -> list[str]:
     return [line for line in out.splitlines() if "ps -ww -o" not in line and "multiprocessing.resource_tracker" not in line]
 
 
+def _new_children(before: list[str]) -> list[str]:
+    """Children of this process running now that were not running at `before`."""
+    return sorted(set(_children_running()) - set(before))
+
+
 def test_a_checked_patch_of_a_minified_record_counts_and_checks_as_before(tmp_path):
+    before = _children_running()  # what other tests in this worker left running (a resource tracker, a gateway)
     source = (FIXTURES / "tokenstream_readable.py").read_text() + SIZE_FUNCTION  # after its __future__ import
     path = tmp_path / "train_gpt.py"
     path.write_text(source)
@@ -80,10 +86,11 @@ def test_a_checked_patch_of_a_minified_record_counts_and_checks_as_before(tmp_pa
     assert checked.report["code_bytes"]["after"] == minified_wrapper_bytes(plain.patched, ("--no-rename-locals", "--remove-literal-statements"))
     assert (tmp_path / "checked.py").read_text() == (tmp_path / "plain.py").read_text()
     assert checked.check is not None and checked.check.imports is not None and checked.check.imports.ok
-    assert import_smoke._warm is None and _children_running() == []
+    assert import_smoke._warm is None and not _new_children(before)
 
 
 def test_the_prewarmed_import_child_imports_as_a_fresh_one(tmp_path, monkeypatch):
+    before = _children_running()  # what other tests in this worker left running (a resource tracker, a gateway)
     path = tmp_path / "train_gpt.py"
     path.write_text((FIXTURES / "tokenstream_readable.py").read_text())
     taken = []
@@ -97,15 +104,16 @@ def test_the_prewarmed_import_child_imports_as_a_fresh_one(tmp_path, monkeypatch
         result.check.imports.seconds = 0.0
     assert taken[1] is None and warm.check.imports.as_dict() == fresh.check.imports.as_dict()
     assert warm.check.imports.as_path == str(path.resolve())
-    assert import_smoke._warm is None and _children_running() == []
+    assert import_smoke._warm is None and not _new_children(before)
 
 
 def test_a_prewarmed_child_that_no_check_takes_is_ended(tmp_path):
+    before = _children_running()  # what other tests in this worker left running (a resource tracker, a gateway)
     path = tmp_path / "train_gpt.py"
     path.write_text("import os\nprint(os.getcwd())\n")  # nothing to patch: nothing written, nothing checked
     result = patch_file(path, tmp_path / "out.py", FileOptions())
     assert result.status == "nothing to patch" and result.check is None
-    assert import_smoke._warm is None and _children_running() == []
+    assert import_smoke._warm is None and not _new_children(before)
 
 
 def test_an_edit_rebuilds_only_the_ancestors_of_what_it_changes():

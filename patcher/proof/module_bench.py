@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from patcher.patch import patch_source
 from patcher.proof import bench
-from patcher.proof.module_verify import ByteTokenizer, _package, module_loader
+from patcher.proof.module_verify import ByteTokenizer, _package, module_loader, package_importable
 from patcher.read.source import read_script
 
 # Steps a side runs before the other side's turn (both loaders stay open throughout).
@@ -69,10 +68,8 @@ def run_module_bench(path, steps: int = 100, compute_ms: float = 20.0, main_thre
         data = tmp / "data"
         data.mkdir()
         write_corpus(data, docs=max(4000, tokens // 300))
-        env = dict(os.environ)
-        sys.path.insert(0, str(tmp))
-        os.environ.update(PATCH_PREFETCH_PARQUET_DIR=str(data), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        try:
+        with package_importable(tmp, package):
+            os.environ.update(PATCH_PREFETCH_PARQUET_DIR=str(data), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             import importlib
 
             functions = [getattr(importlib.import_module(f"{package}.{m}"), loader.name) for m in ("_verify_original", Path(path).stem)]
@@ -98,12 +95,6 @@ def run_module_bench(path, steps: int = 100, compute_ms: float = 20.0, main_thre
             finally:
                 for generator in generators:
                     generator.close()
-        finally:
-            sys.path.remove(str(tmp))
-            os.environ.clear()
-            os.environ.update(env)
-            for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
-                del sys.modules[key]
     report = {"script": str(path), "family": "bestfit_packing", "steps": steps, "block_steps": block, "compute_ms": compute_ms, "main_thread": main_thread, "ops_per_step": ops, "call": call}
     report.update(bench.step_report(spans, waits))
     return report

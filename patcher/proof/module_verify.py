@@ -119,10 +119,8 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
         write_corpus(data, seed)
         notes.append(f"synthetic corpus: {FILES} parquet files x {ROW_GROUPS} row groups x {DOCS_PER_GROUP} documents (the last file is the val split); tokenizer: a byte-level test double")
         notes.append(f"stubbed for the module: {', '.join(stubbed)}; called as {name}(tokenizer, {', '.join(f'{k}={v!r}' for k, v in call.items())}, device=...)")
-        env = dict(os.environ)
-        sys.path.insert(0, str(tmp))
         compared, seen = 0, {"row group": 0, "file": 0, "epoch": 0}
-        try:
+        with package_importable(tmp, package):
             os.environ["PATCH_PREFETCH_PARQUET_DIR"] = str(data)
             for rank in range(world_size):
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -152,12 +150,6 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
                         return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
                     compared += len(val)
                     notes.append(f"{loader.split[0]}={VAL_SPLIT!r} (rank 0, {len(val)} batches): run in the training process, no producer started (only {loader.split[0]}={loader.split[1]!r} spawns one)")
-        finally:
-            sys.path.remove(str(tmp))
-            os.environ.clear()
-            os.environ.update(env)
-            for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
-                del sys.modules[key]
         crossed = [k for k, v in seen.items() if v]
         notes.append(f"rank states crossed: {', '.join(f'{k} boundary x{seen[k]}' for k in crossed) or 'nothing'}; each rank also resumed from the state dict of its batch {batches // 2}")
         notes.append("patched loader run on the CUDA path driven with host memory (pinned ring, events) for every rank, and on a CPU device for rank 0; each batch re-checked after the next is taken" + ("; the val build's batches as handed out (it keeps the original's lifetime)" if loader.split is not None else ""))
@@ -165,6 +157,23 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
         if len(crossed) < 3:
             result.notes.append("partial: the run did not cross a row group, a file and an epoch boundary")
         return result
+
+
+@contextlib.contextmanager
+def package_importable(tmp: Path, package: str):
+    """Within it, `package` (written under `tmp` by `_package`) can be imported and the
+    caller may set environment variables; on exit `sys.path`, `os.environ` and
+    `sys.modules` are as they were (the package's modules dropped)."""
+    env = dict(os.environ)
+    sys.path.insert(0, str(tmp))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(tmp))
+        os.environ.clear()
+        os.environ.update(env)
+        for key in [k for k in sys.modules if k == package or k.startswith(package + ".")]:
+            del sys.modules[key]
 
 
 def _package(tmp: Path, original: str, patched: str, stem: str, notes: list[str]) -> tuple[str, list[str]]:

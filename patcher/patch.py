@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import libcst as cst
 
-from patcher.families.bestfit_packing import MODULE_RUNTIME
 from patcher.render import render
 from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
 from patcher.survey.survey import Survey, survey
@@ -86,8 +85,7 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     enabled = set(DEFAULT_FEATURES) if enabled is None else enabled
     module = module if module is not None else cst.parse_module(source)
     surveyed = surveyed if surveyed is not None and surveyed.module is module else survey(module)
-    already = {feature for feature, name in INJECTED_NAMES.items() if name in surveyed.module_names}
-    already |= {"train_prefetch"} if MODULE_RUNTIME in surveyed.module_names else set()  # a patched data-loader module
+    already = {feature for feature, names in INJECTED_NAMES.items() if any(name in surveyed.module_names for name in names)}
     if already:
         names = ", ".join(sorted(already))
         return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)

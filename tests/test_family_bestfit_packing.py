@@ -138,3 +138,12 @@ def test_verify_catches_a_wrong_state(tmp_path):
 def test_verify_catches_a_val_build_that_spawns(tmp_path):
     result = verify_wrong(tmp_path, "every_split=TRAIN_PREFETCH_EVERY_SPLIT", "every_split=1")
     assert not result.identical and "started a producer process" in result.difference.what
+
+
+def test_a_patched_module_is_already_patched():
+    # the spawned producer's entry point marks train_prefetch as present, like _make_train_loader
+    patched = patch_source(SOURCE).source
+    again = patch_source(patched)
+    assert again.source == patched
+    [note] = again.notes
+    assert (note.feature, note.applied, note.reason) == ("all", False, "already patched (train_prefetch present); nothing to do")

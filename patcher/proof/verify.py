@@ -178,7 +178,8 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             result.notes[:0] = notes
             result.prefetched = prefetched
             return result
-        if not prefetched and STAGING_RUNTIME in survey_of(sources[1]).module_names:
+        staged = STAGING_RUNTIME in survey_of(sources[1]).module_names
+        if not prefetched and staged:
             notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")
         elif not prefetched:
             notes.append("nothing was prefetched: the patched script has no training prefetch (train_prefetch was skipped), so its training loader is the original's")
@@ -188,7 +189,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             run.batches = driver.default_batches
         result = driver.run(recipe, run, driver.compare)
         result.prefetched = prefetched
-        result.staged = STAGING_RUNTIME in survey_of(sources[1]).module_names
+        result.staged = staged
         return result
 
 
@@ -205,7 +206,7 @@ def _patched_runtime(source: str, path) -> bool:
     NothingToVerify when it holds no runtime of this tool at all (the original given
     twice, or an unpatched file)."""
     names = survey_of(source).module_names
-    if not any(name in names for name in (*INJECTED_NAMES.values(), *TRAIN_RUNTIME)):
+    if not any(name in names for name in (*(n for injected in INJECTED_NAMES.values() for n in injected), *TRAIN_RUNTIME)):
         raise NothingToVerify(f"{path}: holds no runtime of patch-prefetch (nothing was patched), so comparing it with the original proves nothing; pass the script patch-prefetch wrote")
     return any(name in names for name in TRAIN_RUNTIME)
 

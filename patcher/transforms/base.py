@@ -47,8 +47,8 @@ class Feature:
     template, the parameters of its entry function that the feature chooses per call
     site and whose code the cut drops when no call chooses them (patcher/render/cut.py;
     their defaults are the entry function's own). injected: the
-    module-level name its runtime defines (its presence means the script is already
-    patched). diagnostic: only with `--with`/`--diagnostics`. analyse: `survey -> facts`,
+    module-level name its runtime defines, or the names where it has several entry
+    points (the presence of any means the script is already patched). diagnostic: only with `--with`/`--diagnostics`. analyse: `survey -> facts`,
     the feature's own reading of the script, run on the unpatched module before any
     transform; the result is `ctx.facts[name]`. opt_in: only with `--with` (not with
     `--diagnostics`): a feature that changes what the script computes (`round_overlap`).
@@ -60,7 +60,7 @@ class Feature:
     toggles: tuple[Toggle, ...] = ()
     runtime: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     options: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    injected: str | None = None
+    injected: str | tuple[str, ...] | None = None
     diagnostic: bool = False
     analyse: Callable[[Survey], object] | None = None
     opt_in: bool = False

@@ -54,4 +54,4 @@ TEMPLATE_DEPENDENCIES: dict[str, list[str]] = {template: list(uses) for u in UNI
 # Template name -> the options of its entry function that the cut may fold.
 TEMPLATE_OPTIONS: dict[str, tuple[str, ...]] = {template: names for u in UNITS for template, names in u.options.items()}
 # Feature -> the module-level name its runtime defines: present means already patched.
-INJECTED_NAMES: dict[str, str] = {u.name: u.injected for u in UNITS if u.injected}
+INJECTED_NAMES: dict[str, tuple[str, ...]] = {u.name: (u.injected,) if isinstance(u.injected, str) else tuple(u.injected) for u in UNITS if u.injected}

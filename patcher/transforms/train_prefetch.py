@@ -225,4 +225,4 @@ OPTIONS = {
     "prefetch_lean": ("queue_depth",),
     "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "workers", "assembly", "attrs", "replay"),
 }
-UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected="_make_train_loader")
+UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected=(MAKE_TRAIN_LOADER, bestfit_packing.MODULE_RUNTIME))

@@ -11,11 +11,12 @@ transforms, runtime, write, counted code bytes) and of the command's default (th
 same, then the written file compiled under the target Python and its import smoked,
 which runs subprocesses; `--no-default` leaves it out); their ratios to the parse and
 codegen, each said to be within 3x or not. For a record counted as minified, the
-"minifier" column is the seconds of one run of the minifier worker on the patched
-code alone (patcher/minify_worker.py: pyminify, compressor, wrapper): the patch starts
-it as soon as the patched code exists and collects it last, so with `--no-check` what
-of it outlasts writing the file is a floor the patch cannot go under, and by default it
-runs beside the check. `--byte-breakdown` times the opt-in per-feature byte breakdown
+"pyminify" column is the seconds of one whole-module `pyminify` of the patched code and
+its compression, in this process: what counting it costs once, as the record's own
+size function does. The patch counts the input and the patched code in one worker
+process, unit by unit (patcher/minify_worker.py), which starts on the input while the
+script is surveyed and patched, and minifies of the patched code only the units the
+patch changed; what of it outlasts the patch is what the patch waits for. `--byte-breakdown` times the opt-in per-feature byte breakdown
 instead. `--phases` adds where the patch's time goes (profiled, so the phases add up
 to more than the plain patch). Nothing is written beside the inputs: outputs go to a
 temporary directory.
@@ -78,8 +79,9 @@ def phases(path: Path, out: Path, options: FileOptions) -> dict:
 
 
 def minifier_seconds(path: Path) -> float | None:
-    """Seconds of one run of the minifier worker on the patched code of `path` (what the
-    patch waits for last), or None when the script is not counted as minified."""
+    """Seconds of one whole-module pyminify and compression of the patched code of `path`
+    in this process, or None when the script is not counted as minified."""
+    from patcher import minify_worker
     from patcher.code_size import counting_of
     from patcher.patch import patch_source
     from patcher.read.source import keep_style
@@ -91,7 +93,7 @@ def minifier_seconds(path: Path) -> float | None:
         return None
     patched = keep_style(script, patch_source(script.source, module=module).source)
     started = time.perf_counter()
-    counting.count(patched, patched)
+    minify_worker.wrapper_bytes(minify_worker.minify(patched.encode("utf-8"), list(counting.minify_flags)), counting.compressor)
     return time.perf_counter() - started
 
 
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     width = max(len(_name(r["file"])) for r in rows)
     extra = f" {'default':>8} {'ratio':>6} {'<=3x':>4}" if with_check else ""
-    print(f"{'script':{width}} {'KB':>6} {'parse+cg':>8} {'no-check':>8} {'ratio':>6} {'<=3x':>4}{extra} {'minifier':>8}")
+    print(f"{'script':{width}} {'KB':>6} {'parse+cg':>8} {'no-check':>8} {'ratio':>6} {'<=3x':>4}{extra} {'pyminify':>8}")
     for r in rows:
         extra = f" {r['default_s']:8.2f} {r['default_ratio']:6.2f} {_yes(r['default_within_3x']):>4}" if with_check else ""
         floor = "-" if r["minifier_s"] is None else f"{r['minifier_s']:.2f}"
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seconds, best of {max(1, args.repeat)}; ratio: to one libcst parse+codegen of the same code, measured alternately in this run; no-check: the command with --no-check{breakdown}")
     if with_check:
         print("default: the command as it runs by default, its check included (a compile under the target Python and an import smoke in subprocesses)")
-    print("minifier: one run of the minifier worker on the patched code (minified counting only), the floor of what the patch waits for after the patched code exists; with the check it runs beside it")
+    print("pyminify: one whole-module pyminify and compression of the patched code (minified counting only): what counting it once costs without units; the patch counts input and output unit by unit in a worker beside it")
     return 0
 
 

@@ -20,7 +20,9 @@ largest, so that the budget check holds for every seed.
 
 from __future__ import annotations
 
+import collections
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -30,7 +32,7 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.cst_walk import visit, walk
+from patcher.cst_walk import children, walk
 from patcher.survey.index import ScriptIndex
 
 ARTIFACT_CAP = 16_000_000
@@ -82,39 +84,40 @@ class Counting:
         (patcher/minify_worker.py: minifier and compressor), so the caller goes on
         meanwhile, else done now. compile_as: a file name; for "minified" the worker
         also compiles `source` under this Python (`PendingCount.compile_error`)."""
-        return PendingCount(self, file_text, source, compile_as)
+        session = self.session()
+        try:
+            return session.start(file_text, source, compile_as)
+        finally:
+            session.close(wait=False)
+
+    def session(self, worker: "MinifyWorker | None" = None) -> "CountSession":
+        """A `CountSession` that counts this way: several counts, one worker process
+        (`worker`, when one was launched early; its own otherwise)."""
+        return CountSession(self, worker if self.how == "minified" else None)
 
 
 class PendingCount:
-    """A count started by `Counting.start`; `result()` waits for it and returns the bytes.
+    """A count started by `CountSession.start`; `result()` waits for it and returns the bytes.
 
-    counting: the `Counting` it counts with. For "minified" the count runs in a worker
-    process (patcher/minify_worker.py) fed and read by a daemon thread: a command that
-    fails before it asks for the result does not wait for the minifier at exit.
+    counting: the `Counting` it counts with. For "minified" the count runs in the
+    session's worker process; a command that fails before it asks for the result does
+    not wait for the minifier at exit. `how`, once the result is in: how the worker
+    minified ({"units": [minified, reused]} or {"whole": reason}; {} when not minified).
     """
 
-    def __init__(self, counting: Counting, file_text: str, source: str, compile_as: str | None = None):
+    def __init__(self, counting: Counting):
         self.counting = counting
+        self.how: dict = {}
         self._value: int | None = None
         self._error: Exception | None = None
         self._compiled: tuple | None = None
         self._compile_known = threading.Event()
-        self._thread = None
-        if counting.how != "minified":
-            self._value = counting.count(file_text, source)
-            self._compile_known.set()
-            return
-        self._thread = threading.Thread(target=self._run, args=(source, compile_as), name="count-minified", daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
 
-    def _run(self, source: str, compile_as: str | None) -> None:
-        try:
-            reply = _run_worker(source, self.counting.minify_flags, self.counting.compressor, compile_as, self._compiled_now)
-            self._value = reply["bytes"]
-        except Exception as error:  # raised again by result(), on the caller's thread
-            self._error = error
-        finally:
-            self._compile_known.set()
+    def _finish(self, value: int | None = None, error: Exception | None = None) -> None:
+        self._value, self._error = value, error
+        self._compile_known.set()
+        self._done.set()
 
     def _compiled_now(self, verdict) -> None:
         self._compiled = (verdict,)
@@ -122,8 +125,7 @@ class PendingCount:
 
     def result(self) -> int:
         """The counted bytes. Raises CountError when the minifier failed."""
-        if self._thread is not None:
-            self._thread.join()
+        self._done.wait()
         if self._error is not None:
             raise self._error
         return self._value
@@ -136,6 +138,135 @@ class PendingCount:
         return self._compiled
 
 
+class MinifyWorker:
+    """One process of patcher/minify_worker.py in `--serve` mode, answering counts in the
+    order asked, fed by a writer thread and read by a reader thread (daemons both).
+
+    It keeps what it minified of each source, so that the patched code, counted after
+    the input, costs the minifier only the units the patch changed
+    (`minify_worker.minify_by_units`). It can be launched before the caller knows how
+    the script counts (`launch`): the process imports the minifier meanwhile.
+    """
+
+    def __init__(self):
+        command = [sys.executable, str(_WORKER), "--serve"]
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._requests: queue.Queue = queue.Queue()
+        self._waiting: collections.deque = collections.deque()
+        self._threads = [
+            threading.Thread(target=self._write, name="count-minified-in", daemon=True),
+            threading.Thread(target=self._read, name="count-minified-out", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def count(self, counting: Counting, source: str, compile_as: str | None = None) -> PendingCount:
+        """The minified count of `source` with `counting`'s flags and compressor, under way."""
+        pending = PendingCount(counting)
+        self._waiting.append(pending)
+        request = {"source": source, "compile": compile_as, "compressor": counting.compressor, "flags": list(counting.minify_flags)}
+        self._requests.put(json.dumps(request) + "\n")
+        return pending
+
+    def close(self, wait: bool = True) -> None:
+        """No more counts: the process ends when it has answered those asked. With `wait`,
+        return only once it has (and the threads have ended)."""
+        self._requests.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+    def abandon(self) -> None:
+        """End the process now, its counts unanswered (a command that failed, or a script
+        that turned out not to be counted minified, does not wait for the minifier)."""
+        self._requests.put(None)
+        self._proc.kill()
+
+    def _write(self) -> None:
+        stdin = self._proc.stdin
+        try:
+            while (request := self._requests.get()) is not None:
+                stdin.write(request.encode("utf-8"))
+                stdin.flush()
+        except OSError:
+            pass  # the process died; the reader reports it
+        finally:
+            try:
+                stdin.close()
+            except OSError:
+                pass
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            reply = json.loads(line)
+            if "compile" in reply:
+                self._waiting[0]._compiled_now(reply["compile"])
+                continue
+            pending = self._waiting.popleft()
+            if "error" in reply:
+                pending._finish(error=CountError(f"pyminify failed: {reply['error']}"))
+            else:
+                pending.how = {k: v for k, v in reply.items() if k in ("units", "whole")}
+                pending._finish(reply["bytes"])
+        last = (self._proc.stderr.read().decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
+        self._proc.wait()
+        while self._waiting:  # the process ended before answering these
+            self._waiting.popleft()._finish(error=CountError(f"pyminify failed: {last}"))
+
+
+def early_worker(text: str) -> MinifyWorker | None:
+    """A `MinifyWorker` launched now, for a script whose text `text` names "pyminify" (so it
+    may count as minified; `counting_of` decides, on the parsed code), else None.
+    Launched before the script is parsed, the worker has imported the minifier by the
+    time the first count is asked."""
+    return MinifyWorker() if "pyminify" in text else None
+
+
+class CountSession:
+    """Counts of several versions of one script with one `Counting`, in the order started.
+
+    For "minified" they go to one `MinifyWorker` (given, e.g. launched early, or
+    launched on the first count), so that each count reuses what the ones before it
+    minified; other ways of counting are done at once. Used as a context manager, the
+    session waits for its worker on success and abandons it on an exception.
+    """
+
+    def __init__(self, counting: Counting, worker: MinifyWorker | None = None):
+        self.counting = counting
+        self._worker = worker
+
+    def start(self, file_text: str, source: str, compile_as: str | None = None) -> PendingCount:
+        """The count of a script whose file is `file_text` and whose code is `source`, under
+        way (see `Counting.start`)."""
+        if self.counting.how != "minified":
+            pending = PendingCount(self.counting)
+            pending._finish(self.counting.count(file_text, source))
+            return pending
+        if self._worker is None:
+            self._worker = MinifyWorker()
+        return self._worker.count(self.counting, source, compile_as)
+
+    def close(self, wait: bool = True) -> None:
+        """See `MinifyWorker.close`. A count started after launches a new worker."""
+        if self._worker is not None:
+            self._worker.close(wait)
+            self._worker = None
+
+    def abandon(self) -> None:
+        """See `MinifyWorker.abandon`."""
+        if self._worker is not None:
+            self._worker.abandon()
+
+    def __enter__(self) -> "CountSession":
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abandon()
+
+
 def counting_of(module: cst.Module, wrapped: bool, index: ScriptIndex | None = None) -> Counting:
     """How the record whose code is `module` counts its code size.
 
@@ -144,18 +275,17 @@ def counting_of(module: cst.Module, wrapped: bool, index: ScriptIndex | None = N
     `--` flags of the command list in that function and the compressor it calls
     (`brotli.compress` under any import alias, else lzma). Anything else is "raw".
     index: the survey's `ScriptIndex` of `module` (`Survey.collector`), so that the
-    module is not walked again; without it one pass is made here.
+    module is not walked again; without it a lighter pass than the index's reads the
+    strings and imports (so that a minified count can start before the survey).
     """
     if wrapped:
         return Counting("wrapper")
-    if index is None:
-        index = ScriptIndex()
-        visit(module, index)
+    strings, imports = (index.strings, index.imports) if index is not None else _strings_and_imports(module)
     # A literal without a backslash reads "pyminify" only if its text holds it.
-    function = next((f for s, f in index.strings if f is not None and ("pyminify" in s.value or "\\" in s.value) and s.evaluated_value == "pyminify"), None)
+    function = next((f for s, f in strings if f is not None and ("pyminify" in s.value or "\\" in s.value) and s.evaluated_value == "pyminify"), None)
     if function is None:
         return Counting("raw")
-    brotli_names = {a.asname.name.value if a.asname else "brotli" for n in index.imports for a in n.names if cst.Module([]).code_for_node(a.name) == "brotli"}
+    brotli_names = {a.asname.name.value if a.asname else "brotli" for n in imports for a in n.names if cst.Module([]).code_for_node(a.name) == "brotli"}
     nodes = list(walk(function))
     flags = ()
     for node in nodes:
@@ -168,36 +298,29 @@ def counting_of(module: cst.Module, wrapped: bool, index: ScriptIndex | None = N
     return Counting("minified", flags or DEFAULT_MINIFY_FLAGS, "brotli" if brotli else "lzma")
 
 
+def _strings_and_imports(module: cst.Module) -> tuple[list, list]:
+    """What `counting_of` reads of a `ScriptIndex`, in one plain walk: ([(SimpleString, the
+    outermost function holding it, or None)], [Import])."""
+    strings, imports = [], []
+    stack: list = [(module, None)]
+    while stack:
+        node, outer = stack.pop()
+        if isinstance(node, cst.SimpleString):
+            strings.append((node, outer))
+        elif isinstance(node, cst.Import):
+            imports.append(node)
+        elif isinstance(node, cst.FunctionDef) and outer is None:
+            outer = node
+        stack.extend((child, outer) for child in reversed(children(node)))
+    return strings, imports
+
+
 def minified_wrapper_bytes(source: str, flags: tuple = DEFAULT_MINIFY_FLAGS, compressor: str = "lzma") -> int:
     """Size in bytes of ``pyminify FLAGS`` -> ``lzma.compress`` (or ``brotli.compress(quality=11)``)
     -> base85 exec wrapper of `source`, as the records' own code-size function computes
     it (in a worker process, patcher/minify_worker.py). Raises CountError (one line)."""
-    return _run_worker(source, flags, compressor)["bytes"]
-
-
-def _run_worker(source: str, flags: tuple, compressor: str, compile_as: str | None = None, on_compile=None) -> dict:
-    """The reply of patcher/minify_worker.py for `source`: {"bytes": N}. With `compile_as`,
-    `on_compile(verdict)` is called as soon as the worker has compiled the source (None,
-    or [line, message]). Raises CountError (one line) when the minifier fails."""
-    command = [sys.executable, str(_WORKER), compressor, *(["--compile", compile_as] if compile_as is not None else []), *flags]
-    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-        try:
-            proc.stdin.write(source.encode("utf-8"))  # the worker reads all of it before it writes
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        reply = {}
-        for line in proc.stdout:
-            reply = json.loads(line)
-            if "compile" in reply and on_compile is not None:
-                on_compile(reply["compile"])
-        errors = proc.stderr.read()
-    if "bytes" not in reply and "error" not in reply:
-        last = (errors.decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
-        raise CountError(f"pyminify failed: {last}")
-    if "error" in reply:
-        raise CountError(f"pyminify failed: {reply['error']}")
-    return reply
+    with Counting("minified", tuple(flags), compressor).session() as session:
+        return session.start(source, source).result()
 
 
 def read_artifact_bytes(script_path: str | Path) -> int | None:
@@ -254,7 +377,7 @@ class Budget:
         return {"cap": self.cap, "before": self.before, "after": self.after, "over": self.over}
 
 
-def count_patch(script, result, enabled: set[str], counting: Counting, breakdown: bool = True, before: PendingCount | None = None, rewrap: bool = True, after: PendingCount | None = None) -> dict:
+def count_patch(script, result, enabled: set[str], counting: Counting, breakdown: bool = True, before: PendingCount | None = None, rewrap: bool = True, after: PendingCount | None = None, session: CountSession | None = None) -> dict:
     """Counted code bytes before and after a patch, and what each applied feature adds.
 
     Takes the `Script` read from disk, its `PatchResult`, the enabled features and the
@@ -262,18 +385,29 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     way (`counting.start(script.raw, script.source)`, started before the patch so that
     the minifier runs while the script is patched); `after`, likewise, the count of the
     patched code as written (`keep_style(script, result.source)`), started early by the
-    caller so that it runs beside the check. A wrapped script is counted
+    caller so that it runs beside the check; `session`, the `CountSession` they run in,
+    which counts the rest too (a new one when None or of another way of counting). A wrapped script is counted
     re-wrapped (what the record submits); with `rewrap` False (`--no-rewrap`, which
     writes the payload as plain source) its code is counted raw, before and after. With
     `breakdown`, features are charged in the order of `FEATURES`, `env_toggles` last:
     `by_feature[f]` is the count of the patch with the features up to `f` minus the
     count up to the one before, so a runtime piece shared by two features is charged to
-    the first and the parts add up to the total; that costs one more patch (and one
-    more minifier run, counted as minified) per applied feature but the last. Without
+    the first and the parts add up to the total; that costs one more patch per applied
+    feature but the last (counted as minified, the worker minifies only the units each
+    of those changes). Without
     it `by_feature` is {}. Returns {"before", "after", "counted_as", "counted",
     "by_feature"}: bytes, `counted_as` "wrapper" | "minified" | "raw" and `counted` its
     `Counting.label()`. Raises CountError when the minifier fails.
     """
+    if counting.how == "wrapper" and not rewrap:
+        counting = Counting("raw")
+    if session is not None and session.counting == counting:
+        return _count_patch(script, result, enabled, counting, breakdown, before, after, session)
+    with counting.session() as session:
+        return _count_patch(script, result, enabled, counting, breakdown, before, after, session)
+
+
+def _count_patch(script, result, enabled: set[str], counting: Counting, breakdown: bool, before, after, session: CountSession) -> dict:
     from patcher.patch import patch_source
     from patcher.read.source import SourceError, keep_style, render
     from patcher.transforms.features import FEATURES
@@ -281,10 +415,8 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     def start(source: str) -> PendingCount:
         source = keep_style(script, source)  # as written: the input's line endings and BOM
         file_text = render(script, source, rewrap=True) if counting.how == "wrapper" else source
-        return counting.start(file_text, source)
+        return session.start(file_text, source)
 
-    if counting.how == "wrapper" and not rewrap:
-        counting = Counting("raw")
     if after is not None and after.counting != counting:
         after = None
     if counting.how == "wrapper" and result.changed and after is None:
@@ -292,8 +424,9 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
             after = start(result.source)
         except SourceError:  # no wrapper can hold the patched payload (`--no-rewrap` only): count the code
             counting = Counting("raw")
+            session = counting.session()
     if before is None or before.counting != counting:
-        before = counting.start(script.raw, script.source)
+        before = session.start(script.raw, script.source)
     if not result.changed:
         return {"before": before.result(), "after": before.result(), "counted_as": counting.how, "counted": counting.label(), "by_feature": {}}
     after = start(result.source) if after is None else after
@@ -301,7 +434,7 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     if breakdown:
         order = sorted(result.applied, key=lambda f: (f == "env_toggles", FEATURES.index(f)))
         so_far = set(enabled) - set(result.applied)
-        for feature in order[:-1]:  # each count starts before the next patch, so minifier runs overlap
+        for feature in order[:-1]:  # each count is queued before the next patch is made
             so_far.add(feature)
             steps.append((feature, start(patch_source(script.source, set(so_far), module=result.survey.module, surveyed=result.survey, producer_toggles=result.producer_toggles).source)))
         steps.append((order[-1], after))

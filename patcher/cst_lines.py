@@ -55,3 +55,52 @@ def start_lines(module: cst.Module) -> dict[cst.CSTNode, int]:
     state = _LineState(default_indent=module.default_indent, default_newline=module.default_newline)
     module._codegen(state)
     return state.lines
+
+
+class LineIndex:
+    """`start_lines` of a module, printed one top-level statement at a time, as asked.
+
+    A survey asks the line of a few dozen nodes of a 160 KB module; printing the
+    statements that hold them with the line-tracking state, and the statements before
+    them with a plain codegen (to count their lines), costs a fraction of printing the
+    whole module with that state. The lines are the same as `start_lines(module)`: a
+    top-level statement prints the same tokens alone (`Module.code_for_node`) as in
+    its module, its leading blank lines and comments included.
+
+    module: the module; top_of: {node: the statement of `module.body` holding it} (the
+    survey's `ScriptIndex.top_of`), or None to print the whole module on the first call.
+    """
+
+    def __init__(self, module: cst.Module, top_of=None):
+        self.module = module
+        self.top_of = top_of
+        self._position = {id(s): i for i, s in enumerate(module.body)}
+        header = "".join(module.code_for_node(line) for line in module.header)
+        self._first_lines = [len(NEWLINE_RE.split(header))]  # body[i] starts at line _first_lines[i]
+        self._printed: set[int] = set()
+        self._lines: dict = {}
+        self._whole: dict | None = None
+
+    def line_of(self, node: cst.CSTNode) -> int:
+        """1-based start line of `node` (`PositionProvider`'s `start.line`). Raises
+        KeyError for a node that is not in the module."""
+        top = self.top_of.get(node) if self.top_of is not None else None
+        position = self._position.get(id(top)) if top is not None else None
+        if position is None:  # the module itself, its header or footer, or not indexed
+            if self._whole is None:
+                self._whole = start_lines(self.module)
+            return self._whole[node]
+        if position not in self._printed:
+            state = _LineState(default_indent=self.module.default_indent, default_newline=self.module.default_newline, line=self._first_line(position))
+            top._codegen(state)
+            self._lines.update(state.lines)
+            self._printed.add(position)
+        return self._lines[node]
+
+    def _first_line(self, position: int) -> int:
+        body = self.module.body
+        while len(self._first_lines) <= position:
+            done = len(self._first_lines) - 1
+            code = self.module.code_for_node(body[done])
+            self._first_lines.append(self._first_lines[done] + len(NEWLINE_RE.split(code)) - 1)
+        return self._first_lines[position]

@@ -1,16 +1,28 @@
-"""A process of its own that counts one source's minified code bytes (run as a script).
+"""A process of its own that counts minified code bytes (run as a script).
 
     python patcher/minify_worker.py COMPRESSOR [--compile FILENAME] PYMINIFY_FLAG... < SOURCE
+    python patcher/minify_worker.py --serve < REQUESTS
 
-Reads the source (UTF-8 bytes) on stdin and writes one JSON object (a line) on stdout:
-``{"bytes": N}``, N being the size of ``pyminify FLAGS -`` -> ``lzma.compress`` (or
-``brotli.compress(quality=11)``) -> base85 exec wrapper, exactly as the command line
-``pyminify FLAGS -`` minifies stdin (its own argument parser and its fallback to the
-source when minifying does not pay), or ``{"error": LINE}`` when the minifier fails
-(LINE: the last line of its traceback). COMPRESSOR: "lzma" | "brotli". With
-``--compile FILENAME`` a line ``{"compile": VERDICT}`` comes first, as soon as it is known:
-VERDICT is null when the source compiles under this Python (`compile(source, FILENAME,
-"exec")`, a leading BOM dropped), else ``[line, message]`` of the SyntaxError.
+One-shot: reads the source (UTF-8 bytes) on stdin and writes one JSON object (a line)
+on stdout: ``{"bytes": N}``, N being the size of ``pyminify FLAGS -`` ->
+``lzma.compress`` (or ``brotli.compress(quality=11)``) -> base85 exec wrapper, exactly
+as the command line ``pyminify FLAGS -`` minifies stdin (its own argument parser and
+its fallback to the source when minifying does not pay), or ``{"error": LINE}`` when
+the minifier fails (LINE: the last line of its traceback). COMPRESSOR: "lzma" |
+"brotli". With ``--compile FILENAME`` a line ``{"compile": VERDICT}`` comes first, as
+soon as it is known: VERDICT is null when the source compiles under this Python
+(`compile(source, FILENAME, "exec")`, a leading BOM dropped), else ``[line, message]``
+of the SyntaxError.
+
+``--serve``: reads requests, one JSON line each, ``{"source": TEXT, "compile":
+FILENAME or null, "compressor": COMPRESSOR, "flags": [PYMINIFY_FLAG, ...]}``, and
+answers each in order as the one-shot mode does (its compile line first when asked,
+then its count line), until stdin closes. It can be started before the caller knows
+what it will ask: it imports the minifier meanwhile. The count line also
+says how the source was minified: ``"units": [minified, reused]`` (see
+`minify_by_units`) or ``"whole": REASON``. The units minified for one request are
+kept for the next, so the patched code of a script, sent after the script, costs the
+minifier only what the patch changed.
 
 It is a plain script with no import of this package, so that it starts in a few tens
 of milliseconds; patcher/code_size.py starts it so that the minifier (about a second
@@ -19,10 +31,15 @@ for a 150 KB record) runs beside the patch or the check instead of after them.
 
 from __future__ import annotations
 
+import ast
 import base64
+import builtins
+import io
 import json
 import lzma
+import os
 import sys
+import tokenize
 import traceback
 
 # The wrapper a minifying record builds around its compressed code (its own bytes count).
@@ -30,6 +47,17 @@ WRAPPER = {
     "lzma": (b'import lzma as L,base64 as B\nexec(L.decompress(B.b85decode("', b'")))\n'),
     "brotli": (b'import brotli as B,base64 as A\nexec(B.decompress(A.b85decode("', b'")))\n'),
 }
+
+# python-minifier releases whose passes `minify_by_units` was checked against (a pass
+# that reads the whole module would break it, so other releases minify whole).
+UNIT_RELEASES = ("3.4.0",)
+# Flags without which python-minifier makes whole-module choices: local names renamed
+# to avoid the module's globals, string literals hoisted to module-level names.
+UNIT_FLAGS_NEEDED = ("--no-rename-locals", "--no-hoist-literals")
+UNIT_FLAGS_REFUSED = ("--rename-globals",)
+# Names whose use as a builtin taints python-minifier's view of the whole module.
+_TAINTING_NAMES = frozenset({"exec", "eval", "locals", "globals", "vars"})
+_COMPOUND = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.With, ast.AsyncWith, ast.Match) + ((ast.TryStar,) if hasattr(ast, "TryStar") else ())
 
 
 def minify(source: bytes, flags: list[str]) -> bytes:
@@ -47,6 +75,211 @@ def minify(source: bytes, flags: list[str]) -> bytes:
         return source
 
 
+def _best_effort(source: bytes, flags: list[str]) -> bytes:
+    """`minify`, without the command's fallback to the source when minifying does not pay
+    (a unit is judged by the whole module's size, not its own)."""
+    before = os.environ.get("PYMINIFY_FORCE_BEST_EFFORT")
+    os.environ["PYMINIFY_FORCE_BEST_EFFORT"] = "1"
+    try:
+        return minify(source, flags)
+    finally:
+        if before is None:
+            del os.environ["PYMINIFY_FORCE_BEST_EFFORT"]
+        else:
+            os.environ["PYMINIFY_FORCE_BEST_EFFORT"] = before
+
+
+def units_of(text: str, tree: ast.Module) -> list[tuple[str, type | None]]:
+    """The module's top-level statements cut into units: `(source text, kind)` for each
+    compound statement (decorators included; kind: its `ast` class) and for each run of
+    consecutive simple statements (one slice of whole lines from the run's first line to
+    its last; kind None)."""
+    lines = io.StringIO(text, newline="").readlines()  # the lines `ast` numbers: \n, \r\n, \r only
+    found: list[tuple[str, type | None]] = []
+    run_start = run_end = None
+    for statement in tree.body:
+        start = min([statement.lineno] + [d.lineno for d in getattr(statement, "decorator_list", ())])
+        if isinstance(statement, _COMPOUND):
+            if run_start is not None:
+                found.append(("".join(lines[run_start - 1 : run_end]), None))
+                run_start = None
+            found.append(("".join(lines[start - 1 : statement.end_lineno]), type(statement)))
+        else:
+            run_start = start if run_start is None else run_start
+            run_end = statement.end_lineno
+    if run_start is not None:
+        found.append(("".join(lines[run_start - 1 : run_end]), None))
+    return found
+
+
+def whole_module_reason(source: bytes, tree: ast.Module, flags: list[str]) -> str | None:
+    """Why python-minifier's output for this module may not be the join of its units'
+    outputs (then it is minified whole), or None.
+
+    python-minifier (see UNIT_RELEASES) reads the whole module in five places, each
+    checked here: local renaming and literal hoisting (the flags); a module "tainted"
+    by `from x import *`, `import timeit` or a builtin exec/eval/locals/globals/vars,
+    which keeps every `raise E()`'s brackets (so it matters only with such a raise); a
+    `__doc__` anywhere, which keeps every
+    literal statement; a module-level name that shadows a builtin, which changes how
+    other units' uses of it resolve; a source encoding other than UTF-8.
+    """
+    import python_minifier
+
+    if getattr(python_minifier, "__version__", None) not in UNIT_RELEASES and _release() not in UNIT_RELEASES:
+        return f"python-minifier {_release()} (units checked against {', '.join(UNIT_RELEASES)})"
+    missing = [f for f in UNIT_FLAGS_NEEDED if f not in flags] + [f for f in UNIT_FLAGS_REFUSED if f in flags]
+    if missing:
+        return f"flags: {' '.join(missing)}"
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(source).readline)
+    except SyntaxError:
+        return "encoding"
+    if encoding not in ("utf-8", "utf-8-sig"):
+        return f"encoding {encoding}"
+    if any(isinstance(node, ast.Global) for node in module_scope(tree)):
+        return "a module-level global statement"  # read by the dead-branch pass on the module
+    shadowing = module_names(tree) & set(dir(builtins))
+    if shadowing:
+        return f"module-level names shadow builtins: {', '.join(sorted(shadowing))}"
+    tainting = bracketed_raise = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == "__doc__" or isinstance(node, ast.Attribute) and node.attr == "__doc__":
+            return "uses __doc__"
+        if isinstance(node, ast.Name) and node.id in _TAINTING_NAMES:
+            tainting = tainting or f"uses {node.id}"
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(a.name == "*" for a in node.names) or any(name.split(".")[0] == "timeit" for name in modules):
+                tainting = tainting or "a star or timeit import"
+        elif isinstance(node, ast.Raise) and any(_no_arg_call(e) for e in (node.exc, node.cause)):
+            bracketed_raise = bracketed_raise or f"line {node.lineno}"
+    if tainting and bracketed_raise:
+        # only `raise E()` reads the taint: python-minifier drops its brackets unless tainted
+        return f"{tainting} and raises an exception with brackets ({bracketed_raise})"
+    return None
+
+
+def _no_arg_call(node) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args and not node.keywords
+
+
+def _release() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("python-minifier")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def module_scope(tree: ast.Module):
+    """The nodes of the module's own scope, not those inside a function, class or lambda."""
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def module_names(tree: ast.Module) -> set[str]:
+    """Names bound in the module's scope: by its own statements (not inside a function,
+    class or lambda body; comprehension targets included, to err on the safe side) and
+    by `global` statements anywhere."""
+    names: set[str] = set()
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            stack.extend(node.decorator_list)
+            if not isinstance(node, ast.ClassDef):
+                stack.extend(node.args.defaults + [d for d in node.args.kw_defaults if d is not None])
+            else:
+                stack.extend(node.bases + [k.value for k in node.keywords])
+            continue
+        if isinstance(node, ast.Lambda):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        stack.extend(ast.iter_child_nodes(node))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            names.update(node.names)
+    return names
+
+
+def minify_by_units(source: bytes, flags: list[str], memo: dict) -> tuple[bytes, dict]:
+    """`minify(source, flags)`, made by minifying each unit of the module (`units_of`)
+    alone and joining the outputs with newlines. Returns (the minified bytes, how:
+    ``{"units": [minified, reused]}``, or ``{"whole": reason}`` when it minified the
+    whole module instead).
+
+    Why it is the same output: with locals not renamed and literals not hoisted,
+    python-minifier's passes work statement by statement, apart from the module-wide
+    facts `whole_module_reason` checks; and its printer puts each top-level compound
+    statement on lines of its own and joins a run of simple statements the same way
+    wherever the run stands. A pass that turns a compound unit into something else
+    (`if True:` inlined, `if False:` dropped) would change how its neighbours join:
+    such a module is minified whole. The shebang and the command's fallback to the
+    source when minifying does not pay are applied to the whole, as `pyminify` does.
+
+    memo: {unit text: its minified text, or None where it cannot stand alone}, kept by
+    the caller across calls, so that a unit already minified is reused.
+    """
+    try:
+        text = source.decode("utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, UnicodeDecodeError):
+        return minify(source, flags), {"whole": "does not parse here"}  # the minifier's own error, if any
+    reason = whole_module_reason(source, tree, flags)
+    if reason is not None:
+        return minify(source, flags), {"whole": reason}
+    outputs, minified, reused = [], 0, 0
+    for unit, kind in units_of(text.removeprefix("\ufeff"), tree):
+        if unit in memo:
+            reused += 1
+        else:
+            minified += 1
+            memo[unit] = _minify_unit(unit, kind, flags)
+        if memo[unit] is None:
+            return minify(source, flags), {"whole": "a unit minifies to another kind of statement"}
+        if memo[unit]:
+            outputs.append(memo[unit])
+    joined = "\n".join(outputs)
+    if text.startswith("#!"):
+        joined = text.split("\n", 1)[0].rstrip("\r") + "\n" + joined
+    result = joined.encode("utf-8")
+    if len(result) > len(source) and not os.environ.get("PYMINIFY_FORCE_BEST_EFFORT"):
+        result = source  # as `pyminify` does when minifying does not pay
+    return result, {"units": [minified, reused]}
+
+
+def _minify_unit(unit: str, kind: type | None, flags: list[str]) -> str | None:
+    """The minified text of one unit of `kind` (see `units_of`; no trailing newline, ""
+    when nothing is left of a simple run), or None when a compound statement does not
+    come out as one statement of its kind. Of python-minifier's passes only those on
+    `if` (dead branches, `__debug__`) remove or inline a statement of a suite, so only
+    an `if` is parsed back to see."""
+    out = _best_effort(unit.encode("utf-8"), flags).decode("utf-8").rstrip("\n")
+    if kind is not None and not out:
+        return None
+    if kind is ast.If:
+        body = ast.parse(out).body
+        if len(body) != 1 or type(body[0]) is not ast.If:
+            return None
+    return out
+
+
 def wrapper_bytes(minified: bytes, compressor: str) -> int:
     """Bytes of the base85 exec wrapper around `minified` compressed with `compressor`."""
     if compressor == "brotli":
@@ -59,27 +292,60 @@ def wrapper_bytes(minified: bytes, compressor: str) -> int:
     return len(prefix) + len(base64.b85encode(compressed)) + len(suffix)
 
 
-def main(argv: list[str]) -> dict:
+def compile_verdict(source: bytes, filename: str) -> list | None:
+    """None when `source` compiles under this Python, else [line, message]."""
+    try:
+        compile(source.decode("utf-8").removeprefix("\ufeff"), filename, "exec")
+        return None
+    except SyntaxError as error:
+        return [error.lineno, error.msg]
+
+
+def count(source: bytes, compressor: str, flags: list[str], memo: dict | None = None) -> dict:
+    """The count line for `source`: {"bytes": N} (with "units" or "whole" when `memo` is
+    given, see `minify_by_units`), or {"error": LINE} when the minifier fails."""
+    try:
+        if memo is None:
+            return {"bytes": wrapper_bytes(minify(source, flags), compressor)}
+        minified, how = minify_by_units(source, flags, memo)
+        return {"bytes": wrapper_bytes(minified, compressor), **how}
+    except Exception as error:  # the minifier's own failure, reported as its command line would
+        return {"error": traceback.format_exception_only(type(error), error)[-1].strip() or "no message"}
+
+
+def _say(reply: dict) -> None:
+    sys.stdout.write(json.dumps(reply) + "\n")
+    sys.stdout.flush()
+
+
+def serve() -> None:
+    """Answer the requests on stdin in order (see the module docstring), one memo per set
+    of flags. The minifier is imported first, while the caller is still reading its script."""
+    import python_minifier.__main__  # noqa: F401
+
+    memos: dict = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        source = request["source"].encode("utf-8")
+        if request.get("compile") is not None:
+            _say({"compile": compile_verdict(source, request["compile"])})  # the caller needs it before the count
+        flags = request["flags"]
+        _say(count(source, request["compressor"], flags, memos.setdefault(tuple(flags), {})))
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--serve"]:
+        serve()
+        return
     compressor, rest = argv[0], argv[1:]
     filename = None
     if rest[:1] == ["--compile"]:
         filename, rest = rest[1], rest[2:]
     source = sys.stdin.buffer.read()
-    reply: dict = {}
-    if filename is not None:  # its own line, first: the caller needs it before the count
-        try:
-            compile(source.decode("utf-8").removeprefix("\ufeff"), filename, "exec")
-            verdict = None
-        except SyntaxError as error:
-            verdict = [error.lineno, error.msg]
-        sys.stdout.write(json.dumps({"compile": verdict}) + "\n")
-        sys.stdout.flush()
-    try:
-        reply["bytes"] = wrapper_bytes(minify(source, rest), compressor)
-    except Exception as error:  # the minifier's own failure, reported as its command line would
-        reply["error"] = traceback.format_exception_only(type(error), error)[-1].strip() or "no message"
-    return reply
+    if filename is not None:
+        _say({"compile": compile_verdict(source, filename)})
+    _say(count(source, compressor, rest))
 
 
 if __name__ == "__main__":
-    sys.stdout.write(json.dumps(main(sys.argv[1:])) + "\n")
+    main(sys.argv[1:])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import libcst as cst
 
-from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, PendingCount, count_patch, counting_of, read_artifact_bytes
+from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, CountSession, MinifyWorker, PendingCount, early_worker, count_patch, counting_of, read_artifact_bytes
 from patcher.transforms.features import DEFAULT_FEATURES
 from patcher.patch import PatchResult, patch_source
 from patcher.survey.survey import index_of, survey
@@ -97,16 +97,33 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
 
 
 def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -> FileResult:
-    script = read_script(in_path)
-    if options.in_place and (problem := output_problem(in_path)) is not None:
-        raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
-    # One parse (the reader's) and one survey, shared by the count and every transform.
-    module = script.module if script.module is not None else cst.parse_module(script.source)
-    index = index_of(module)
-    counting = counting_of(module, script.wrapped, index)
-    # The input's minified count (and its compile under this Python) runs in a worker while the script is surveyed and patched.
+    early: list[MinifyWorker] = []  # launched while the script is parsed, if it may count as minified
+    try:
+        script = read_script(in_path, on_text=lambda text: early.extend(filter(None, [early_worker(text)])))
+        if options.in_place and (problem := output_problem(in_path)) is not None:
+            raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
+        # One parse (the reader's) and one survey, shared by the count and every transform.
+        module = script.module if script.module is not None else cst.parse_module(script.source)
+        # With a worker waiting, how the script counts is read first, so that its count starts before the survey.
+        counting = counting_of(module, script.wrapped) if early else None
+        index = None if early else index_of(module)
+        counting = counting or counting_of(module, script.wrapped, index)
+    except BaseException:
+        for worker in early:
+            worker.abandon()
+        raise
+    if early and counting.how != "minified":
+        early[0].abandon()
+    # One worker counts the input while the script is surveyed and patched, then the
+    # patched code, reusing what it minified of the input.
+    with counting.session(early[0] if early else None) as session:
+        return _patch_parsed(in_path, out_path, options, started, script, module, index, counting, session)
+
+
+def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float, script: Script, module: cst.Module, index, counting: Counting, session: CountSession) -> FileResult:
     minified = counting.how == "minified"
-    before = counting.start(script.raw, script.source, compile_as=str(in_path)) if minified else None
+    before = session.start(script.raw, script.source, compile_as=str(in_path)) if minified else None
+    index = index if index is not None else index_of(module)
     surveyed = survey(module, index)
     result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
     for note in result.skipped:
@@ -118,7 +135,7 @@ def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -
     text = script.raw
     patched = keep_style(script, result.source)  # the input's line endings and BOM
     # The patched code's count runs in a worker beside what remains (compile, write, check).
-    after = counting.start(patched, patched) if minified and result.changed else None
+    after = session.start(patched, patched) if minified and result.changed else None
     if result.changed:
         _compile_like_input(script, patched, before)
         text = render(script, patched, rewrap=options.rewrap)
@@ -143,15 +160,16 @@ def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -
         for pending in (before, after):
             if pending is not None:
                 pending.compile_error(), _done(pending)
+        session.close()
     if wrote and options.check:  # the minifier's worker, if any, runs meanwhile
         check_started = time.perf_counter()
         check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
         started += time.perf_counter() - check_started
-    report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, before, options, after)
+    report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, before, options, after, session)
     budget = _budget(in_path, report["code_bytes"])
     if budget is not None and budget.over and not options.byte_breakdown and result.changed:
         # over the cap: what each feature costs is what the user needs to choose, so count it
-        report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, None, replace(options, byte_breakdown=True))
+        report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, before, replace(options, byte_breakdown=True), after, session)
     if budget is not None:
         report["artifact"] = budget.as_dict()
     report["seconds"] = round(time.perf_counter() - started, 3)  # the check's own time is not the patch's
@@ -246,11 +264,12 @@ def _write(text: str, out_path, in_place: bool) -> bool:
     return True
 
 
-def _counted_bytes(script: Script, result, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions, after: PendingCount | None = None) -> dict:
+def _counted_bytes(script: Script, result, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions, after: PendingCount | None = None, session: CountSession | None = None) -> dict:
     """The report's `code_bytes`: counted as the record counts them (see patcher.code_size);
-    `before` / `after`: the counts of the input and of the patched code, already under way, or None."""
+    `before` / `after`: the counts of the input and of the patched code, already under way, or None;
+    `session`: the worker that counts them, for any further count."""
     try:
-        return count_patch(script, result, enabled, counting, options.byte_breakdown, before, rewrap=options.rewrap, after=after)
+        return count_patch(script, result, enabled, counting, options.byte_breakdown, before, rewrap=options.rewrap, after=after, session=session)
     except CountError as error:
         raise SourceError(script.path, f"cannot count code bytes: {error}") from None
 

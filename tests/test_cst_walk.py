@@ -83,3 +83,26 @@ def test_start_lines_match_libcst_metadata():
         assert len(got) == len(expected) > 1000
         assert all(got[node] == expected[node].start.line for node in expected)
         assert len({line for line in got.values()}) > 100  # lines advance
+
+
+def test_line_index_prints_only_what_it_is_asked_and_gives_the_same_lines():
+    # LineIndex prints one top-level statement at a time; its lines must equal the
+    # whole-module pass for every node, with a header, CRLF, decorators, a multi-line
+    # string and comments between statements, and for nodes the index does not hold.
+    from patcher.cst_lines import LineIndex, start_lines
+    from patcher.cst_walk import walk
+    from patcher.survey.survey import index_of
+
+    readable = (ROOT / "fixtures" / "tokenstream_readable.py").read_text()
+    extra = '#!/usr/bin/env python\n# header\n\n@decorate\n# between\ndef f():\n    """a\n    b"""\n    return 1\n\n\nx = 1; y = 2\n'
+    for source in (readable, extra + readable.replace("\n", "\r\n"), extra):
+        module = cst.parse_module(source)
+        whole = start_lines(module)
+        lines = LineIndex(module, index_of(module).top_of)
+        last = module.body[-1]
+        assert lines.line_of(last) == whole[last]
+        assert len(lines._printed) == 1  # the statement asked for, and no other, printed with lines
+        assert all(lines.line_of(node) == whole[node] for node in walk(module))
+        assert LineIndex(module).line_of(module.body[0]) == whole[module.body[0]]  # no index: the whole pass
+        with pytest.raises(KeyError):
+            lines.line_of(cst.Name("elsewhere"))

@@ -42,6 +42,7 @@ Verify: the "module" driver (`patcher/proof/module_verify.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import libcst as cst
 import libcst.matchers as m
@@ -49,6 +50,9 @@ import libcst.matchers as m
 from patcher.cst_walk import walk
 from patcher.families import generator
 from patcher.families.base import DataVariable, Family, Plan
+
+if TYPE_CHECKING:
+    from patcher.survey.index import ScriptIndex
 
 # The runtime entry the rewrite calls, and what the original definition is renamed to.
 MODULE_RUNTIME = "_spawn_generator"
@@ -110,22 +114,35 @@ def plan(variable: DataVariable, ctx) -> Plan:
     return generator.plan(variable, ctx)
 
 
-def loader_generators(module: cst.Module) -> list[LoaderGenerator]:
+def loader_generators(module: cst.Module, index: ScriptIndex | None = None) -> list[LoaderGenerator]:
     """The module-level loader generators of this family in `module`, each with its device
-    parameter, or the reason it is left alone."""
-    readers = _reader_names(module)
+    parameter, or the reason it is left alone.
+
+    index: the survey's `ScriptIndex` of `module`, whose generator functions narrow the
+    search to the module-level functions that yield (in their body or in a nested def)
+    without walking the others; without it every module-level function is walked."""
+    functions = _yielding_functions(module, index)
+    readers = {f.name.value for f in functions if reads_row_groups(f)}
     found = []
-    for statement in module.body:
-        if isinstance(statement, cst.FunctionDef):
-            judged = _judge(statement, readers)
-            if judged is not None:
-                found.append(judged)
+    for function in functions:
+        judged = _judge(function, readers)
+        if judged is not None:
+            found.append(judged)
     return found
+
+
+def _yielding_functions(module: cst.Module, index: ScriptIndex | None) -> list[cst.FunctionDef]:
+    """The module-level functions of `module` that yield, in source order."""
+    functions = [s for s in module.body if isinstance(s, cst.FunctionDef)]
+    if index is None:
+        return [f for f in functions if _yields(f)]
+    yielding = {index.top_of.get(g) for g in index.generator_functions}
+    return [f for f in functions if f in yielding]
 
 
 def _reader_names(module: cst.Module) -> set[str]:
     """Names of the module-level generator functions that read parquet row groups."""
-    return {s.name.value for s in module.body if isinstance(s, cst.FunctionDef) and _yields(s) and reads_row_groups(s)}
+    return {f.name.value for f in _yielding_functions(module, None) if reads_row_groups(f)}
 
 
 def _yields(function: cst.FunctionDef) -> bool:

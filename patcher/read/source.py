@@ -106,16 +106,19 @@ class Script:
 # --------------------------------------------------------------------------- public API
 
 
-def read_script(path: str | Path) -> Script:
+def read_script(path: str | Path, on_text=None) -> Script:
     """Read a training script and unwrap it if it is a compressed exec wrapper.
 
-    Returns a `Script`; `source` is the code to patch. Raises `SourceError` for a
+    Returns a `Script`; `source` is the code to patch. on_text: called with the file's
+    text once read, before it is parsed (to start work that needs only the text). Raises `SourceError` for a
     missing, unreadable or directory path, an empty or binary file, a syntax error in
     the file or in the wrapped payload, a corrupt or unsupported wrapper, and a file
     that only does `exec(open(<other file>).read())` (the message names that file).
     """
     p = Path(path)
     raw = _read_text(p)
+    if on_text is not None:
+        on_text(raw)
     with _deep_recursion():
         source, wrapper, module = _analyse(p, raw, check_payload=True)
     return Script(path=p, raw=raw, source=source, wrapper=wrapper, module=module)

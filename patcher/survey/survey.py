@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from patcher import cst_walk
-from patcher.cst_lines import start_lines
+from patcher.cst_lines import LineIndex
 from patcher.cst_walk import walk
 from patcher.families.registry import loader_family
 from patcher.survey.index import ScriptIndex
@@ -56,20 +56,20 @@ class Survey:
     log_function: tuple[str, cst.CSTNode] | None = None
     module_names: set[str] = field(default_factory=set)
     collector: ScriptIndex | None = field(default=None, repr=False)
-    _lines: dict | None = field(default=None, repr=False)
+    _lines: LineIndex | None = field(default=None, repr=False)
     _shared: dict = field(default_factory=dict, repr=False)
 
     def line_of(self, node: cst.CSTNode) -> int:
         """1-based line of `node` in the surveyed source (its `PositionProvider` start line).
 
-        The lines of every node come from one line-only printing pass over the module
-        (`cst_lines.start_lines`), made on the first call. Raises KeyError for a node
+        Lines come from a line-only printing pass over the top-level statement that holds
+        `node` (`cst_lines.LineIndex`, made on the first call). Raises KeyError for a node
         that is not in the surveyed module.
         """
         if self._lines is None:
-            self._lines = start_lines(self.module)
+            self._lines = LineIndex(self.module, self.collector.top_of if self.collector is not None else None)
         try:
-            return self._lines[node]
+            return self._lines.line_of(node)
         except KeyError:
             raise KeyError("node is not in the surveyed module") from None
 

@@ -49,7 +49,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     survey = ctx.survey
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
-    loaders = bestfit_packing.loader_generators(survey.module)
+    loaders = bestfit_packing.loader_generators(survey.module, survey.collector)
     if loaders:  # module mode: the data-loader module a training script imports
         return _module_mode(module, ctx, loaders)
     variables = _data_variables(survey)

@@ -14,7 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	@# torch==2.13.0 is the CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	@echo "--- setup: pip install -e .[dev,test] (libcst, python-minifier, pytest, pyarrow, ...)"
-	$(PY) -m pip install --quiet -e ".[dev,test]"
+	@# setuptools says "Editable installation." on every editable install (InformationOnly): not news.
+	PYTHONWARNINGS="ignore:Editable installation:UserWarning" $(PY) -m pip install --quiet -e ".[dev,test]"
 	@touch $@
 	@echo "--- setup: done; the command is $(VENV)/bin/patch-prefetch"
 

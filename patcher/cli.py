@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     out = parser.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", help=f"where to write the patched script ('-' = stdout, {DEVNULL} = nowhere); default with INPUT '-': stdout")
     out.add_argument("--in-place", action="store_true", help="overwrite the input, keeping INPUT.orig")
-    parser.add_argument("--diff", action="store_true", help="print a unified diff of the unwrapped original vs the patched source (a wrapped record: its payloads, line by line; the injected runtime of a minified script shown formatted). Alone (no -o): the diff on stdout, nothing written, the report on stderr; with -o -: the diff on stderr")
+    parser.add_argument("--diff", action="store_true", help="print a unified diff of the unwrapped original vs the patched source (a wrapped record: its payloads, line by line; the injected runtime of a minified script shown formatted). Alone (no -o): the diff on stdout, nothing written, the report on stderr; with -o -: the diff on stderr. Tree mode (a directory or several INPUTs): every file's diff on stdout and the summary on stderr, nothing written without --out-dir")
     parser.add_argument("--json", action="store_true", help="print one JSON document with the report (and the diff, under 'diff', with --diff) on stdout; with -o -, stdout is the script and the JSON goes to stderr")
     parser.add_argument("-q", "--quiet", action="store_true", help="no report and no progress: errors only (the diff and --json still print)")
     parser.add_argument("--color", dest="color", choices=COLOUR_CHOICES, default="auto", help="colour the diff and the summary: auto (a terminal, unless NO_COLOR is set), always, never")
@@ -332,17 +332,17 @@ def _run_tree(args) -> int:
     several = len(args.inputs) > 1
     if STDIN in args.inputs:
         raise UsageError("'-' (stdin) is one script: tree mode takes files and directories")
-    if args.out_dir is None:
+    if args.out_dir is None and not args.diff:
         what = "several INPUTs" if several else f"{args.inputs[0]}: is a directory;"
-        raise UsageError(f"{what} give --out-dir for tree mode")
-    if args.output is not None or args.in_place or args.diff:
-        raise UsageError("tree mode (a directory or several INPUTs) takes --out-dir, not -o, --in-place or --diff")
-    out_dir = Path(args.out_dir).resolve()
-    for name in args.inputs:
-        if Path(name).is_dir() and Path(name).resolve() == out_dir:
+        raise UsageError(f"{what} give --out-dir for tree mode (or --diff to see the patches without writing them)")
+    if args.output is not None or args.in_place:
+        raise UsageError("tree mode (a directory or several INPUTs) takes --out-dir, not -o or --in-place")
+    for name in args.inputs if args.out_dir is not None else ():
+        if Path(name).is_dir() and Path(name).resolve() == Path(args.out_dir).resolve():
             raise UsageError(f"{args.out_dir}: --out-dir is the input directory; nothing overwritten")
     options = replace(_file_options(args), byte_breakdown=False)
-    args.colour = use_colour(args.color, sys.stdout)
+    args.colour = use_colour(args.color, sys.stderr if args.diff else sys.stdout)
+    args.diff_colour = use_colour(args.color, sys.stdout)
     return tree.run(args, options)
 
 

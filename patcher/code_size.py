@@ -32,7 +32,7 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.cst_walk import children, walk
+from patcher.cst_walk import visit, walk
 from patcher.survey.index import ScriptIndex
 
 ARTIFACT_CAP = 16_000_000
@@ -168,6 +168,11 @@ class MinifyWorker:
         self._requests.put(json.dumps(request) + "\n")
         return pending
 
+    def guess(self, source: str) -> None:
+        """Let the process minify the units of `source` before any count is asked, with the
+        flags it guesses (`minify_worker.speculate`), while nothing else waits."""
+        self._requests.put(json.dumps({"guess": source, "default_flags": list(DEFAULT_MINIFY_FLAGS)}) + "\n")
+
     def close(self, wait: bool = True) -> None:
         """No more counts: the process ends when it has answered those asked. With `wait`,
         return only once it has (and the threads have ended)."""
@@ -217,9 +222,15 @@ class MinifyWorker:
 def early_worker(text: str) -> MinifyWorker | None:
     """A `MinifyWorker` launched now, for a script whose text `text` names "pyminify" (so it
     may count as minified; `counting_of` decides, on the parsed code), else None.
-    Launched before the script is parsed, the worker has imported the minifier by the
-    time the first count is asked."""
-    return MinifyWorker() if "pyminify" in text else None
+
+    Launched before the script is parsed, the worker imports the minifier and starts on
+    the script's units with the flags it guesses from the text (`MinifyWorker.guess`);
+    the count asked once `counting_of` has decided reuses them if the guess was right."""
+    if "pyminify" not in text:
+        return None
+    worker = MinifyWorker()
+    worker.guess(text)
+    return worker
 
 
 class CountSession:
@@ -275,12 +286,14 @@ def counting_of(module: cst.Module, wrapped: bool, index: ScriptIndex | None = N
     `--` flags of the command list in that function and the compressor it calls
     (`brotli.compress` under any import alias, else lzma). Anything else is "raw".
     index: the survey's `ScriptIndex` of `module` (`Survey.collector`), so that the
-    module is not walked again; without it a lighter pass than the index's reads the
-    strings and imports (so that a minified count can start before the survey).
+    module is not walked again; without it one pass is made here.
     """
     if wrapped:
         return Counting("wrapper")
-    strings, imports = (index.strings, index.imports) if index is not None else _strings_and_imports(module)
+    if index is None:
+        index = ScriptIndex()
+        visit(module, index)
+    strings, imports = index.strings, index.imports
     # A literal without a backslash reads "pyminify" only if its text holds it.
     function = next((f for s, f in strings if f is not None and ("pyminify" in s.value or "\\" in s.value) and s.evaluated_value == "pyminify"), None)
     if function is None:
@@ -296,23 +309,6 @@ def counting_of(module: cst.Module, wrapped: bool, index: ScriptIndex | None = N
                 break
     brotli = any(m.matches(n, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("compress")))) and n.func.value.value in brotli_names for n in nodes)
     return Counting("minified", flags or DEFAULT_MINIFY_FLAGS, "brotli" if brotli else "lzma")
-
-
-def _strings_and_imports(module: cst.Module) -> tuple[list, list]:
-    """What `counting_of` reads of a `ScriptIndex`, in one plain walk: ([(SimpleString, the
-    outermost function holding it, or None)], [Import])."""
-    strings, imports = [], []
-    stack: list = [(module, None)]
-    while stack:
-        node, outer = stack.pop()
-        if isinstance(node, cst.SimpleString):
-            strings.append((node, outer))
-        elif isinstance(node, cst.Import):
-            imports.append(node)
-        elif isinstance(node, cst.FunctionDef) and outer is None:
-            outer = node
-        stack.extend((child, outer) for child in reversed(children(node)))
-    return strings, imports
 
 
 def minified_wrapper_bytes(source: str, flags: tuple = DEFAULT_MINIFY_FLAGS, compressor: str = "lzma") -> int:

@@ -18,7 +18,9 @@ of the SyntaxError.
 FILENAME or null, "compressor": COMPRESSOR, "flags": [PYMINIFY_FLAG, ...]}``, and
 answers each in order as the one-shot mode does (its compile line first when asked,
 then its count line), until stdin closes. It can be started before the caller knows
-what it will ask: it imports the minifier meanwhile. The count line also
+what it will ask: it imports the minifier meanwhile. A request ``{"guess": TEXT,
+"default_flags": [...]}`` gets no answer: the worker minifies the units of TEXT with the
+flags it guesses (`speculate`) while no other request waits. The count line also
 says how the source was minified: ``"units": [minified, reused]`` (see
 `minify_by_units`) or ``"whole": REASON``. The units minified for one request are
 kept for the next, so the patched code of a script, sent after the script, costs the
@@ -38,7 +40,9 @@ import io
 import json
 import lzma
 import os
+import queue
 import sys
+import threading
 import tokenize
 import traceback
 
@@ -137,27 +141,71 @@ def whole_module_reason(source: bytes, tree: ast.Module, flags: list[str]) -> st
         return "encoding"
     if encoding not in ("utf-8", "utf-8-sig"):
         return f"encoding {encoding}"
-    if any(isinstance(node, ast.Global) for node in module_scope(tree)):
+    facts = _module_facts(tree)
+    if facts["module_global"]:
         return "a module-level global statement"  # read by the dead-branch pass on the module
-    shadowing = module_names(tree) & set(dir(builtins))
+    if facts["doc"]:
+        return "uses __doc__"
+    shadowing = facts["names"] & set(dir(builtins))
     if shadowing:
         return f"module-level names shadow builtins: {', '.join(sorted(shadowing))}"
-    tainting = bracketed_raise = None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == "__doc__" or isinstance(node, ast.Attribute) and node.attr == "__doc__":
-            return "uses __doc__"
-        if isinstance(node, ast.Name) and node.id in _TAINTING_NAMES:
-            tainting = tainting or f"uses {node.id}"
+    if facts["tainting"] and facts["bracketed_raise"]:
+        # only `raise E()` reads the taint: python-minifier drops its brackets unless tainted
+        return f"{facts['tainting']} and raises an exception with brackets ({facts['bracketed_raise']})"
+    return None
+
+
+def _module_facts(tree: ast.Module) -> dict:
+    """What `whole_module_reason` reads, in one walk: "names" bound in the module's scope
+    (by its own statements, comprehension targets included to err on the safe side, and
+    by `global` statements anywhere), "module_global" (a `global` statement in the
+    module's scope), "doc" (a `__doc__` anywhere), "tainting" (what would taint it, or
+    None), "bracketed_raise" (the line of a `raise E()`, or None)."""
+    names: set[str] = set()
+    facts = {"names": names, "module_global": False, "doc": False, "tainting": None, "bracketed_raise": None}
+    stack: list[tuple[ast.AST, bool]] = [(node, True) for node in tree.body]
+    while stack:
+        node, module_scope = stack.pop()
+        if isinstance(node, ast.Name):
+            if node.id == "__doc__":
+                facts["doc"] = True
+            elif node.id in _TAINTING_NAMES:
+                facts["tainting"] = facts["tainting"] or f"uses {node.id}"
+            if module_scope and isinstance(node.ctx, (ast.Store, ast.Del)):
+                names.add(node.id)
+        elif isinstance(node, ast.Attribute) and node.attr == "__doc__":
+            facts["doc"] = True
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if any(a.name == "*" for a in node.names) or any(name.split(".")[0] == "timeit" for name in modules):
-                tainting = tainting or "a star or timeit import"
+                facts["tainting"] = facts["tainting"] or "a star or timeit import"
+            if module_scope:
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
         elif isinstance(node, ast.Raise) and any(_no_arg_call(e) for e in (node.exc, node.cause)):
-            bracketed_raise = bracketed_raise or f"line {node.lineno}"
-    if tainting and bracketed_raise:
-        # only `raise E()` reads the taint: python-minifier drops its brackets unless tainted
-        return f"{tainting} and raises an exception with brackets ({bracketed_raise})"
-    return None
+            facts["bracketed_raise"] = facts["bracketed_raise"] or f"line {node.lineno}"
+        elif isinstance(node, ast.Global):
+            names.update(node.names)
+            facts["module_global"] = facts["module_global"] or module_scope
+        elif module_scope and isinstance(node, ast.ExceptHandler) and node.name:
+            names.add(node.name)
+        elif module_scope and isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif module_scope and isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            if module_scope and not isinstance(node, ast.Lambda):
+                names.add(node.name)
+            # decorators, defaults and bases run in the enclosing scope; the rest in the new one
+            outer = list(getattr(node, "decorator_list", ()))
+            if isinstance(node, ast.ClassDef):
+                outer += node.bases + [k.value for k in node.keywords]
+            else:
+                outer += node.args.defaults + [d for d in node.args.kw_defaults if d is not None]
+            stack.extend((child, module_scope) for child in outer)
+            stack.extend((child, False) for child in ast.iter_child_nodes(node))
+            continue
+        stack.extend((child, module_scope) for child in ast.iter_child_nodes(node))
+    return facts
 
 
 def _no_arg_call(node) -> bool:
@@ -173,49 +221,25 @@ def _release() -> str:
         return "unknown"
 
 
-def module_scope(tree: ast.Module):
-    """The nodes of the module's own scope, not those inside a function, class or lambda."""
-    stack: list[ast.AST] = list(tree.body)
-    while stack:
-        node = stack.pop()
-        yield node
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-            stack.extend(ast.iter_child_nodes(node))
+# (source, flags) -> `plan`'s answer, for the last few sources (a guess, then its count).
+_PLANS: dict = {}
 
 
-def module_names(tree: ast.Module) -> set[str]:
-    """Names bound in the module's scope: by its own statements (not inside a function,
-    class or lambda body; comprehension targets included, to err on the safe side) and
-    by `global` statements anywhere."""
-    names: set[str] = set()
-    stack: list[ast.AST] = list(tree.body)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-            stack.extend(node.decorator_list)
-            if not isinstance(node, ast.ClassDef):
-                stack.extend(node.args.defaults + [d for d in node.args.kw_defaults if d is not None])
-            else:
-                stack.extend(node.bases + [k.value for k in node.keywords])
-            continue
-        if isinstance(node, ast.Lambda):
-            continue
-        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            names.add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            names.add(node.name)
-        elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
-            names.add(node.name)
-        elif isinstance(node, ast.MatchMapping) and node.rest:
-            names.add(node.rest)
-        stack.extend(ast.iter_child_nodes(node))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Global):
-            names.update(node.names)
-    return names
+def plan(source: bytes, flags: list[str]) -> tuple[list, str | None]:
+    """(`units_of` the source, None), or ([], why it is minified whole): parsed and checked
+    once for a source asked twice with the same flags (guessed, then counted)."""
+    key = (source, tuple(flags))
+    if key not in _PLANS:
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            _PLANS[key] = ([], "does not parse here")
+        else:
+            reason = whole_module_reason(source, tree, flags)
+            _PLANS[key] = ([], reason) if reason is not None else (units_of(source.decode("utf-8").removeprefix("\ufeff"), tree), None)
+        while len(_PLANS) > 4:
+            del _PLANS[next(iter(_PLANS))]
+    return _PLANS[key]
 
 
 def minify_by_units(source: bytes, flags: list[str], memo: dict) -> tuple[bytes, dict]:
@@ -236,16 +260,12 @@ def minify_by_units(source: bytes, flags: list[str], memo: dict) -> tuple[bytes,
     memo: {unit text: its minified text, or None where it cannot stand alone}, kept by
     the caller across calls, so that a unit already minified is reused.
     """
-    try:
-        text = source.decode("utf-8")
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError, UnicodeDecodeError):
-        return minify(source, flags), {"whole": "does not parse here"}  # the minifier's own error, if any
-    reason = whole_module_reason(source, tree, flags)
+    units, reason = plan(source, flags)
     if reason is not None:
-        return minify(source, flags), {"whole": reason}
+        return minify(source, flags), {"whole": reason}  # the minifier's own error, if it does not parse
+    text = source.decode("utf-8")
     outputs, minified, reused = [], 0, 0
-    for unit, kind in units_of(text.removeprefix("\ufeff"), tree):
+    for unit, kind in units:
         if unit in memo:
             reused += 1
         else:
@@ -320,17 +340,91 @@ def _say(reply: dict) -> None:
 
 def serve() -> None:
     """Answer the requests on stdin in order (see the module docstring), one memo per set
-    of flags. The minifier is imported first, while the caller is still reading its script."""
+    of flags. The minifier is imported first, while the caller is still reading its script;
+    a guess request is worked on only while no other request waits."""
     import python_minifier.__main__  # noqa: F401
 
+    requests: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_requests, args=(requests,), daemon=True).start()
     memos: dict = {}
-    for line in sys.stdin:
-        request = json.loads(line)
+    while (request := requests.get()) is not None:
+        if "guess" in request:
+            speculate(request["guess"].encode("utf-8"), request["default_flags"], memos, requests)
+            continue
         source = request["source"].encode("utf-8")
         if request.get("compile") is not None:
             _say({"compile": compile_verdict(source, request["compile"])})  # the caller needs it before the count
         flags = request["flags"]
         _say(count(source, request["compressor"], flags, memos.setdefault(tuple(flags), {})))
+
+
+def _read_requests(requests: queue.Queue) -> None:
+    for line in sys.stdin:
+        requests.put(json.loads(line))
+    requests.put(None)
+
+
+def speculate(source: bytes, default_flags: list[str], memos: dict, requests: queue.Queue) -> int:
+    """Minify the units of a script before its count is asked, with the flags its own
+    size function seems to name (`guess_flags`), until a request arrives. Returns the
+    units minified.
+
+    The caller knows the flags only once it has parsed the script with libcst (seconds
+    for a large record); the guess lets the minifier start at once. It is never trusted:
+    units are kept per set of flags, so a count asked with other flags does not use them,
+    and a wrong guess costs at most the unit being minified when the request arrives.
+    """
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return 0
+    named, flags = guess_flags(tree)
+    flags = flags or default_flags
+    units, reason = plan(source, flags)
+    if not named or reason is not None:
+        return 0
+    memo, done = memos.setdefault(tuple(flags), {}), 0
+    for unit, kind in units:
+        if not requests.empty():
+            break
+        if unit not in memo:
+            memo[unit], done = _minify_unit(unit, kind, flags), done + 1
+    return done
+
+
+def guess_flags(tree: ast.Module) -> tuple[bool, list[str] | None]:
+    """(whether a function holds the string "pyminify", the `--` strings of the first list
+    in the outermost such function, or None): what patcher.code_size.counting_of reads
+    with libcst from the parsed script, read here from `ast` as a guess (`speculate`)."""
+    for function in _outermost_functions(tree):
+        nodes = list(_preorder(function))
+        if any(isinstance(n, ast.Constant) and n.value == "pyminify" for n in nodes):
+            for node in nodes:
+                if isinstance(node, ast.List):
+                    found = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value.startswith("--")]
+                    if found:
+                        return True, found
+            return True, None
+    return False, None
+
+
+def _outermost_functions(tree: ast.Module):
+    """The functions not inside another function, in source order."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _preorder(node: ast.AST):
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(reversed(list(ast.iter_child_nodes(current))))
 
 
 def main(argv: list[str]) -> None:

@@ -10,6 +10,10 @@ the other files go on. Exit code: 0 when no file failed (written, already patche
 nothing to patch), 1 when one or more failed, 2 for bad usage, 5 when no file matched
 (an empty directory, a `--glob` that matches nothing under it).
 
+With `--diff` each file's review diff (`patcher.review.review_diff`) is printed on
+stdout, in input order, and the summary goes to stderr; without `--out-dir` nothing is
+written (black's and ruff's `--diff`: `patch-prefetch records/ --diff | less`).
+
 Several inputs (`patch-prefetch a/train_gpt.py b/ --out-dir OUT`): each directory gives
 its matching files, each file is taken as given, and every output goes to its path
 relative to the inputs' closest common directory under OUT. Ctrl-C stops the workers
@@ -32,13 +36,16 @@ from pathlib import Path
 from patcher.check.import_smoke import use_forked_smoke
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
 from patcher.colour import GREEN, RED, paint
-from patcher.progress import file_bar, wanted
+from patcher.progress import coloured_diff, file_bar, wanted
 from patcher.read.source import SourceError
+from patcher.review import review_diff
 
 # The single-file command's exit code for each status (a row keeps it).
 EXIT_CODES = {WRITTEN: 0, ALREADY_PATCHED: 0, NOTHING_TO_PATCH: 3, CHECK_FAILED: 4}
 EXIT_BAD_INPUT = 2
 FAILED_STATUSES = ("bad input", "check failed", "crash", "timed out")
+# The status of a file patched for its diff alone (no --out-dir): nothing written.
+PATCHED_NOT_WRITTEN = "patched (diff)"
 DEFAULT_FILE_TIMEOUT_S = 600.0
 
 
@@ -53,7 +60,7 @@ class Row:
     (wrapper | minified | raw, see patcher.code_size). artifact: {"cap", "before",
     "after", "over"} in bytes where a submission.json gives the record's artifact size,
     else None. check: ok | partial | FAILED | None (not run). error: the one-line error for bad
-    input, a crash, or an artifact over the cap.
+    input, a crash, or an artifact over the cap. diff: the review diff (with `--diff`), else None.
     """
 
     file: str
@@ -68,6 +75,7 @@ class Row:
     seconds: float | None = None
     counted_as: str | None = None
     artifact: dict | None = None
+    diff: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -90,18 +98,18 @@ class TreeInterrupted(KeyboardInterrupt):
         self.rows, self.in_hand, self.not_started = rows, in_hand, not_started
 
 
-def find_scripts(root: Path, pattern: str, out_dir: Path) -> list[Path]:
-    """Files under `root` whose name matches `pattern`, sorted, none under `out_dir`."""
-    out = out_dir.resolve()
+def find_scripts(root: Path, pattern: str, out_dir: Path | None) -> list[Path]:
+    """Files under `root` whose name matches `pattern`, sorted, none under `out_dir` (None: no output directory)."""
+    out = out_dir.resolve() if out_dir is not None else None
     found = []
     for path in sorted(root.rglob(pattern)):
         resolved = path.resolve()
-        if path.is_file() and out != resolved and out not in resolved.parents:
+        if path.is_file() and (out is None or (out != resolved and out not in resolved.parents)):
             found.append(path)
     return found
 
 
-def collect(inputs: list[Path], pattern: str, out_dir: Path) -> tuple[Path, list[Path]]:
+def collect(inputs: list[Path], pattern: str, out_dir: Path | None) -> tuple[Path, list[Path]]:
     """The scripts of a tree run and the directory their relative paths start from.
 
     inputs: directories (their files matching `pattern`, as `find_scripts`) and files
@@ -123,19 +131,27 @@ def collect(inputs: list[Path], pattern: str, out_dir: Path) -> tuple[Path, list
     return Path(os.path.commonpath(anchors)), unique
 
 
-def patch_one(source: str, target: str, relative: str, options: FileOptions) -> Row:
-    """Patch `source` -> `target` as the single-file command would (`patch_file`); never raises."""
-    Path(target).parent.mkdir(parents=True, exist_ok=True)
+def patch_one(source: str, target: str | None, relative: str, options: FileOptions, diff: bool = False) -> Row:
+    """Patch `source` -> `target` (None: nowhere, for the diff alone) as the single-file
+    command would (`patch_file`), with the review diff when `diff`; never raises."""
+    if target is not None:
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
     try:
-        done = patch_file(Path(source), Path(target), options)
+        done = patch_file(Path(source), Path(target) if target is not None else None, options)
     except (SourceError, UsageError) as error:
         return Row(relative, "bad input", EXIT_BAD_INPUT, error=str(error))
     except Exception as error:  # a bug in the tool: reported for this file, the rest go on
         return Row(relative, "crash", None, error=f"{type(error).__name__}: {error}")
     report, check = done.report, done.check
+    status = ALREADY_PATCHED if done.patch.already_patched else done.status
+    shown = None
+    if diff:
+        minified = done.patch.survey is not None and done.patch.survey.minified
+        shown = "".join(review_diff(done.original, done.patched, relative, done.patch.runtime, minified))
+        status = PATCHED_NOT_WRITTEN if status == WRITTEN and not report["written"] else status
     return Row(
         relative,
-        ALREADY_PATCHED if done.patch.already_patched else done.status,
+        status,
         EXIT_CODES[done.status],
         applied=list(report["applied"]),
         skipped=[f"{s['feature']}: {s['reason']}" for s in report["skipped"]],
@@ -146,6 +162,7 @@ def patch_one(source: str, target: str, relative: str, options: FileOptions) -> 
         seconds=report["seconds"],
         counted_as=report["code_bytes"].get("counted_as"),
         artifact=report.get("artifact"),
+        diff=shown,
     )
 
 
@@ -177,15 +194,18 @@ def patch_files(
     options: FileOptions = FileOptions(byte_breakdown=False),
     file_timeout: float = DEFAULT_FILE_TIMEOUT_S,
     progress: bool = False,
+    diff: bool = False,
 ) -> list[Row]:
-    """Patch `scripts` (paths under `base`) into the same relative paths under `out_dir`.
+    """Patch `scripts` (paths under `base`) into the same relative paths under `out_dir`
+    (None: nothing written, with `diff`).
 
-    Returns one Row per script, in the order given; arguments as `patch_tree`. Raises
-    TreeInterrupted on Ctrl-C (the workers are killed first).
+    Returns one Row per script, in the order given; arguments as `patch_tree`; diff: each
+    Row carries its review diff. Raises TreeInterrupted on Ctrl-C (the workers are
+    killed first).
     """
     base = Path(os.path.abspath(base))
     relative = [Path(os.path.abspath(p)).relative_to(base) for p in scripts]
-    tasks = [(str(p), str(out_dir / r), str(r), options) for p, r in zip(scripts, relative)]
+    tasks = [(str(p), str(out_dir / r) if out_dir is not None else None, str(r), options, diff) for p, r in zip(scripts, relative)]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks) or 1))
     # Largest files first, so that no long one is left running alone at the end.
     pending = sorted(tasks, key=lambda task: -os.path.getsize(task[0]))
@@ -361,22 +381,34 @@ def run(args, options: FileOptions) -> int:
     """The tree mode of the command line: `args.inputs` (directories and files) into
     `args.out_dir`. Returns the exit code; raises NoFiles (nothing matched) and, on
     Ctrl-C, TreeInterrupted after saying on stderr what was written and what was not."""
-    out_dir = Path(args.out_dir)
+    out_dir = Path(args.out_dir) if args.out_dir is not None else None
+    diff = getattr(args, "diff", False)
     base, scripts = collect([Path(p) for p in args.inputs], args.glob, out_dir)
     progress = wanted(args.json) and not getattr(args, "quiet", False)
     try:
-        rows = patch_files(base, scripts, out_dir, args.jobs, options, getattr(args, "file_timeout", DEFAULT_FILE_TIMEOUT_S), progress=progress)
+        rows = patch_files(base, scripts, out_dir, args.jobs, options, getattr(args, "file_timeout", DEFAULT_FILE_TIMEOUT_S), progress=progress, diff=diff)
     except TreeInterrupted as stop:
         print(interrupted_summary(stop, out_dir), file=sys.stderr)
         raise
     if args.json:
-        print(json.dumps({"root": str(base), "inputs": [str(p) for p in args.inputs], "out_dir": str(out_dir), "files": [dict(asdict(r), failed=r.failed) for r in rows]}))
-    elif not getattr(args, "quiet", False):
-        print_table(rows, sys.stdout, colour=getattr(args, "colour", False))
+        files = [{k: v for k, v in dict(asdict(r), failed=r.failed).items() if k != "diff" or diff} for r in rows]
+        print(json.dumps({"root": str(base), "inputs": [str(p) for p in args.inputs], "out_dir": None if out_dir is None else str(out_dir), "files": files}))
+        return 1 if any(r.failed for r in rows) else 0
+    if diff:  # the diffs on stdout (`| patch -p0`, `| less`), the summary beside them on stderr
+        for r in rows:
+            if r.diff:
+                sys.stdout.write(coloured_diff_text(r.diff) if getattr(args, "diff_colour", False) else r.diff)
+    if not getattr(args, "quiet", False):
+        print_table(rows, sys.stderr if diff else sys.stdout, colour=getattr(args, "colour", False))
     return 1 if any(r.failed for r in rows) else 0
 
 
-def interrupted_summary(stop: TreeInterrupted, out_dir: Path, shown: int = 10) -> str:
+def coloured_diff_text(diff: str) -> str:
+    """`diff` with its lines coloured as the single-file `--diff` colours them."""
+    return "".join(coloured_diff(diff.splitlines(True)))
+
+
+def interrupted_summary(stop: TreeInterrupted, out_dir: Path | None, shown: int = 10) -> str:
     """What a Ctrl-C left behind, in a few lines: files written (under `out_dir`),
     files finished without an output (and why), files in hand (not written), files
     not started; each list names its first `shown` files."""

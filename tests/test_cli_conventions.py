@@ -187,6 +187,31 @@ def test_several_paths_go_under_out_dir_by_their_common_directory(tmp_path, caps
     assert "_make_train_loader(" in (out / "b" / "deeper" / "train_gpt.py").read_text()
 
 
+def test_diff_in_tree_mode_prints_every_files_diff_and_writes_nothing(tmp_path, capsys):
+    records = tmp_path / "records"
+    for name, fixture in (("a", READABLE), ("b", MINIFIED), ("c", FIXTURES / "no_loader.py")):
+        (records / name).mkdir(parents=True)
+        shutil.copy(fixture, records / name / "train_gpt.py")
+    before = files_under(tmp_path)
+    code, stdout, stderr = run([records, "--diff", "--jobs", "2"], capsys)
+    assert code == EXIT_OK and files_under(tmp_path) == before  # nothing written
+    # stdout is the diffs alone, in path order, each the single-file command's own
+    singles = []
+    for name in ("a", "b"):
+        single_code, single, _ = run([records / name / "train_gpt.py", "--diff"], capsys)
+        singles.append(single.replace(str(records / name / "train_gpt.py"), f"{name}/train_gpt.py"))
+    assert stdout == "".join(singles) and stdout.startswith("--- a/train_gpt.py (original)")
+    rows = {line.split()[0]: line for line in stderr.splitlines() if line.startswith(("a/", "b/", "c/"))}
+    assert "patched (diff)" in rows["a/train_gpt.py"] and "nothing to patch" in rows["c/train_gpt.py"]
+    # with --json: one document, each file's diff inside it
+    code, stdout, _ = run([records, "--diff", "--json", "--jobs", "1"], capsys)
+    files = {r["file"]: r for r in json.loads(stdout)["files"]}
+    assert files["a/train_gpt.py"]["diff"] == singles[0] and files["c/train_gpt.py"]["diff"] == ""
+    # with --out-dir: written, and the diffs shown all the same
+    code, stdout, _ = run([records, "--diff", "--out-dir", tmp_path / "out", "--jobs", "1"], capsys)
+    assert stdout == "".join(singles) and (tmp_path / "out" / "a" / "train_gpt.py").is_file()
+
+
 def test_a_quoted_pattern_is_expanded(tmp_path, capsys):
     (tmp_path / "r1").mkdir()
     shutil.copy(READABLE, tmp_path / "r1" / "train_gpt.py")

@@ -15,8 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "patcher"))
 import minify_worker  # noqa: E402  (a plain script, imported as the worker runs it)
 
-from patcher.code_size import Counting, counting_of  # noqa: E402
-from patcher.survey.survey import index_of  # noqa: E402
+from patcher.code_size import Counting  # noqa: E402
 
 # The flags of the records that count minified (2026-04-27), and the package's default.
 RECORD_FLAGS = ["--no-rename-locals", "--no-hoist-literals", "--remove-literal-statements", "--remove-asserts", "--prefer-single-line"]
@@ -111,6 +110,7 @@ def test_flags_that_read_the_whole_module_minify_it_whole():
 
 def test_a_release_not_checked_minifies_whole(monkeypatch):
     monkeypatch.setattr(minify_worker, "UNIT_RELEASES", ("0.0.0",))
+    monkeypatch.setattr(minify_worker, "_PLANS", {})  # no plan made under the real release
     got, how = units(HEAD + BODY)
     assert got == whole(HEAD + BODY) and "python-minifier" in how["whole"]
 
@@ -183,12 +183,34 @@ def test_the_session_counts_the_input_then_the_patched_code_reusing_its_units():
     assert before.how["units"][1] == 0 and after.how["units"][0] == 1
 
 
-@pytest.mark.parametrize("name", ["tokenstream_readable.py", "shuffled_minified.py", "document_packing.py", "generator_shards.py"])
-def test_the_count_is_read_alike_with_and_without_the_survey_index(name):
-    import libcst as cst
+SIZE_FUNCTION = '''
+def _code_size(code):
+    import brotli
+    flags = ["--no-rename-locals", "--no-hoist-literals", "--remove-literal-statements"]
+    out = subprocess.run(["pyminify", *flags, "-"], input=code, capture_output=True).stdout
+    return len(brotli.compress(out))
+'''
 
-    source = (ROOT / "fixtures" / name).read_text() + '\ndef _code_size(code):\n    import brotli as b\n    return b.compress(subprocess.run(["pyminify", "--no-rename-locals", "-"]).stdout)\n'
-    module = cst.parse_module(source)
-    light = counting_of(module, False)
-    assert light == counting_of(module, False, index_of(module))
-    assert light == Counting("minified", ("--no-rename-locals",), "brotli")
+
+def test_a_guess_minifies_the_units_ahead_with_the_flags_the_size_function_names():
+    import queue
+
+    source = (HEAD + BODY + SIZE_FUNCTION).encode()
+    assert minify_worker.guess_flags(__import__("ast").parse(source)) == (True, PLAIN_FLAGS)
+    memos: dict = {}
+    done = minify_worker.speculate(source, ["--ignored"], memos, queue.Queue())
+    assert done > 5 and list(memos) == [tuple(PLAIN_FLAGS)]
+    got, how = minify_worker.minify_by_units(source, PLAIN_FLAGS, memos[tuple(PLAIN_FLAGS)])
+    assert got == minify_worker.minify(source, PLAIN_FLAGS) and how["units"] == [0, done]
+    # asked with other flags, the count minifies its own units
+    assert minify_worker.minify_by_units(source, RECORD_FLAGS, memos.setdefault(tuple(RECORD_FLAGS), {}))[1]["units"][1] == 0
+
+
+def test_a_guess_stops_when_a_request_waits_and_needs_a_size_function():
+    import queue
+
+    waiting: queue.Queue = queue.Queue()
+    waiting.put({"source": "x = 1\n"})
+    assert minify_worker.speculate((HEAD + BODY + SIZE_FUNCTION).encode(), PLAIN_FLAGS, {}, waiting) == 0
+    memos: dict = {}
+    assert minify_worker.speculate((HEAD + BODY).encode(), PLAIN_FLAGS, memos, queue.Queue()) == 0 and not memos

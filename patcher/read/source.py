@@ -387,8 +387,21 @@ def _refuse_before_libcst(path: Path, text: str, payload_line: int | None) -> No
 def _ast_depth(tree: ast.AST) -> tuple[int, int]:
     """(greatest depth of `tree`, a line at that depth), walked without recursion.
 
-    Stops early, reporting MAX_NESTING + 1, once the limit is passed.
+    Stops early, reporting MAX_NESTING + 1, once the limit is passed. The depth is
+    counted level by level (a list per level, no per-node bookkeeping); the line, which
+    only a refusal reports, is looked for only then (`_deepest_line`).
     """
+    level, depth = [tree], 0
+    while level:
+        depth += 1
+        if depth > MAX_NESTING:
+            return _deepest_line(tree)
+        level = [child for node in level for child in ast.iter_child_nodes(node)]
+    return depth, 1
+
+
+def _deepest_line(tree: ast.AST) -> tuple[int, int]:
+    """(MAX_NESTING + 1, the line of a node at that depth) for a tree deeper than that."""
     best, best_line = 0, 1
     stack = [(tree, 1, 1)]
     while stack:

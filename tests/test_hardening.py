@@ -309,7 +309,7 @@ def test_per_file_time_limit_and_dying_workers_in_tree_mode(tmp_path, monkeypatc
         (root / name / "train_gpt.py").write_text(TINY)
     real = tree.patch_one
 
-    def fake(source_path, target, relative, options):  # runs in the (forked) worker
+    def fake(source_path, target, relative, options, diff=False):  # runs in the (forked) worker
         if relative.startswith("b_segv"):
             # The worker is forked from pytest, whose faulthandler would print "Fatal Python
             # error" and a traceback on the terminal; the crash is the point, not the noise.
@@ -317,7 +317,7 @@ def test_per_file_time_limit_and_dying_workers_in_tree_mode(tmp_path, monkeypatc
             os.kill(os.getpid(), signal.SIGSEGV)
         if relative.startswith("c_hang"):
             threading.Event().wait()  # never returns: only the time limit ends it
-        return real(source_path, target, relative, options)
+        return real(source_path, target, relative, options, diff)
 
     monkeypatch.setattr(tree, "patch_one", fake)
     rows = {r.file.split("/")[0]: r for r in tree.patch_tree(root, tmp_path / "out", jobs=2, options=FileOptions(check=False), file_timeout=2)}

@@ -183,9 +183,12 @@ class MinifyWorker:
 
     def abandon(self) -> None:
         """End the process now, its counts unanswered (a command that failed, or a script
-        that turned out not to be counted minified, does not wait for the minifier)."""
+        that turned out not to be counted minified, does not wait for the minifier). Its
+        threads end with it (a tree-mode worker may fork next, which wants none running)."""
         self._requests.put(None)
         self._proc.kill()
+        for thread in self._threads:
+            thread.join()
 
     def _write(self) -> None:
         stdin = self._proc.stdin
@@ -203,7 +206,10 @@ class MinifyWorker:
 
     def _read(self) -> None:
         for line in self._proc.stdout:
-            reply = json.loads(line)
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                continue  # not the worker's: something the minifier printed
             if "compile" in reply:
                 self._waiting[0]._compiled_now(reply["compile"])
                 continue

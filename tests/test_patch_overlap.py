@@ -116,6 +116,32 @@ def test_a_prewarmed_child_that_no_check_takes_is_ended(tmp_path):
     assert import_smoke._warm is None and not _new_children(before)
 
 
+def test_a_worker_launched_for_a_script_that_does_not_count_minified_is_ended(tmp_path):
+    # The text names pyminify (a comment), so a minifier worker starts before the parse;
+    # libcst then finds no size function: the worker is ended, with its threads.
+    import threading
+
+    before, threads = _children_running(), set(threading.enumerate())
+    path = tmp_path / "train_gpt.py"
+    path.write_text("# counted with pyminify by the organisers\n" + (FIXTURES / "tokenstream_readable.py").read_text())
+    result = patch_file(path, tmp_path / "out.py", FileOptions(check=False))
+    assert result.report["code_bytes"]["counted_as"] == "raw"
+    assert not _new_children(before) and set(threading.enumerate()) <= threads
+
+
+def test_the_early_worker_counts_a_minified_record_as_a_late_one_does(tmp_path, monkeypatch):
+    from patcher import code_size, patch_file as patch_file_module
+
+    path = tmp_path / "train_gpt.py"
+    path.write_text((FIXTURES / "tokenstream_readable.py").read_text() + SIZE_FUNCTION)
+    early = patch_file(path, tmp_path / "early.py", FileOptions(check=False))
+    monkeypatch.setattr(patch_file_module, "early_worker", lambda text: None)  # the worker starts at the first count
+    late = patch_file(path, tmp_path / "late.py", FileOptions(check=False))
+    assert early.report["code_bytes"] == late.report["code_bytes"] and early.report["code_bytes"]["counted_as"] == "minified"
+    whole = code_size.Counting("minified", ("--no-rename-locals", "--remove-literal-statements"), "lzma")
+    assert early.report["code_bytes"]["after"] == whole.count(early.patched, early.patched)
+
+
 def test_an_edit_rebuilds_only_the_ancestors_of_what_it_changes():
     import libcst as cst
 

@@ -341,11 +341,19 @@ def _say(reply: dict) -> None:
 def serve() -> None:
     """Answer the requests on stdin in order (see the module docstring), one memo per set
     of flags. The minifier is imported first, while the caller is still reading its script;
-    a guess request is worked on only while no other request waits."""
+    a guess request is worked on only while no other request waits. Each count is
+    compressed on a thread of its own (lzma and brotli release the GIL) while the next
+    request is minified; the answers still go out in the order asked."""
     import python_minifier.__main__  # noqa: F401
 
+    if hasattr(os, "nice"):
+        # Counts are wanted last; the patch and the check's import child (torch) go first.
+        os.nice(10)
     requests: queue.Queue = queue.Queue()
     threading.Thread(target=_read_requests, args=(requests,), daemon=True).start()
+    answers: queue.Queue = queue.Queue()  # dicts, or threads whose `.reply` is the dict
+    answering = threading.Thread(target=_answer_in_order, args=(answers,))
+    answering.start()
     memos: dict = {}
     while (request := requests.get()) is not None:
         if "guess" in request:
@@ -353,9 +361,35 @@ def serve() -> None:
             continue
         source = request["source"].encode("utf-8")
         if request.get("compile") is not None:
-            _say({"compile": compile_verdict(source, request["compile"])})  # the caller needs it before the count
+            answers.put({"compile": compile_verdict(source, request["compile"])})  # the caller needs it before the count
         flags = request["flags"]
-        _say(count(source, request["compressor"], flags, memos.setdefault(tuple(flags), {})))
+        try:
+            minified, how = minify_by_units(source, flags, memos.setdefault(tuple(flags), {}))
+        except Exception as error:  # the minifier's own failure, reported as its command line would
+            answers.put({"error": traceback.format_exception_only(type(error), error)[-1].strip() or "no message"})
+            continue
+        compressing = threading.Thread(target=_compress, args=(minified, request["compressor"], how))
+        compressing.start()
+        answers.put(compressing)
+    answers.put(None)
+    answering.join()
+
+
+def _compress(minified: bytes, compressor: str, how: dict) -> None:
+    """The count line of `minified`, left on this thread as `.reply`."""
+    try:
+        reply = {"bytes": wrapper_bytes(minified, compressor), **how}
+    except Exception as error:  # e.g. brotli not installed: said as the one-shot mode says it
+        reply = {"error": traceback.format_exception_only(type(error), error)[-1].strip() or "no message"}
+    threading.current_thread().reply = reply
+
+
+def _answer_in_order(answers: queue.Queue) -> None:
+    while (answer := answers.get()) is not None:
+        if isinstance(answer, threading.Thread):
+            answer.join()
+            answer = answer.reply
+        _say(answer)
 
 
 def _read_requests(requests: queue.Queue) -> None:

@@ -14,11 +14,19 @@ training loop needs), and driven
 - `gil-busy` (default): part of the step is pure-Python work that holds the GIL (about
   5 ms, calibrated at start), the rest sleeps: closer to a loop that launches kernels
   from Python, where a producer holding the GIL competes with the training loop.
-- `op-bound`: the whole step is a host-bound loop of small torch ops on the main thread
-  (`torch.add` on 16 floats, `out=`), each releasing and re-taking the GIL as a kernel
-  launch does; the op count is calibrated at start, alone, to `compute_ms`. A producer
-  thread that takes the GIL between two ops delays the next one: what it costs shows
-  as a longer step, not as a longer wait.
+- `op-bound`: the whole step is a host-bound loop of small torch ops on the main thread,
+  each releasing and re-taking the GIL as a kernel launch does; the op count is
+  calibrated at start, alone, to `compute_ms`. A producer thread that takes the GIL
+  between two ops delays the next one: what it costs shows as a longer step, not as a
+  longer wait. The op models the host's share of a CUDA op: by default `torch.add(a, b)`
+  on empty tensors (`--op add --op-numel 0`): Python, the dispatcher and a new output
+  tensor's metadata each call, but no host data, since a CUDA op's output comes from
+  the caching allocator and its compute runs on the GPU. An op with host data (16
+  floats) also mallocs and frees 64 bytes per call, which makes both loaders' batch
+  allocations costlier afterwards (0.2 -> 0.8 ms for the root script's batch after
+  5,000 such ops; `x = x * 1.0001`: 1.5 ms), a cost of the CPU stand-in that no GPU run
+  has; `--op add-out --op-numel 16` is the earlier step (`torch.add(..., out=)`, no
+  allocation at all). `bench/op_ablation.py` measures each factor.
 
 Per step and side, the step time is measured too: from dropping the previous batch to
 the end of the simulated step, `next_batch` included; the original builds its batch
@@ -84,6 +92,14 @@ OP_CALIBRATION_TOLERANCE = 0.03
 # (on a GPU from the caching allocator, here from malloc); `mul-scalar` (`x = x * 1.0001`)
 # also wraps a Python float into a tensor on every call.
 OP_KINDS = ("add-out", "add", "mul-scalar")
+# The default op-bound step: `torch.add(a, b)` on empty tensors, a new output tensor per
+# op and no host data, the host's share of a CUDA op: Python, the dispatcher and the
+# output's metadata (TensorImpl, StorageImpl) with the GIL released in between, while
+# the data comes from the caching allocator and the compute runs on the GPU. With host
+# data (`--op-numel 16`) every op also mallocs and frees its 64 bytes, which a CUDA op
+# does not, and which makes the loaders' own allocations costlier (bench/op_ablation.py).
+DEFAULT_OP = "add"
+DEFAULT_OP_NUMEL = 0
 # The share of the original's mean data time the patched step must recover (`step_goal_met`).
 STEP_GOAL_SHARE = 0.8
 
@@ -107,8 +123,8 @@ def run_bench(
     torch_threads: int | None = 1,
     workers: int = 1,
     pageable_h2d: bool = False,
-    op: str = "add-out",
-    op_numel: int = 16,
+    op: str = DEFAULT_OP,
+    op_numel: int = DEFAULT_OP_NUMEL,
     ops_per_step: int | None = None,
     alternate_every: int = 1,
 ) -> dict:
@@ -332,7 +348,7 @@ def _python_work(loops: int) -> int:
     return total
 
 
-def _step_function(main_thread: str, compute_ms: float, op: str = "add-out", op_numel: int = 16, ops_per_step: int | None = None):
+def _step_function(main_thread: str, compute_ms: float, op: str = DEFAULT_OP, op_numel: int = DEFAULT_OP_NUMEL, ops_per_step: int | None = None):
     """The simulated step for `main_thread` mode, calibrated here (before any worker runs).
 
     op, op_numel, ops_per_step (op-bound only): the op of the loop (OP_KINDS), its
@@ -600,7 +616,7 @@ def _print_table(report: dict, stream) -> None:
         row = [report[f"{k}_{kind}_ms_{name}"] for kind in ("step", "data") for k in ("mean", "median", "p99")]
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f}   {row[3]:9.3f} {row[4]:9.3f} {row[5]:9.3f}", file=stream)
     share = report["recovered_share"]
-    ops = f", {report['ops_per_step']} torch ops a step" if report.get("ops_per_step") else ""
+    ops = f", {report['ops_per_step']} torch ops a step ({report['op']} on {report['op_numel']} float32)" if report.get("ops_per_step") else ""
     print(f"  data time recovered as a shorter step: {'-' if share is None else f'{100 * share:.1f} %'} of the original's "
           f"(goal {100 * STEP_GOAL_SHARE:.0f} % and a median step no longer: {'met' if report['step_goal_met'] else 'not met'}){ops}", file=stream)
 
@@ -614,11 +630,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--main-thread", choices=list(MAIN_THREAD_MODES), default="gil-busy", help="simulated step: idle (sleeps), gil-busy (5 ms of Python, then sleeps) or op-bound (small torch ops for the whole step)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
     parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
-    parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node; 0: as torch starts, one per core)")
     parser.add_argument("--workers", type=int, default=1, help="TRAIN_PREFETCH_WORKERS for the patched loader; above 1 the producer rate of N workers is reported against one (ShuffledSequenceLoader family)")
     parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3; rank 0 of 8 reads every 8th in the ShuffledSequenceLoader family)")
     parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
     parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (the patched hand-out's copy is the pinning copy it makes there)")
+    parser.add_argument("--op", choices=list(OP_KINDS), default=DEFAULT_OP, help=f"op-bound: the op of the step's loop (default {DEFAULT_OP}: a new output tensor per op, as a CUDA op allocates; add-out writes into one output)")
+    parser.add_argument("--op-numel", type=int, default=DEFAULT_OP_NUMEL, help=f"op-bound: float32 elements of the op's tensors (default {DEFAULT_OP_NUMEL}: no host data, as a CUDA op's output has none)")
+    parser.add_argument("--ops-per-step", type=int, help="op-bound: a fixed op count a step instead of one calibrated to --compute-ms")
+    parser.add_argument("--alternate-every", type=int, default=1, help="steps a side runs before the other side's turn (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         args = parser.parse_args(argv)
@@ -632,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                 report = run_module_bench(args.script, args.steps, args.compute_ms, args.main_thread)
                 print(json.dumps(report)) if args.json else print_module_report(report, sys.stdout)
                 return 0
-            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers, pageable_h2d=args.pageable_h2d)
+            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads or None, workers=args.workers, pageable_h2d=args.pageable_h2d,
+                op=args.op, op_numel=args.op_numel, ops_per_step=args.ops_per_step, alternate_every=args.alternate_every)
     except (BenchError, SourceError) as error:
         print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
         return 2

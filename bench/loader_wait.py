@@ -17,8 +17,9 @@ an absolute wait in ms:
 - `slowdown`: how much longer the main thread's own Python work took beside the patched
   loader's worker than beside the original (GIL-busy only).
 
-Op-bound runs (a host-bound step of small torch ops, calibrated to `--compute-ms`)
-print a second table, one row each, in ms per step: the mean step original -> patched,
+Op-bound runs (a host-bound step of small torch ops, calibrated to `--compute-ms`;
+by default `torch.add` on empty tensors, a new output a call and no host data, the host
+side of a CUDA op: `--op`, `--op-numel`) print a second table, one row each, in ms per step: the mean step original -> patched,
 the median and p99 steps, the original's mean time in `next_batch` (`data`), the
 share of it recovered as a shorter step (`recovered`; the goal is 80 % with a median
 step no longer than the original's), and the op loop's slowdown beside the worker.
@@ -36,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher.proof.bench import MAIN_THREAD_MODES, run_bench  # noqa: E402
+from patcher.proof.bench import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS, run_bench  # noqa: E402
 
 
 def main() -> int:
@@ -51,6 +52,8 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MAIN_THREAD_MODES), help=f"main-thread modes, comma-separated (default {','.join(MAIN_THREAD_MODES)})")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step in ms (default 20)")
     parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (see patch-prefetch bench --help)")
+    parser.add_argument("--op", choices=OP_KINDS, default=DEFAULT_OP, help=f"op-bound: the op of the step's loop (default {DEFAULT_OP})")
+    parser.add_argument("--op-numel", type=int, default=DEFAULT_OP_NUMEL, help=f"op-bound: float32 elements of the op's tensors (default {DEFAULT_OP_NUMEL})")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MAIN_THREAD_MODES))
@@ -75,7 +78,7 @@ def main() -> int:
     if "op-bound" in modes:
         print(f"{'script':48} {'mean step ms':>17} {'median':>15} {'p99':>15} {'data ms':>8} {'recovered':>10} {'goal':>5} {'ops slowdown':>13} {'ops':>6}")
         for script in args.scripts:
-            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread="op-bound", data_dir=args.data_dir, workers=args.workers, shards=args.shards, pageable_h2d=args.pageable_h2d)
+            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread="op-bound", data_dir=args.data_dir, workers=args.workers, shards=args.shards, pageable_h2d=args.pageable_h2d, op=args.op, op_numel=args.op_numel)
             share = "-" if r["recovered_share"] is None else f"{100 * r['recovered_share']:.1f} %"
             print(
                 f"{Path(script).parent.name[-48:] or script:48} {_pair(r, 'mean'):>17} {_pair(r, 'median'):>15} {_pair(r, 'p99'):>15} "

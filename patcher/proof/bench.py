@@ -14,11 +14,19 @@ training loop needs), and driven
 - `gil-busy` (default): part of the step is pure-Python work that holds the GIL (about
   5 ms, calibrated at start), the rest sleeps: closer to a loop that launches kernels
   from Python, where a producer holding the GIL competes with the training loop.
-- `op-bound`: the whole step is a host-bound loop of small torch ops on the main thread
-  (`torch.add` on 16 floats, `out=`), each releasing and re-taking the GIL as a kernel
-  launch does; the op count is calibrated at start, alone, to `compute_ms`. A producer
-  thread that takes the GIL between two ops delays the next one: what it costs shows
-  as a longer step, not as a longer wait.
+- `op-bound`: the whole step is a host-bound loop of small torch ops on the main thread,
+  each releasing and re-taking the GIL as a kernel launch does; the op count is
+  calibrated at start, alone, to `compute_ms`. A producer thread that takes the GIL
+  between two ops delays the next one: what it costs shows as a longer step, not as a
+  longer wait. The op models the host's share of a CUDA op: by default `torch.add(a, b)`
+  on empty tensors (`--op add --op-numel 0`): Python, the dispatcher and a new output
+  tensor's metadata each call, but no host data, since a CUDA op's output comes from
+  the caching allocator and its compute runs on the GPU. An op with host data (16
+  floats) also mallocs and frees 64 bytes per call, which makes both loaders' batch
+  allocations costlier afterwards (0.2 -> 0.8 ms for the root script's batch after
+  5,000 such ops; `x = x * 1.0001`: 1.5 ms), a cost of the CPU stand-in that no GPU run
+  has; `--op add-out --op-numel 16` is the earlier step (`torch.add(..., out=)`, no
+  allocation at all). `bench/op_ablation.py` measures each factor.
 
 Per step and side, the step time is measured too: from dropping the previous batch to
 the end of the simulated step, `next_batch` included; the original builds its batch
@@ -52,6 +60,7 @@ original's, and `producer_ratio_workers_vs_1` is N workers against one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -77,6 +86,20 @@ WORLD_SIZE = 8
 MAIN_THREAD_MODES = ("idle", "gil-busy", "op-bound")
 # The op-bound step's calibration stops once one step is this close to compute_ms (relative).
 OP_CALIBRATION_TOLERANCE = 0.03
+# The op of the op-bound step's loop, by name (`--op`): what each call does to 16 (or
+# `op_numel`) float32. `add-out` writes into a preallocated output; `add` and
+# `mul-scalar` allocate their result, as most ops of a forward and backward pass do
+# (on a GPU from the caching allocator, here from malloc); `mul-scalar` (`x = x * 1.0001`)
+# also wraps a Python float into a tensor on every call.
+OP_KINDS = ("add-out", "add", "mul-scalar")
+# The default op-bound step: `torch.add(a, b)` on empty tensors, a new output tensor per
+# op and no host data, the host's share of a CUDA op: Python, the dispatcher and the
+# output's metadata (TensorImpl, StorageImpl) with the GIL released in between, while
+# the data comes from the caching allocator and the compute runs on the GPU. With host
+# data (`--op-numel 16`) every op also mallocs and frees its 64 bytes, which a CUDA op
+# does not, and which makes the loaders' own allocations costlier (bench/op_ablation.py).
+DEFAULT_OP = "add"
+DEFAULT_OP_NUMEL = 0
 # The share of the original's mean data time the patched step must recover (`step_goal_met`).
 STEP_GOAL_SHARE = 0.8
 
@@ -97,9 +120,13 @@ def run_bench(
     data_dir: str | None = None,
     warmup: int = 3,
     producer_batches: int = 30,
-    torch_threads: int = 1,
+    torch_threads: int | None = 1,
     workers: int = 1,
     pageable_h2d: bool = False,
+    op: str = DEFAULT_OP,
+    op_numel: int = DEFAULT_OP_NUMEL,
+    ops_per_step: int | None = None,
+    alternate_every: int = 1,
 ) -> dict:
     """Benchmark one script. Returns the report dict (keys in the module docstring and README).
 
@@ -107,11 +134,80 @@ def run_bench(
     into the driver's staging buffer that its pageable `.to("cuda", non_blocking=True)`
     makes on a GPU (`_stage_pageable`); the patched side's hand-out already copies (the
     pinning copy it makes on a GPU), so both sides then pay what they pay in a CUDA run.
+    torch_threads: torch's CPU threads during the run (None: as they are); op, op_numel,
+    ops_per_step: the op-bound step's op (OP_KINDS), its size in float32 and a fixed op
+    count (None: calibrated to `compute_ms`); alternate_every: steps a side runs before
+    the other's turn (1: one each).
 
-    Raises BenchError when the script has no training loader the patch prefetches.
+    Raises BenchError when the script has no training loader the patch prefetches, or
+    for an unknown `main_thread` or `op`.
     """
     if main_thread not in MAIN_THREAD_MODES:
         raise BenchError(f"--main-thread must be one of {', '.join(MAIN_THREAD_MODES)}, not {main_thread!r}")
+    if op not in OP_KINDS:
+        raise BenchError(f"--op must be one of {', '.join(OP_KINDS)}, not {op!r}")
+    with bench_loaders(script, shards, shard_tokens, seed, data_dir, queue_depth, workers, torch_threads) as setup:
+        build, args, variants, tuned_space = setup.build, setup.args, setup.variants, setup.spaces[2]
+        threads_used = torch.get_num_threads()
+        step, ops = _step_function(main_thread, compute_ms, op, op_numel, ops_per_step)
+        measured = "workers" if variants["patched"] == "workers" else "default"
+        _set_toggles(tuned_space, variants[variants["patched"]])
+        waits, work, spans = _alternate([build[0], build[2] if measured == "workers" else build[1]], args, steps + warmup, step, stage_original=_stage_pageable if pageable_h2d else None, every=alternate_every)
+        # Best of a few alternating rounds: the rate a side can reach on this machine.
+        names = ["original", "default"] + [name for name in ("python", "numpy", "workers") if name in variants]
+        # No assembly or worker toggles: the tuned patch runs the default's producer with a
+        # depth toggle, and the rate rounds set the depth themselves.
+        same_producer = set(variants) == {"python", "patched"}
+        rounds = []
+        for _ in range(3):
+            rates_now = {}
+            for name in names:
+                if name in variants:
+                    _set_toggles(tuned_space, variants[name])
+                if name == "python" and same_producer:
+                    rates_now[name] = rates_now["default"]  # the same producer
+                    continue
+                side = build[0] if name == "original" else build[1] if name == "default" else build[2]
+                rates_now[name] = _producer_rate(side, args, producer_batches, patched=name != "original")
+            rounds.append(rates_now)
+        rates = {name: max(r[name] for r in rounds) for name in names}
+        _set_toggles(tuned_space, {"TRAIN_PREFETCH_WORKERS": 1, "TRAIN_PREFETCH_NUMPY": 1})
+    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates[measured]])
+    report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
+    report["ops_per_step"] = ops
+    report["torch_threads"] = threads_used
+    report["pageable_h2d"] = pageable_h2d
+    report["op"] = op if main_thread == "op-bound" else None
+    report["op_numel"] = op_numel if main_thread == "op-bound" else None
+    report["alternate_every"] = max(1, int(alternate_every))
+    _producer_report(report, rates, variants, workers)
+    return report
+
+
+class BenchLoaders:
+    """What `bench_loaders` yields.
+
+    build: `[make_original, make_default_patch, make_tuned_patch]`, each `() -> loader`
+    (the tuned one is a patch with the producer toggles, set by `spaces[2]`); args: the
+    `next_batch` arguments of rank 0; spaces: the three scripts' namespaces; variants:
+    `_producer_variants` of the tuned patch.
+    """
+
+    def __init__(self, build, args, spaces, variants):
+        self.build, self.args, self.spaces, self.variants = build, args, spaces, variants
+
+
+@contextlib.contextmanager
+def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed: int = 0, data_dir=None, queue_depth: int = 2, workers: int = 1, torch_threads: int | None = 1):
+    """The original's and the patched scripts' training loaders of rank 0 of 8, ready to build.
+
+    Patches `script` in memory (a default patch, and one with the producer toggles),
+    writes `shards` synthetic shards of `shard_tokens` tokens into `data_dir` (reused
+    when their count and size match; None: a temporary directory), loads the three
+    scripts and yields a `BenchLoaders`. Inside, torch runs `torch_threads` CPU threads
+    (None: as many as before), CUDA pinning is a host-only stand-in, and the shards stay.
+    Raises BenchError when the script has no training loader the patch prefetches.
+    """
     original_source = read_script(script).source
     # The wait and the step are measured with what a default patch gives (with
     # `workers` > 1: the producer toggles set to N workers); the producer-rate rounds
@@ -127,9 +223,9 @@ def run_bench(
         raise BenchError(f"{script}: {error}") from None
     patched_site = patched_constructions(result.source, recipe)[0]
     tuned_site = patched_constructions(tuned.source, recipe)[0]
-    workers = max(1, int(workers))
-    variants = _producer_variants(tuned_site, workers)
-    with _shard_dir(data_dir) as directory, host_only_pinning([]), swapped(torch.get_num_threads, torch.set_num_threads, torch_threads):
+    variants = _producer_variants(tuned_site, max(1, int(workers)))
+    threads = torch.get_num_threads() if torch_threads is None else torch_threads
+    with _shard_dir(data_dir) as directory, host_only_pinning([]), swapped(torch.get_num_threads, torch.set_num_threads, threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
         modules = load_module(original_source, str(script)), load_module(result.source, str(script)), load_module(tuned.source, str(script))
         # Rank 0 of the record's own configuration, 8 GPUs: in the TokenStream family every
@@ -145,36 +241,7 @@ def run_bench(
             lambda: _with_depth(recipe.evaluate(patched_site, spaces[1], binding), queue_depth),
             lambda: recipe.evaluate(tuned_site, spaces[2], binding),
         ]
-        step, ops = _step_function(main_thread, compute_ms)
-        measured = "workers" if variants["patched"] == "workers" else "default"
-        _set_toggles(spaces[2], variants[variants["patched"]])
-        waits, work, spans = _alternate([build[0], build[2] if measured == "workers" else build[1]], args, steps + warmup, step, stage_original=_stage_pageable if pageable_h2d else None)
-        # Best of a few alternating rounds: the rate a side can reach on this machine.
-        names = ["original", "default"] + [name for name in ("python", "numpy", "workers") if name in variants]
-        # No assembly or worker toggles: the tuned patch runs the default's producer with a
-        # depth toggle, and the rate rounds set the depth themselves.
-        same_producer = set(variants) == {"python", "patched"}
-        rounds = []
-        for _ in range(3):
-            rates_now = {}
-            for name in names:
-                if name in variants:
-                    _set_toggles(spaces[2], variants[name])
-                if name == "python" and same_producer:
-                    rates_now[name] = rates_now["default"]  # the same producer
-                    continue
-                side = build[0] if name == "original" else build[1] if name == "default" else build[2]
-                rates_now[name] = _producer_rate(side, args, producer_batches, patched=name != "original")
-            rounds.append(rates_now)
-        rates = {name: max(r[name] for r in rounds) for name in names}
-        _set_toggles(spaces[2], {"TRAIN_PREFETCH_WORKERS": 1, "TRAIN_PREFETCH_NUMPY": 1})
-    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates[measured]])
-    report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
-    report["ops_per_step"] = ops
-    report["torch_threads"] = torch_threads
-    report["pageable_h2d"] = pageable_h2d
-    _producer_report(report, rates, variants, workers)
-    return report
+        yield BenchLoaders(build, args, spaces, variants)
 
 
 def _producer_variants(patched_site: str, workers: int) -> dict:
@@ -281,42 +348,58 @@ def _python_work(loops: int) -> int:
     return total
 
 
-def _step_function(main_thread: str, compute_ms: float):
+def _step_function(main_thread: str, compute_ms: float, op: str = DEFAULT_OP, op_numel: int = DEFAULT_OP_NUMEL, ops_per_step: int | None = None):
     """The simulated step for `main_thread` mode, calibrated here (before any worker runs).
 
+    op, op_numel, ops_per_step (op-bound only): the op of the loop (OP_KINDS), its
+    tensors' element count, and a fixed op count a step (None: calibrated to `compute_ms`).
     Returns `(step, ops)`: `step()` runs one step of about `compute_ms` ms and returns
     the ms of its main-thread work (Python work in gil-busy, the op loop in op-bound,
     0 when idle); `ops`: torch ops per step in op-bound mode, else None.
     """
     if main_thread == "op-bound":
-        tensors = _op_tensors()
-        ops = calibrate_ops(compute_ms, lambda n: _timed_op_loop(n, tensors))
-        return (lambda: _timed_op_loop(ops, tensors)), ops
+        if op not in OP_KINDS:
+            raise BenchError(f"--op must be one of {', '.join(OP_KINDS)}, not {op!r}")
+        tensors = _op_tensors(op_numel)
+        ops = ops_per_step or calibrate_ops(compute_ms, lambda n: _timed_op_loop(n, tensors, op))
+        return (lambda: _timed_op_loop(ops, tensors, op)), ops
     work_loops = _calibrate_python_work(PYTHON_WORK_MS) if main_thread == "gil-busy" else 0
     return (lambda: _simulated_step(compute_ms, main_thread, work_loops)), None
 
 
-def _op_tensors() -> tuple:
-    """Two inputs and an output for the op loop: 16 float32 each (no allocation per op)."""
-    return torch.ones(16), torch.ones(16), torch.empty(16)
+def _op_tensors(numel: int = 16) -> tuple:
+    """Two inputs and an output for the op loop: `numel` float32 each (`add-out` allocates nothing per op)."""
+    return torch.ones(numel), torch.ones(numel), torch.empty(numel)
 
 
-def op_loop(ops: int, tensors: tuple) -> int:
-    """`ops` times `torch.add(a, b, out=out)` with `tensors = (a, b, out)`; returns `ops`.
+def op_loop(ops: int, tensors: tuple, kind: str = "add-out") -> int:
+    """`ops` torch ops of `kind` (OP_KINDS) on `tensors = (a, b, out)`; returns `ops`.
 
+    `add-out`: `torch.add(a, b, out=out)`; `add`: `torch.add(a, b)` (a new tensor per
+    call); `mul-scalar`: `x = x * 1.0001` starting from `a` (a new tensor per call).
     Each call releases the GIL while torch runs it and takes it back after, as the
-    launch of a CUDA kernel from Python does.
+    launch of a CUDA kernel from Python does. Raises ValueError for an unknown kind.
     """
     a, b, out = tensors
     add = torch.add
-    for _ in range(ops):
-        add(a, b, out=out)
+    if kind == "add-out":
+        for _ in range(ops):
+            add(a, b, out=out)
+    elif kind == "add":
+        for _ in range(ops):
+            add(a, b)
+    elif kind == "mul-scalar":
+        x = a
+        for _ in range(ops):
+            x = x * 1.0001
+    else:
+        raise ValueError(f"unknown op kind {kind!r}; choose from {', '.join(OP_KINDS)}")
     return ops
 
 
-def _timed_op_loop(ops: int, tensors: tuple) -> float:
+def _timed_op_loop(ops: int, tensors: tuple, kind: str = "add-out") -> float:
     t0 = time.perf_counter()
-    op_loop(ops, tensors)
+    op_loop(ops, tensors, kind)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -355,18 +438,19 @@ def _stage_pageable(batch):
     return _each_tensor(batch, torch.Tensor.clone)
 
 
-def _alternate(build, args, steps, step, stage_original=None):
-    """Both loaders driven alternately, one step each, `steps` times.
+def _alternate(build, args, steps, step, stage_original=None, every: int = 1, drops=None):
+    """Both loaders driven alternately, `every` steps each in turn (1: one step each), `steps` steps a side.
 
     Takes: build: `[make_original, make_patched]`, each `() -> loader`; args: the
     `next_batch` arguments; step: `() -> ms`, one simulated training step, run on this
     (the main) thread after each `next_batch`, returning the ms of its main-thread
     work; stage_original: None, or `batch -> batch` run on the original's batch inside
-    its timed `next_batch` (`_stage_pageable`). The original's `next_batch` runs here,
-    inline, as in a run. Returns
-    `(waits, work, spans)`, each `[original, patched]` lists of ms per step: the time
-    in `next_batch`, the step's main-thread work, and the whole step (dropping the
-    previous batch, `next_batch` and the simulated step).
+    its timed `next_batch` (`_stage_pageable`); every: steps a side runs before the
+    other side's turn; drops: None, or `[[], []]` that receives per side the ms of
+    dropping the previous batch. The original's `next_batch` runs here, inline, as in a
+    run. Returns `(waits, work, spans)`, each `[original, patched]` lists of ms per step:
+    the time in `next_batch`, the step's main-thread work, and the whole step (dropping
+    the previous batch, `next_batch` and the simulated step).
     """
     loaders = [make() for make in build]
     waits: list[list[float]] = [[], []]
@@ -377,18 +461,22 @@ def _alternate(build, args, steps, step, stage_original=None):
     # the step's cost, not the wait's.
     held: list = [None, None]
     clock = time.perf_counter
+    every = max(1, int(every))
     try:
-        for _ in range(steps):
+        for block in range(0, steps, every):
             for side in (0, 1):
-                start = clock()
-                held[side] = None
-                t0 = clock()
-                held[side] = loaders[side].next_batch(*args)
-                if side == 0 and stage_original is not None:
-                    held[side] = stage_original(held[side])
-                waits[side].append((clock() - t0) * 1e3)
-                work[side].append(step())
-                spans[side].append((clock() - start) * 1e3)
+                for _ in range(min(every, steps - block)):
+                    start = clock()
+                    held[side] = None
+                    t0 = clock()
+                    if drops is not None:
+                        drops[side].append((t0 - start) * 1e3)
+                    held[side] = loaders[side].next_batch(*args)
+                    if side == 0 and stage_original is not None:
+                        held[side] = stage_original(held[side])
+                    waits[side].append((clock() - t0) * 1e3)
+                    work[side].append(step())
+                    spans[side].append((clock() - start) * 1e3)
     finally:
         _close(loaders[1])
     return waits, work, spans
@@ -528,7 +616,7 @@ def _print_table(report: dict, stream) -> None:
         row = [report[f"{k}_{kind}_ms_{name}"] for kind in ("step", "data") for k in ("mean", "median", "p99")]
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f}   {row[3]:9.3f} {row[4]:9.3f} {row[5]:9.3f}", file=stream)
     share = report["recovered_share"]
-    ops = f", {report['ops_per_step']} torch ops a step" if report.get("ops_per_step") else ""
+    ops = f", {report['ops_per_step']} torch ops a step ({report['op']} on {report['op_numel']} float32)" if report.get("ops_per_step") else ""
     print(f"  data time recovered as a shorter step: {'-' if share is None else f'{100 * share:.1f} %'} of the original's "
           f"(goal {100 * STEP_GOAL_SHARE:.0f} % and a median step no longer: {'met' if report['step_goal_met'] else 'not met'}){ops}", file=stream)
 
@@ -542,11 +630,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--main-thread", choices=list(MAIN_THREAD_MODES), default="gil-busy", help="simulated step: idle (sleeps), gil-busy (5 ms of Python, then sleeps) or op-bound (small torch ops for the whole step)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
     parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
-    parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node; 0: as torch starts, one per core)")
     parser.add_argument("--workers", type=int, default=1, help="TRAIN_PREFETCH_WORKERS for the patched loader; above 1 the producer rate of N workers is reported against one (ShuffledSequenceLoader family)")
     parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3; rank 0 of 8 reads every 8th in the ShuffledSequenceLoader family)")
     parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
     parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (the patched hand-out's copy is the pinning copy it makes there)")
+    parser.add_argument("--op", choices=list(OP_KINDS), default=DEFAULT_OP, help=f"op-bound: the op of the step's loop (default {DEFAULT_OP}: a new output tensor per op, as a CUDA op allocates; add-out writes into one output)")
+    parser.add_argument("--op-numel", type=int, default=DEFAULT_OP_NUMEL, help=f"op-bound: float32 elements of the op's tensors (default {DEFAULT_OP_NUMEL}: no host data, as a CUDA op's output has none)")
+    parser.add_argument("--ops-per-step", type=int, help="op-bound: a fixed op count a step instead of one calibrated to --compute-ms")
+    parser.add_argument("--alternate-every", type=int, default=1, help="steps a side runs before the other side's turn (default 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     try:
         args = parser.parse_args(argv)
@@ -560,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
                 report = run_module_bench(args.script, args.steps, args.compute_ms, args.main_thread)
                 print(json.dumps(report)) if args.json else print_module_report(report, sys.stdout)
                 return 0
-            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads, workers=args.workers, pageable_h2d=args.pageable_h2d)
+            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads or None, workers=args.workers, pageable_h2d=args.pageable_h2d,
+                op=args.op, op_numel=args.op_numel, ops_per_step=args.ops_per_step, alternate_every=args.alternate_every)
     except (BenchError, SourceError) as error:
         print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
         return 2

@@ -79,14 +79,13 @@ class Counting:
             return f"counted as minified: pyminify {' '.join(self.minify_flags)}, {self.compressor}, base85 exec wrapper"
         return "raw: the UTF-8 bytes of the code"
 
-    def start(self, file_text: str, source: str, compile_as: str | None = None) -> "PendingCount":
+    def start(self, file_text: str, source: str) -> "PendingCount":
         """`count(file_text, source)` under way: for "minified" in a worker process
         (patcher/minify_worker.py: minifier and compressor), so the caller goes on
-        meanwhile, else done now. compile_as: a file name; for "minified" the worker
-        also compiles `source` under this Python (`PendingCount.compile_error`)."""
+        meanwhile, else done now."""
         session = self.session()
         try:
-            return session.start(file_text, source, compile_as)
+            return session.start(file_text, source)
         finally:
             session.close(wait=False)
 
@@ -110,18 +109,11 @@ class PendingCount:
         self.how: dict = {}
         self._value: int | None = None
         self._error: Exception | None = None
-        self._compiled: tuple | None = None
-        self._compile_known = threading.Event()
         self._done = threading.Event()
 
     def _finish(self, value: int | None = None, error: Exception | None = None) -> None:
         self._value, self._error = value, error
-        self._compile_known.set()
         self._done.set()
-
-    def _compiled_now(self, verdict) -> None:
-        self._compiled = (verdict,)
-        self._compile_known.set()
 
     def result(self) -> int:
         """The counted bytes. Raises CountError when the minifier failed."""
@@ -129,13 +121,6 @@ class PendingCount:
         if self._error is not None:
             raise self._error
         return self._value
-
-    def compile_error(self) -> tuple | None:
-        """With `compile_as` given to `start`: (None,) when the source compiled under this
-        Python, ([line, message],) when it did not (waits for that verdict only, not for the
-        count); None when it was not compiled."""
-        self._compile_known.wait()
-        return self._compiled
 
 
 class MinifyWorker:
@@ -160,11 +145,11 @@ class MinifyWorker:
         for thread in self._threads:
             thread.start()
 
-    def count(self, counting: Counting, source: str, compile_as: str | None = None) -> PendingCount:
+    def count(self, counting: Counting, source: str) -> PendingCount:
         """The minified count of `source` with `counting`'s flags and compressor, under way."""
         pending = PendingCount(counting)
         self._waiting.append(pending)
-        request = {"source": source, "compile": compile_as, "compressor": counting.compressor, "flags": list(counting.minify_flags)}
+        request = {"source": source, "compressor": counting.compressor, "flags": list(counting.minify_flags)}
         self._requests.put(json.dumps(request) + "\n")
         return pending
 
@@ -210,9 +195,6 @@ class MinifyWorker:
                 reply = json.loads(line)
             except ValueError:
                 continue  # not the worker's: something the minifier printed
-            if "compile" in reply:
-                self._waiting[0]._compiled_now(reply["compile"])
-                continue
             pending = self._waiting.popleft()
             if "error" in reply:
                 pending._finish(error=CountError(f"pyminify failed: {reply['error']}"))
@@ -252,7 +234,7 @@ class CountSession:
         self.counting = counting
         self._worker = worker
 
-    def start(self, file_text: str, source: str, compile_as: str | None = None) -> PendingCount:
+    def start(self, file_text: str, source: str) -> PendingCount:
         """The count of a script whose file is `file_text` and whose code is `source`, under
         way (see `Counting.start`)."""
         if self.counting.how != "minified":
@@ -261,7 +243,7 @@ class CountSession:
             return pending
         if self._worker is None:
             self._worker = MinifyWorker()
-        return self._worker.count(self.counting, source, compile_as)
+        return self._worker.count(self.counting, source)
 
     def close(self, wait: bool = True) -> None:
         """See `MinifyWorker.close`. A count started after launches a new worker."""

@@ -1,6 +1,6 @@
 """A process of its own that counts minified code bytes (run as a script).
 
-    python patcher/minify_worker.py COMPRESSOR [--compile FILENAME] PYMINIFY_FLAG... < SOURCE
+    python patcher/minify_worker.py COMPRESSOR PYMINIFY_FLAG... < SOURCE
     python patcher/minify_worker.py --serve < REQUESTS
 
 One-shot: reads the source (UTF-8 bytes) on stdin and writes one JSON object (a line)
@@ -9,15 +9,11 @@ on stdout: ``{"bytes": N}``, N being the size of ``pyminify FLAGS -`` ->
 as the command line ``pyminify FLAGS -`` minifies stdin (its own argument parser and
 its fallback to the source when minifying does not pay), or ``{"error": LINE}`` when
 the minifier fails (LINE: the last line of its traceback). COMPRESSOR: "lzma" |
-"brotli". With ``--compile FILENAME`` a line ``{"compile": VERDICT}`` comes first, as
-soon as it is known: VERDICT is null when the source compiles under this Python
-(`compile(source, FILENAME, "exec")`, a leading BOM dropped), else ``[line, message]``
-of the SyntaxError.
+"brotli".
 
-``--serve``: reads requests, one JSON line each, ``{"source": TEXT, "compile":
-FILENAME or null, "compressor": COMPRESSOR, "flags": [PYMINIFY_FLAG, ...]}``, and
-answers each in order as the one-shot mode does (its compile line first when asked,
-then its count line), until stdin closes. It can be started before the caller knows
+``--serve``: reads requests, one JSON line each, ``{"source": TEXT, "compressor":
+COMPRESSOR, "flags": [PYMINIFY_FLAG, ...]}``, and answers each in order with its count
+line, as the one-shot mode does, until stdin closes. It can be started before the caller knows
 what it will ask: it imports the minifier meanwhile. A request ``{"guess": TEXT,
 "default_flags": [...]}`` gets no answer: the worker minifies the units of TEXT with the
 flags it guesses (`speculate`) while no other request waits. The count line also
@@ -36,6 +32,7 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
+import functools
 import io
 import json
 import lzma
@@ -66,17 +63,25 @@ _COMPOUND = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.If, ast.Fo
 
 def minify(source: bytes, flags: list[str]) -> bytes:
     """`pyminify FLAGS -` of `source`: what that command writes on stdout."""
-    from python_minifier.__main__ import MinificationNotBeneficialError, do_minify, parse_args
+    from python_minifier.__main__ import MinificationNotBeneficialError, do_minify
+
+    try:
+        return do_minify(source, "stdin", _options(tuple(flags)))
+    except MinificationNotBeneficialError:
+        return source
+
+
+@functools.lru_cache(maxsize=None)
+def _options(flags: tuple):
+    """The command's own parse of `pyminify FLAGS -` (read only by `do_minify`), made once
+    per set of flags rather than once per unit."""
+    from python_minifier.__main__ import parse_args
 
     argv, sys.argv = sys.argv, ["pyminify", *flags, "-"]
     try:
-        options = parse_args()
+        return parse_args()
     finally:
         sys.argv = argv
-    try:
-        return do_minify(source, "stdin", options)
-    except MinificationNotBeneficialError:
-        return source
 
 
 def _best_effort(source: bytes, flags: list[str]) -> bytes:
@@ -212,6 +217,7 @@ def _no_arg_call(node) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args and not node.keywords
 
 
+@functools.lru_cache(maxsize=None)
 def _release() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -225,13 +231,14 @@ def _release() -> str:
 _PLANS: dict = {}
 
 
-def plan(source: bytes, flags: list[str]) -> tuple[list, str | None]:
-    """(`units_of` the source, None), or ([], why it is minified whole): parsed and checked
-    once for a source asked twice with the same flags (guessed, then counted)."""
+def plan(source: bytes, flags: list[str], tree: ast.Module | None = None) -> tuple[list, str | None]:
+    """(`units_of` the source, None), or ([], why it is minified whole): parsed (unless
+    `tree`, its `ast`, is given) and checked once for a source asked twice with the same
+    flags (guessed, then counted)."""
     key = (source, tuple(flags))
     if key not in _PLANS:
         try:
-            tree = ast.parse(source)
+            tree = tree if tree is not None else ast.parse(source)
         except (SyntaxError, ValueError):
             _PLANS[key] = ([], "does not parse here")
         else:
@@ -312,15 +319,6 @@ def wrapper_bytes(minified: bytes, compressor: str) -> int:
     return len(prefix) + len(base64.b85encode(compressed)) + len(suffix)
 
 
-def compile_verdict(source: bytes, filename: str) -> list | None:
-    """None when `source` compiles under this Python, else [line, message]."""
-    try:
-        compile(source.decode("utf-8").removeprefix("\ufeff"), filename, "exec")
-        return None
-    except SyntaxError as error:
-        return [error.lineno, error.msg]
-
-
 def count(source: bytes, compressor: str, flags: list[str], memo: dict | None = None) -> dict:
     """The count line for `source`: {"bytes": N} (with "units" or "whole" when `memo` is
     given, see `minify_by_units`), or {"error": LINE} when the minifier fails."""
@@ -360,8 +358,6 @@ def serve() -> None:
             speculate(request["guess"].encode("utf-8"), request["default_flags"], memos, requests)
             continue
         source = request["source"].encode("utf-8")
-        if request.get("compile") is not None:
-            answers.put({"compile": compile_verdict(source, request["compile"])})  # the caller needs it before the count
         flags = request["flags"]
         try:
             minified, how = minify_by_units(source, flags, memos.setdefault(tuple(flags), {}))
@@ -414,7 +410,7 @@ def speculate(source: bytes, default_flags: list[str], memos: dict, requests: qu
         return 0
     named, flags = guess_flags(tree)
     flags = flags or default_flags
-    units, reason = plan(source, flags)
+    units, reason = plan(source, flags, tree)
     if not named or reason is not None:
         return 0
     memo, done = memos.setdefault(tuple(flags), {}), 0
@@ -465,14 +461,8 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--serve"]:
         serve()
         return
-    compressor, rest = argv[0], argv[1:]
-    filename = None
-    if rest[:1] == ["--compile"]:
-        filename, rest = rest[1], rest[2:]
-    source = sys.stdin.buffer.read()
-    if filename is not None:
-        _say({"compile": compile_verdict(source, filename)})
-    _say(count(source, compressor, rest))
+    compressor, flags = argv[0], argv[1:]
+    _say(count(sys.stdin.buffer.read(), compressor, flags))
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -
 
 def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float, script: Script, module: cst.Module, index, counting: Counting, session: CountSession) -> FileResult:
     minified = counting.how == "minified"
-    before = session.start(script.raw, script.source, compile_as=str(in_path)) if minified else None
+    before = session.start(script.raw, script.source) if minified else None
     with _gc_paused():
         surveyed = survey(module, index)
         result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
@@ -138,7 +138,7 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
     # The patched code's count runs in a worker beside what remains (compile, write, check).
     after = session.start(patched, patched) if minified and result.changed else None
     if result.changed:
-        _compile_like_input(script, patched, before)
+        _compile_like_input(script, patched)
         text = render(script, patched, rewrap=options.rewrap)
     elif result.already_patched and not options.rewrap:
         text = script.source
@@ -160,7 +160,7 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         # the import smoke forks this process (tree mode): no thread of ours may be running then
         for pending in (before, after):
             if pending is not None:
-                pending.compile_error(), _done(pending)
+                _done(pending)
         session.close()
     if wrote and options.check:  # the minifier's worker, if any, runs meanwhile
         check_started = time.perf_counter()
@@ -246,25 +246,22 @@ def _check_written(text: str, written: Script, out_path, in_path: Path, options:
     return compare_with_original(checked, original, **kwargs)
 
 
-def _compile_like_input(script, patched: str, before: PendingCount | None = None) -> None:
-    """Compile the patched source with the running Python when the input compiled with it.
-
-    before: the input's count under way in a worker that compiled the input too
-    (`Counting.start(..., compile_as=...)`); its verdict is taken when it has one, so the
-    input is compiled beside the patch rather than here."""
+def _compile_like_input(script, patched: str) -> None:
+    """Compile the patched source with the running Python; when it does not compile,
+    compile the input too: a transform's bug if the input compiles, else the input needs
+    a newer Python and the output is no worse (see `check`). Raises RuntimeError for the
+    bug. (The input is compiled only then: one compile in the common case.)"""
     bom = "\ufeff"
-    verdict = before.compile_error() if before is not None else None
-    if verdict is None:
-        try:
-            compile(script.source.removeprefix(bom), str(script.path), "exec")
-        except SyntaxError:
-            return  # the input needs a newer Python; the output is no worse (see `check`)
-    elif verdict[0] is not None:
-        return
     try:
         compile(patched.removeprefix(bom), str(script.path), "exec")
-    except SyntaxError as error:  # a bug in a transform, not the user's input
-        raise RuntimeError(f"patched source does not compile: line {error.lineno}: {error.msg}") from error
+        return
+    except SyntaxError as error:
+        failure = error
+    try:
+        compile(script.source.removeprefix(bom), str(script.path), "exec")
+    except SyntaxError:
+        return
+    raise RuntimeError(f"patched source does not compile: line {failure.lineno}: {failure.msg}") from failure
 
 
 def _write(text: str, out_path, in_place: bool) -> bool:

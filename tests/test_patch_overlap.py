@@ -39,27 +39,29 @@ def test_the_worker_minifies_as_the_pyminify_command_does():
     assert command != python_minifier.minify(source).encode()  # the flags matter, so the test can tell
 
 
-def test_the_worker_gives_its_compile_verdict_first_and_a_minifier_failure_as_one_line():
-    reply = subprocess.run([sys.executable, str(WORKER), "lzma", "--compile", "x.py"], input=b"def f(:\n", capture_output=True).stdout.decode().splitlines()
-    verdict = json.loads(reply[0])["compile"]
-    assert verdict[0] == 1 and "invalid syntax" in verdict[1]
+def test_a_minifier_failure_is_one_line():
+    reply = subprocess.run([sys.executable, str(WORKER), "lzma"], input=b"def f(:\n", capture_output=True).stdout.decode().splitlines()
     assert json.loads(reply[-1])["error"].startswith("SyntaxError")
     with pytest.raises(CountError, match="pyminify failed: SyntaxError"):
         minified_wrapper_bytes("def f(:\n")
-
-
-def test_a_pending_count_reports_whether_its_source_compiles():
     counting = Counting("minified", ("--no-rename-locals",), "lzma")
-    good = counting.start("x = 1\n", "x = 1\n", compile_as="good.py")
-    bad = counting.start("x = (1,\n", "x = (1,\n", compile_as="bad.py")
-    unasked = counting.start("x = 1\n", "x = 1\n")
-    assert good.compile_error() == (None,) and good.result() == minified_wrapper_bytes("x = 1\n", ("--no-rename-locals",))
-    [(line, message)] = bad.compile_error()
-    assert line == 1 and "never closed" in message
-    with pytest.raises(CountError):
-        bad.result()
-    assert unasked.compile_error() is None
-    assert Counting("raw").start("x = 1\n", "x = 1\n", compile_as="raw.py").compile_error() is None  # raw: compiled by the caller
+    with counting.session() as session:  # a failed count does not stop the next one
+        bad, good = session.start("x = (1,\n", "x = (1,\n"), session.start("x = 1\n", "x = 1\n")
+        with pytest.raises(CountError):
+            bad.result()
+        assert good.result() == minified_wrapper_bytes("x = 1\n", ("--no-rename-locals",))
+
+
+def test_a_transform_that_breaks_the_syntax_is_told_from_an_input_that_needs_a_newer_python(tmp_path):
+    from patcher.patch_file import _compile_like_input
+    from patcher.read.source import Script
+
+    old = Script(tmp_path / "a.py", "x = 1\n", "x = 1\n")
+    _compile_like_input(old, "x = 1\ny = 2\n")  # compiles: nothing to say
+    with pytest.raises(RuntimeError, match="patched source does not compile: line 2"):
+        _compile_like_input(old, "x = 1\ny = (\n")
+    newer = Script(tmp_path / "b.py", "match = (\n", "match = (\n")  # not valid here either
+    _compile_like_input(newer, "match = (\ny = 2\n")  # the input does not compile: no bug of ours
 
 
 def _children_running() -> list[str]:

@@ -17,12 +17,13 @@ surveyed module (transforms find them by identity).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.cst_walk import dotted, dotted_reads, walk_own
+from patcher.cst_walk import dotted, dotted_reads, walk_own as _walk_own
 from patcher.survey.survey import LOG_FUNCTIONS, Survey
 
 # Calls a slice bound may make: pure functions of their arguments.
@@ -95,24 +96,35 @@ def find_val_loops(survey: Survey) -> list[ValLoop]:
     return list(survey.shared("val_loops", lambda: _find_val_loops(survey)))
 
 
+@functools.lru_cache(maxsize=256)
+def _own(node: cst.CSTNode) -> tuple[cst.CSTNode, ...]:
+    """`walk_own(node)` as a tuple, made once per node (libcst nodes are immutable and hash
+    by identity): the loop survey asks the same function bodies again and again. Cleared
+    when `_find_val_loops` ends."""
+    return tuple(_walk_own(node))
+
+
 def _find_val_loops(survey: Survey) -> list[ValLoop]:
-    found = []
-    for function in survey.collector.functions:
-        if "eval" not in function.name.value:
-            continue
-        loops = _own_loops(function)
-        inner = {id(n) for loop in loops for n in walk_own(loop.body) if isinstance(n, cst.For)}
-        for loop in loops:
-            site = _survey_loop(survey, function, loop)
-            if site is not None:
-                site.nested = id(loop) in inner
-                found.append(site)
-    return found
+    try:
+        found = []
+        for function in survey.collector.functions:
+            if "eval" not in function.name.value:
+                continue
+            loops = _own_loops(function)
+            inner = {id(n) for loop in loops for n in _own(loop.body) if isinstance(n, cst.For)}
+            for loop in loops:
+                site = _survey_loop(survey, function, loop)
+                if site is not None:
+                    site.nested = id(loop) in inner
+                    found.append(site)
+        return found
+    finally:
+        _own.cache_clear()  # the walks belong to this module's survey; keep no tree alive
 
 
 def _own_loops(function: cst.FunctionDef) -> list[cst.For]:
     """The `for` loops of `function` in source order, not those of functions defined inside it."""
-    return [n for n in walk_own(function.body) if isinstance(n, cst.For)]
+    return [n for n in _own(function.body) if isinstance(n, cst.For)]
 
 
 def _direct_smalls(block: cst.BaseSuite) -> list[tuple[cst.BaseSmallStatement, cst.CSTNode]]:
@@ -134,8 +146,8 @@ def _survey_loop(survey: Survey, function: cst.FunctionDef, loop: cst.For) -> Va
     smalls = _direct_smalls(loop.body)
     assigns = [s for s, _ in smalls if _slice_assign(s)]
     if not assigns:
-        in_inner_loops = {id(n) for inner in walk_own(loop.body) if isinstance(inner, cst.For) for n in walk_own(inner)}
-        nested = [n for n in walk_own(loop.body) if isinstance(n, cst.Call) and m.matches(n, SLICE_TO) and id(n) not in in_inner_loops]  # the type first: matchers are slow
+        in_inner_loops = {id(n) for inner in _own(loop.body) if isinstance(inner, cst.For) for n in _own(inner)}
+        nested = [n for n in _own(loop.body) if isinstance(n, cst.Call) and m.matches(n, SLICE_TO) and id(n) not in in_inner_loops]  # the type first: matchers are slow
         if not nested:
             return None  # no slice here, or it belongs to an inner loop (reported there)
         site = ValLoop(function.name.value, function, loop, survey.line_of(loop))
@@ -162,7 +174,7 @@ def _survey_loop(survey: Survey, function: cst.FunctionDef, loop: cst.For) -> Va
 def _assigned_in(node: cst.CSTNode) -> dict[str, int]:
     """How many times each name is bound under `node` (assignments, loop and with targets, walrus, del)."""
     counts: dict[str, int] = {}
-    for n in walk_own(node):
+    for n in _own(node):
         targets = []
         if isinstance(n, cst.Assign):
             targets = [t.target for t in n.targets]
@@ -220,7 +232,7 @@ def _purity(site: ValLoop, smalls, module: cst.Module) -> str | None:
             continue
         if name in definitions and assigned.get(name) == 1:
             small = definitions[name]
-            for call in (n for n in walk_own(small.value) if isinstance(n, cst.Call)):
+            for call in (n for n in _own(small.value) if isinstance(n, cst.Call)):
                 called = dotted(call.func)
                 if called not in PURE_CALLS:
                     return f"slice bound `{name}` {where} calls `{module.code_for_node(call.func)}`; only {', '.join(sorted(PURE_CALLS))} are known to be pure"
@@ -254,9 +266,9 @@ def _byte_count(site: ValLoop, survey: Survey) -> tuple[ByteCount | None, str | 
     """The byte-counting statements of the loop, checked to read the batch's own tokens."""
     module = survey.module
     where = f"in {site.function}"
-    blocks = [n for n in walk_own(site.loop.body) if isinstance(n, (cst.IndentedBlock, cst.SimpleStatementSuite))]
-    inner_loops = [n for n in walk_own(site.loop.body) if isinstance(n, cst.For)]
-    inner = {id(b) for loop in inner_loops for b in walk_own(loop.body)}
+    blocks = [n for n in _own(site.loop.body) if isinstance(n, (cst.IndentedBlock, cst.SimpleStatementSuite))]
+    inner_loops = [n for n in _own(site.loop.body) if isinstance(n, cst.For)]
+    inner = {id(b) for loop in inner_loops for b in _own(loop.body)}
     for block in blocks:
         if id(block) in inner:
             continue
@@ -307,7 +319,7 @@ def _single_value(function_body: cst.CSTNode, name: str, augmented: bool = False
     """The value of the one assignment of `name` (plain or in a parallel tuple assignment),
     else None; with `augmented`, `name += ...` statements besides it are allowed."""
     values = []
-    for n in walk_own(function_body):
+    for n in _own(function_body):
         if isinstance(n, cst.Assign) and len(n.targets) == 1:
             t = n.targets[0].target
             if isinstance(t, cst.Name) and t.value == name:
@@ -318,7 +330,7 @@ def _single_value(function_body: cst.CSTNode, name: str, augmented: bool = False
                         values.append(ve.value)
     if len(values) != 1:
         return None
-    augments = sum(1 for n in walk_own(function_body) if isinstance(n, cst.AugAssign) and m.matches(n, m.AugAssign(target=m.Name(name))))
+    augments = sum(1 for n in _own(function_body) if isinstance(n, cst.AugAssign) and m.matches(n, m.AugAssign(target=m.Name(name))))
     bound = _assigned_in(function_body).get(name, 0)
     return values[0] if bound == 1 or (augmented and bound == 1 + augments) else None
 

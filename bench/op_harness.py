@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher.proof.bench import OP_KINDS, _close, _op_tensors, _stage_pageable, bench_loaders, calibrate_ops, op_loop  # noqa: E402
+from patcher.proof.bench import OP_KINDS, _close, _op_tensors, _stage_pageable, _timed_op_loop, bench_loaders, calibrate_ops, op_loop  # noqa: E402
 
 
 def run_harness(
@@ -72,7 +72,7 @@ def run_harness(
         threads = torch.get_num_threads()
         tensors = _op_tensors(op_numel)
         if compute_ms is not None:
-            ops = calibrate_ops(compute_ms, lambda n: _timed(lambda: op_loop(n, tensors, op)))
+            ops = calibrate_ops(compute_ms, lambda n: _timed_op_loop(n, tensors, op))
         loaders = [setup.build[0](), setup.build[1]()]
         data: list[list[float]] = [[], []]
         span: list[list[float]] = [[], []]
@@ -104,12 +104,6 @@ def run_harness(
         out[f"median_data_ms_{name}"] = float(np.median(data_ms))
     out["recovered_share"] = (out["mean_step_ms_original"] - out["mean_step_ms_patched"]) / out["mean_data_ms_original"]
     return out
-
-
-def _timed(run) -> float:
-    t0 = time.perf_counter()
-    run()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> int:

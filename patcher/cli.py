@@ -37,7 +37,7 @@ from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, 
 from patcher.colour import CHOICES as COLOUR_CHOICES, GREEN, RED, YELLOW, paint, use_colour
 from patcher.progress import coloured_diff, running_clock, wanted
 from patcher.read.source import SourceError, output_problem, read_script, write_atomic
-from patcher.review import review_diff
+from patcher.review import patch_diff
 from patcher.tree import NoFiles
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED, EXIT_NO_FILES = 0, 1, 2, 3, 4, 5
@@ -286,8 +286,7 @@ def _run_file(args, in_path: Path, shown: str) -> int:
         done.report["output"] = None
     diff = None
     if args.diff:
-        minified = done.patch.survey is not None and done.patch.survey.minified
-        diff = list(review_diff(done.original, done.patched, shown, done.patch.runtime, minified))
+        diff = patch_diff(done, shown)
     if args.json:
         if diff is not None:
             done.report["diff"] = "".join(diff)

@@ -130,7 +130,7 @@ class MinifyWorker:
     It keeps what it minified of each source, so that the patched code, counted after
     the input, costs the minifier only the units the patch changed
     (`minify_worker.minify_by_units`). It can be launched before the caller knows how
-    the script counts (`launch`): the process imports the minifier meanwhile.
+    the script counts (`early_worker`): the process imports the minifier meanwhile.
     """
 
     def __init__(self):
@@ -281,12 +281,11 @@ def counting_of(module: cst.Module, wrapped: bool, index: ScriptIndex | None = N
     if index is None:
         index = ScriptIndex()
         visit(module, index)
-    strings, imports = index.strings, index.imports
     # A literal without a backslash reads "pyminify" only if its text holds it.
-    function = next((f for s, f in strings if f is not None and ("pyminify" in s.value or "\\" in s.value) and s.evaluated_value == "pyminify"), None)
+    function = next((f for s, f in index.strings if f is not None and ("pyminify" in s.value or "\\" in s.value) and s.evaluated_value == "pyminify"), None)
     if function is None:
         return Counting("raw")
-    brotli_names = {a.asname.name.value if a.asname else "brotli" for n in imports for a in n.names if cst.Module([]).code_for_node(a.name) == "brotli"}
+    brotli_names = {a.asname.name.value if a.asname else "brotli" for n in index.imports for a in n.names if cst.Module([]).code_for_node(a.name) == "brotli"}
     nodes = list(walk(function))
     flags = ()
     for node in nodes:
@@ -366,7 +365,7 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
 
     Takes the `Script` read from disk, its `PatchResult`, the enabled features and the
     script's `Counting`; `before`, when given, is the count of the input already under
-    way (`counting.start(script.raw, script.source)`, started before the patch so that
+    way (`session.start(script.raw, script.source)`, started before the patch so that
     the minifier runs while the script is patched); `after`, likewise, the count of the
     patched code as written (`keep_style(script, result.source)`), started early by the
     caller so that it runs beside the check; `session`, the `CountSession` they run in,

@@ -125,13 +125,14 @@ def whole_module_reason(source: bytes, tree: ast.Module, flags: list[str]) -> st
     """Why python-minifier's output for this module may not be the join of its units'
     outputs (then it is minified whole), or None.
 
-    python-minifier (see UNIT_RELEASES) reads the whole module in five places, each
+    python-minifier (see UNIT_RELEASES) reads the whole module in these places, each
     checked here: local renaming and literal hoisting (the flags); a module "tainted"
     by `from x import *`, `import timeit` or a builtin exec/eval/locals/globals/vars,
     which keeps every `raise E()`'s brackets (so it matters only with such a raise); a
-    `__doc__` anywhere, which keeps every
-    literal statement; a module-level name that shadows a builtin, which changes how
-    other units' uses of it resolve; a source encoding other than UTF-8.
+    `__doc__` anywhere, which keeps every literal statement; a module-level name that
+    shadows a builtin, which changes how other units' uses of it resolve; a module-level
+    `global` statement, which its dead-branch pass reads; a source encoding other than
+    UTF-8.
     """
     import python_minifier
 
@@ -319,16 +320,18 @@ def wrapper_bytes(minified: bytes, compressor: str) -> int:
     return len(prefix) + len(base64.b85encode(compressed)) + len(suffix)
 
 
-def count(source: bytes, compressor: str, flags: list[str], memo: dict | None = None) -> dict:
-    """The count line for `source`: {"bytes": N} (with "units" or "whole" when `memo` is
-    given, see `minify_by_units`), or {"error": LINE} when the minifier fails."""
+def count(source: bytes, compressor: str, flags: list[str]) -> dict:
+    """The one-shot count line for `source`: {"bytes": N}, or {"error": LINE} when the
+    minifier fails."""
     try:
-        if memo is None:
-            return {"bytes": wrapper_bytes(minify(source, flags), compressor)}
-        minified, how = minify_by_units(source, flags, memo)
-        return {"bytes": wrapper_bytes(minified, compressor), **how}
+        return {"bytes": wrapper_bytes(minify(source, flags), compressor)}
     except Exception as error:  # the minifier's own failure, reported as its command line would
-        return {"error": traceback.format_exception_only(type(error), error)[-1].strip() or "no message"}
+        return {"error": _error_line(error)}
+
+
+def _error_line(error: Exception) -> str:
+    """The last line of `error`'s traceback, as the minifier's command line prints it."""
+    return traceback.format_exception_only(type(error), error)[-1].strip() or "no message"
 
 
 def _say(reply: dict) -> None:
@@ -362,7 +365,7 @@ def serve() -> None:
         try:
             minified, how = minify_by_units(source, flags, memos.setdefault(tuple(flags), {}))
         except Exception as error:  # the minifier's own failure, reported as its command line would
-            answers.put({"error": traceback.format_exception_only(type(error), error)[-1].strip() or "no message"})
+            answers.put({"error": _error_line(error)})
             continue
         compressing = threading.Thread(target=_compress, args=(minified, request["compressor"], how))
         compressing.start()
@@ -376,7 +379,7 @@ def _compress(minified: bytes, compressor: str, how: dict) -> None:
     try:
         reply = {"bytes": wrapper_bytes(minified, compressor), **how}
     except Exception as error:  # e.g. brotli not installed: said as the one-shot mode says it
-        reply = {"error": traceback.format_exception_only(type(error), error)[-1].strip() or "no message"}
+        reply = {"error": _error_line(error)}
     threading.current_thread().reply = reply
 
 
@@ -409,9 +412,11 @@ def speculate(source: bytes, default_flags: list[str], memos: dict, requests: qu
     except (SyntaxError, ValueError):
         return 0
     named, flags = guess_flags(tree)
+    if not named:
+        return 0
     flags = flags or default_flags
     units, reason = plan(source, flags, tree)
-    if not named or reason is not None:
+    if reason is not None:
         return 0
     memo, done = memos.setdefault(tuple(flags), {}), 0
     for unit, kind in units:

@@ -99,10 +99,10 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
 
 
 def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -> FileResult:
-    early: list[MinifyWorker] = []  # launched while the script is parsed, if it may count as minified
+    launched: list[MinifyWorker | None] = []  # `early_worker`'s answer, given while the script is parsed
     try:
         with _gc_paused():
-            script = read_script(in_path, on_text=lambda text: early.extend(filter(None, [early_worker(text)])))
+            script = read_script(in_path, on_text=lambda text: launched.append(early_worker(text)))
             if options.in_place and (problem := output_problem(in_path)) is not None:
                 raise SourceError(in_path, f"cannot patch in place: {problem}; nothing written")
             # One parse (the reader's) and one survey, shared by the count and every transform.
@@ -110,14 +110,15 @@ def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -
             index = index_of(module)
             counting = counting_of(module, script.wrapped, index)
     except BaseException:
-        for worker in early:
-            worker.abandon()
+        if launched and launched[0] is not None:
+            launched[0].abandon()
         raise
-    if early and counting.how != "minified":
-        early[0].abandon()
+    worker = launched[0] if launched else None
+    if worker is not None and counting.how != "minified":
+        worker.abandon()
     # One worker counts the input while the script is surveyed and patched, then the
     # patched code, reusing what it minified of the input.
-    with counting.session(early[0] if early else None) as session:
+    with counting.session(worker) as session:
         return _patch_parsed(in_path, out_path, options, started, script, module, index, counting, session)
 
 

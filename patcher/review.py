@@ -62,6 +62,14 @@ def review_view(patched: str, runtime: str, minified: bool) -> tuple[str, bool]:
     return patched[:found] + shown + patched[found + len(runtime) :], True
 
 
+def patch_diff(done, name: str) -> list[str]:
+    """`review_diff` of a patch as `patcher.patch_file.patch_file` returned it (`done`, a
+    `FileResult`: its original and patched sources, its runtime, minified where the script
+    is), for the script called `name`: what `--diff` prints for one file."""
+    survey = done.patch.survey
+    return list(review_diff(done.original, done.patched, name, done.patch.runtime, survey is not None and survey.minified))
+
+
 def review_diff(original: str, patched: str, name: str, runtime: str = "", minified: bool = False) -> Iterator[str]:
     """Unified diff lines (each ending in a newline) of `original` vs `patched`, both
     unwrapped sources, for the script called `name`; the runtime formatted as

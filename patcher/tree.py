@@ -10,7 +10,7 @@ the other files go on. Exit code: 0 when no file failed (written, already patche
 nothing to patch), 1 when one or more failed, 2 for bad usage, 5 when no file matched
 (an empty directory, a `--glob` that matches nothing under it).
 
-With `--diff` each file's review diff (`patcher.review.review_diff`) is printed on
+With `--diff` each file's review diff (`patcher.review.patch_diff`) is printed on
 stdout, in input order, and the summary goes to stderr; without `--out-dir` nothing is
 written (black's and ruff's `--diff`: `patch-prefetch records/ --diff | less`).
 
@@ -38,7 +38,7 @@ from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, 
 from patcher.colour import GREEN, RED, paint
 from patcher.progress import coloured_diff, file_bar, wanted
 from patcher.read.source import SourceError
-from patcher.review import review_diff
+from patcher.review import patch_diff
 
 # The single-file command's exit code for each status (a row keeps it).
 EXIT_CODES = {WRITTEN: 0, ALREADY_PATCHED: 0, NOTHING_TO_PATCH: 3, CHECK_FAILED: 4}
@@ -146,8 +146,7 @@ def patch_one(source: str, target: str | None, relative: str, options: FileOptio
     status = ALREADY_PATCHED if done.patch.already_patched else done.status
     shown = None
     if diff:
-        minified = done.patch.survey is not None and done.patch.survey.minified
-        shown = "".join(review_diff(done.original, done.patched, relative, done.patch.runtime, minified))
+        shown = "".join(patch_diff(done, relative))
         status = PATCHED_NOT_WRITTEN if status == WRITTEN and not report["written"] else status
     return Row(
         relative,
@@ -397,15 +396,11 @@ def run(args, options: FileOptions) -> int:
     if diff:  # the diffs on stdout (`| patch -p0`, `| less`), the summary beside them on stderr
         for r in rows:
             if r.diff:
-                sys.stdout.write(coloured_diff_text(r.diff) if getattr(args, "diff_colour", False) else r.diff)
+                sys.stdout.write("".join(coloured_diff(r.diff.splitlines(True))) if getattr(args, "diff_colour", False) else r.diff)
     if not getattr(args, "quiet", False):
         print_table(rows, sys.stderr if diff else sys.stdout, colour=getattr(args, "colour", False))
     return 1 if any(r.failed for r in rows) else 0
 
-
-def coloured_diff_text(diff: str) -> str:
-    """`diff` with its lines coloured as the single-file `--diff` colours them."""
-    return "".join(coloured_diff(diff.splitlines(True)))
 
 
 def interrupted_summary(stop: TreeInterrupted, out_dir: Path | None, shown: int = 10) -> str:

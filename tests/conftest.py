@@ -1,4 +1,4 @@
-"""Shared test fixtures: the real interpreters some tests compile with.
+"""Shared test fixtures: the real interpreters some tests compile with; Ctrl-C restored.
 
 `find_python` (patcher.check.interpreters) is the one finder: `pythonX.Y` on PATH, then pyenv's
 versions folder. It runs when a test first asks for the fixture, never at import,
@@ -6,6 +6,8 @@ and a test whose interpreter is missing is skipped with the reason.
 """
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
@@ -29,3 +31,12 @@ def python310() -> str:
 def python312() -> str:
     """Path of a real CPython 3.12; skips the test when none is installed."""
     return _interpreter("3.12")
+
+
+def pytest_configure(config):
+    # A test run started in the background of a non-interactive shell (`make test &`)
+    # inherits SIGINT ignored, and so would every process it starts: the Ctrl-C tests
+    # would see scripts that never get their KeyboardInterrupt. A handler (unlike an
+    # ignore) is reset to the default across exec, so the children get Python's own.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

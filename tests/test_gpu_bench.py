@@ -5,11 +5,11 @@ The GPU run itself needs CUDA; these check the parts that turn its output into f
 
 import importlib.util
 import json
-import os
-import select
 from pathlib import Path
 
 import pytest
+
+from processes import exits_within
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("gpu_train", ROOT / "bench" / "gpu_train.py")
@@ -173,27 +173,13 @@ print("after", flush=True)
 """
 
 
-def _exits(pid: int, within_s: float = 10.0) -> bool:
-    """True when process `pid` has exited or does so within `within_s` (a SIGKILL is
-    delivered asynchronously): its pidfd turns readable at the exit."""
-    try:
-        handle = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        readable, _, _ = select.select([handle], [], [], within_s)
-    finally:
-        os.close(handle)
-    return bool(readable)
-
-
 def test_a_run_is_stopped_with_its_children_after_its_last_step_line(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(STOPPED.format())
     run = gpu_train.run_variant(script, {}, tmp_path / "run", timeout_s=60)
     assert run["rc"] == 0 and run["step_avg_ms"] == 5.0  # stopped by the runner, not by the timeout
     assert "after" not in run["log_tail"]
-    assert _exits(int(run["log_tail"].split("child ")[1].split()[0]))  # the forked child went with it
+    assert exits_within(int(run["log_tail"].split("child ")[1].split()[0]), 10.0)  # the forked child went with it
 
 
 def test_a_run_that_never_reaches_its_last_step_is_stopped_at_the_timeout(tmp_path):

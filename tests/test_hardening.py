@@ -12,7 +12,6 @@ import json
 import lzma
 import os
 import random
-import select
 import signal
 import stat
 import string
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from processes import readable_within
 from patcher import tree
 from patcher.read import source
 from patcher.read import wrapper as wrapper_codec
@@ -417,7 +417,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_kills_the_smoke(tmp_path):
     try:
         data = b""
         while not data:  # the smoke child writes its pid once it runs the script
-            assert select.select([fd], [], [], 120)[0], "the import smoke never started"
+            assert readable_within(fd, 120), "the import smoke never started"
             data = os.read(fd, 100)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)

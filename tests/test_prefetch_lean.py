@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import multiprocessing
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from processes import exits_within
 from patcher.render import render
 from templates import prefetch_lean
 from templates.prefetch_lean import _live_prefetchers, _make_train_loader, _threads_a_fork_lacks, _unforked
@@ -302,15 +302,7 @@ def test_the_producer_leaves_when_the_training_process_is_killed(tmp_path):
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     child = int(run.stdout.split()[0])
-    try:
-        handle = os.pidfd_open(child)
-    except ProcessLookupError:
-        return  # already gone
-    try:
-        readable, _, _ = select.select([handle], [], [], WAIT_S)  # readable once the process has exited
-    finally:
-        os.close(handle)
-    assert readable, "the producer outlived the training process"
+    assert exits_within(child, WAIT_S), "the producer outlived the training process"
 
 
 def test_a_batch_of_another_shape_is_refused_at_that_batch():

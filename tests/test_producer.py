@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from patcher.families.shuffled import recognise_shuffled
 from patcher.demo import STEP_LINE
-from patcher.proof.harness import load_module
+from patcher.proof.harness import load_module, unload
 from patcher.patch import patch_source
 from patcher.proof.shards import write_shard, write_shards
 from patcher.read.source import read_script, render
@@ -53,8 +53,11 @@ FIXTURE = FIXTURES / "shuffled_minified.py"
 
 @pytest.fixture(scope="module")
 def script():
-    """The fixture's definitions (ShuffledSequenceLoader, _get_shard_memmap) as a module."""
-    return load_module(FIXTURE.read_text(), str(FIXTURE))
+    """The fixture's definitions (ShuffledSequenceLoader, _get_shard_memmap) as a module,
+    unloaded after this file's tests (its memmap cache holds every test's shards open)."""
+    module = load_module(FIXTURE.read_text(), str(FIXTURE))
+    yield module
+    unload(module)
 
 
 def hparams(pattern, seq_len, rank=0, world_size=1):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from processes import exits_within
 from patcher.patch import patch_source
 from patcher.proof.shards import HEADER_BYTES, write_shards
 
@@ -76,20 +76,6 @@ def children(pid: int) -> list[int]:
 def alive_in_session(session: int) -> list[int]:
     """The processes of `session` that have not exited (zombies have)."""
     return sorted(p for p, f in _processes().items() if int(f[3]) == session and f[0] != "Z")
-
-
-def exited(pid: int, timeout: float) -> bool:
-    """Whether process `pid` exits within `timeout` seconds (or is gone already):
-    a pidfd becomes readable when its process has exited."""
-    try:
-        handle = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        readable, _, _ = select.select([handle], [], [], timeout)
-        return bool(readable)
-    finally:
-        os.close(handle)
 
 
 def shared_memory_of(*pids: int) -> set[str]:
@@ -226,7 +212,7 @@ def test_a_killed_producer_ends_the_run_with_one_error_naming_its_exit_code(scri
     assert last == f"RuntimeError: prefetch: producer exit code {-signal.SIGKILL}", stderr[-2000:]
     assert stderr.count("Traceback") == 1 and "x, y = train_loader.next_batch(" in stderr, stderr[-2000:]
     assert not any(line.startswith("final val_loss") for line in lines)
-    assert exited(producer, 0) and alive_in_session(run.pid) == []
+    assert exits_within(producer, 0) and alive_in_session(run.pid) == []
     print(f"producer killed: run exited {code} after {took:.2f} s: {last}")
 
 
@@ -253,7 +239,7 @@ def test_a_stopped_training_process_leaves_no_producer_and_no_shared_memory(scri
     code, _, stderr = run.finish(PROMPT_S)
     took = time.monotonic() - sent
     assert code == expected, stderr[-2000:]
-    assert exited(producer, PROMPT_S), f"the producer {producer} outlived the training process ({how})"
+    assert exits_within(producer, PROMPT_S), f"the producer {producer} outlived the training process ({how})"
     gone = time.monotonic() - sent
     assert alive_in_session(run.pid) == []
     assert [path for path in mapped if os.path.exists(path)] == []

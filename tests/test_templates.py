@@ -10,7 +10,6 @@ arguments. The fakes' worker threads are steered with threading.Event, never sle
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from processes import readable_within
 import templates.copy_stream as copy_stream_mod
 from templates.copy_stream import _h2d
 from templates.prefetch_loader import _EMPTY, _Handoff, _live_prefetchers, _make_train_loader, _PrefetchLoader, _stage
@@ -840,8 +840,7 @@ def test_keyboard_interrupt_while_waiting_for_batch(stuck_children):
     # must end the process promptly, as it would the original script.
     child = stuck_children["sigint"]
     try:
-        ready, _, _ = select.select([child.stdout], [], [], 20)
-        assert ready, "child never printed ready"
+        assert readable_within(child.stdout, 20), "child never printed ready"
         line = child.stdout.readline()
         assert line.strip() == "ready", (line, child.stderr.read() if child.poll() is not None else "")
         t0 = time.monotonic()

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from processes import open_files
 from patcher.cli import EXIT_FAILED, EXIT_OK, main
 from patcher.patch import patch_source
 from patcher.read.source import read_script, render
+from patcher.proof.harness import load_module, unload
 from patcher.proof.verify import CannotVerify, verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -381,3 +386,37 @@ def test_verify_runs_the_forked_producer_beside_the_harnesss_own_threads(tmp_pat
     finally:
         stop.set()
     assert not result.identical, result.notes
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("name", ["shuffled_minified", "generator_toplevel"])
+def test_verify_lets_the_scripts_go(tmp_path, name):
+    # shuffled_minified caches a memmap per shard in a module-level dict, and the
+    # runtime registers an exit hook that would hold the module: a process verifying
+    # many scripts (a test run) kept every verify's shards open.
+    original, out = patched(tmp_path, name)
+    files, modules = open_files(), {n for n in sys.modules if n.startswith("_patch_prefetch_script_")}
+    assert verify(original, out, batches=8).identical
+    assert {f for f in open_files() - files if "patch-prefetch-verify-" in f} == set()
+    assert {n for n in sys.modules if n.startswith("_patch_prefetch_script_")} == modules
+
+
+def test_unload_runs_the_exit_hooks_a_script_registered_once_last_first():
+    module = load_module("import atexit\nCALLS = []\nfor i in (1, 2):\n    atexit.register(CALLS.append, i)\n", "script.py")
+    calls = module.CALLS
+    assert calls == [] and module.__name__ in sys.modules  # held, not run, while loaded
+    unload(module)
+    unload(module)
+    assert calls == [2, 1] and module.__name__ not in sys.modules
+
+
+def test_a_script_never_unloaded_has_its_exit_hooks_run_at_exit(tmp_path):
+    code = (
+        "from patcher.proof.harness import load_module\n"
+        "load_module('import atexit\\natexit.register(print, \"hook ran\")\\n', 'script.py')\n"
+        "print('loaded')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=FIXTURES.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["loaded", "hook ran"]
+

@@ -278,10 +278,13 @@ def _fork_child(script: str, module_name: str, cwd: str, timeout: float, as_path
             os._exit(1)
     os.close(write_end)
     data = b""
+    # poll, not select: select refuses descriptors above FD_SETSIZE (1024), which a host process may hold
+    report = select.poll()
+    report.register(read_end, select.POLLIN)
     try:
         while True:
             left = timeout - (time.monotonic() - start)
-            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+            if left <= 0 or not report.poll(left * 1000):
                 _kill_tree(pid)
                 os.waitpid(pid, 0)
                 return ImportResult(False, error=f"timed out after {timeout:g} s", seconds=time.monotonic() - start)

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from patcher.transforms.features import TOGGLES
-from patcher.proof.harness import HarnessError, hparams_factory, load_module, swapped
+from patcher.proof.harness import HarnessError, hparams_factory, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import host_only_pinning
 from patcher.proof.recipes import LoaderRecipe, patched_constructions
 from patcher.patch import patch_source
@@ -108,6 +108,9 @@ class BenchError(Exception):
     """The script cannot be benchmarked (one line, says why)."""
 
 
+# The scripts are unloaded once the run's frame is gone: a process that runs several benches
+# (a test run) would otherwise keep every run's shared slots and shard memmaps open.
+@scripts_unloaded()
 def run_bench(
     script: str | Path,
     steps: int = 300,

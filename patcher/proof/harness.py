@@ -13,7 +13,9 @@ for a host are in `patcher.proof.host_cuda`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import itertools
 import os
 import sys
@@ -30,7 +32,12 @@ if TYPE_CHECKING:
     from patcher.proof.recipes import LoaderRecipe
 
 
+_PREFIX = "_patch_prefetch_script_"  # the names of loaded script modules: _PREFIX + a count
 _counter = itertools.count()
+# module name -> the atexit hooks its code registered (the runtime's producer shutdown, the
+# script's own). Held here, not by atexit, so that `unload` can run them and let the module
+# go; those of a module never unloaded run at this process's exit, as atexit would have.
+_exit_hooks: dict[str, list] = {}
 
 
 class HarnessError(Exception):
@@ -48,13 +55,83 @@ def stub_missing_imports(script: str):
         sys.meta_path.remove(finder)
 
 
-def load_module(source: str, filename: str) -> types.ModuleType:
-    """Import `source` as a fresh module (not `__main__`). Raises what the script raises."""
-    name = f"_patch_prefetch_script_{next(_counter)}"
-    module = types.ModuleType(name)
+@contextlib.contextmanager
+def exit_hooks_held(name: str):
+    """Context in which `atexit.register` records its hook for module `name` in
+    `_exit_hooks` instead of registering it (see `unload`)."""
+    hooks = _exit_hooks.setdefault(name, [])
+
+    def hold(func, *args, **kwargs):
+        hooks.append((func, args, kwargs))
+        return func
+
+    with swapped(lambda: atexit.register, lambda f: setattr(atexit, "register", f), hold):
+        yield
+
+
+def unload(module: types.ModuleType) -> None:
+    """Undo `load_module`/`load_definitions` for `module`: run the exit hooks its code
+    registered (its prefetchers shut down, their children reaped), take it out of
+    `sys.modules` and clear its globals, so that what it held (open shard memmaps, shared
+    slots) can be released before this process's exit: at once where nothing else refers
+    to it, else by the next cyclic collection (its functions and their globals form
+    cycles; `scripts_unloaded` collects). A hook that raises is ignored, as atexit would
+    print and go on."""
+    name = module.__name__
+    for func, args, kwargs in reversed(_exit_hooks.pop(name, [])):  # last registered first, as atexit
+        try:
+            func(*args, **kwargs)
+        except Exception:
+            pass
+    if sys.modules.get(name) is module:
+        del sys.modules[name]
+
+
+@contextlib.contextmanager
+def scripts_unloaded():
+    """Context (or, called, a decorator) at whose end every script module loaded inside it
+    is `unload`ed and collected. For a process that loads many scripts (a test run, a tree
+    verified in one process): each script's open shards would otherwise stay open until
+    it exits. As a decorator it collects after the function's frame is gone, so the
+    function's own references do not keep the scripts."""
+    before = set(_loaded_names())
+    try:
+        yield
+    finally:
+        for name in _loaded_names():
+            if name not in before:
+                unload(sys.modules[name])
+        gc.collect()  # the cycles of their functions and globals: a loader's __del__ runs with its globals whole
+
+
+def _loaded_names() -> list[str]:
+    return [name for name in sys.modules if name.startswith(_PREFIX)]
+
+
+def _run_held_exit_hooks() -> None:
+    for name in list(_exit_hooks):
+        module = sys.modules.get(name)
+        if module is not None:
+            unload(module)
+
+
+atexit.register(_run_held_exit_hooks)
+
+
+def _new_module(filename: str) -> types.ModuleType:
+    """A fresh script module, registered in `sys.modules` before its code runs:
+    dataclasses look the module up there."""
+    module = types.ModuleType(f"{_PREFIX}{next(_counter)}")
     module.__file__ = filename
-    sys.modules[name] = module  # before executing: dataclasses look the module up here
-    with stub_missing_imports(filename):
+    sys.modules[module.__name__] = module
+    return module
+
+
+def load_module(source: str, filename: str) -> types.ModuleType:
+    """Import `source` as a fresh module (not `__main__`); `unload` lets it go. Raises
+    what the script raises."""
+    module = _new_module(filename)
+    with stub_missing_imports(filename), exit_hooks_held(module.__name__):
         exec(compile(source, filename, "exec"), module.__dict__)
     return module
 
@@ -68,12 +145,9 @@ def load_definitions(source: str, filename: str) -> types.ModuleType:
     evaluates the names an expression needs from the original script when it needs them.
     Raises what an import, function or class definition raises.
     """
-    name = f"_patch_prefetch_script_{next(_counter)}"
-    module = types.ModuleType(name)
-    module.__file__ = filename
-    sys.modules[name] = module
+    module = _new_module(filename)
     parsed = cst.parse_module(source)
-    with stub_missing_imports(filename):
+    with stub_missing_imports(filename), exit_hooks_held(module.__name__):
         for stmt in parsed.body:
             code = compile(parsed.with_changes(body=[stmt]).code, filename, "exec")
             try:

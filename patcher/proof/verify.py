@@ -33,7 +33,7 @@ from patcher.proof.compare import CannotVerify, Difference, first_rank_differenc
 from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof.module_verify import module_loader, verify_module
-from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, load_definitions, load_module, swapped
+from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, load_definitions, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, host_only_pinning
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, patched_constructions
@@ -140,6 +140,9 @@ class Driver:
     default_batches: int
 
 
+# The scripts are unloaded once verify's frame is gone: a process that verifies many would
+# otherwise keep every script's shards open (memmap caches) and its runtime's exit hooks.
+@scripts_unloaded()
 def verify(original: str | Path, patched: str | Path, batches: int | None = None, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None, workers: int | None = None) -> VerifyResult:
     """Compare the training batches of `original` and `patched` for ranks 0..world_size-1.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -401,10 +402,14 @@ def test_verify_lets_the_scripts_go(tmp_path, name):
     assert {n for n in sys.modules if n.startswith("_patch_prefetch_script_")} == modules
 
 
-def test_unload_runs_the_exit_hooks_a_script_registered_once_last_first():
-    module = load_module("import atexit\nCALLS = []\nfor i in (1, 2):\n    atexit.register(CALLS.append, i)\n", "script.py")
+def test_unload_runs_the_exit_hooks_a_script_registered_once_last_first(monkeypatch):
+    registered = []  # what reaches atexit: a library's hook, not the script's own
+    monkeypatch.setattr(atexit, "register", lambda func, *args, **kwargs: registered.append(func))
+    source = "import atexit\nCALLS = []\ndef hook(i):\n    CALLS.append(i)\nfor i in (1, 2):\n    atexit.register(hook, i)\natexit.register(CALLS.append, 'library')\n"
+    module = load_module(source, "script.py")
     calls = module.CALLS
     assert calls == [] and module.__name__ in sys.modules  # held, not run, while loaded
+    assert registered == [calls.append]
     unload(module)
     unload(module)
     assert calls == [2, 1] and module.__name__ not in sys.modules
@@ -413,7 +418,7 @@ def test_unload_runs_the_exit_hooks_a_script_registered_once_last_first():
 def test_a_script_never_unloaded_has_its_exit_hooks_run_at_exit(tmp_path):
     code = (
         "from patcher.proof.harness import load_module\n"
-        "load_module('import atexit\\natexit.register(print, \"hook ran\")\\n', 'script.py')\n"
+        "load_module('import atexit\\natexit.register(lambda: print(\"hook ran\"))\\n', 'script.py')\n"
         "print('loaded')\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=FIXTURES.parent)

@@ -57,11 +57,16 @@ def stub_missing_imports(script: str):
 
 @contextlib.contextmanager
 def exit_hooks_held(name: str):
-    """Context in which `atexit.register` records its hook for module `name` in
-    `_exit_hooks` instead of registering it (see `unload`)."""
+    """Context in which `atexit.register` records in `_exit_hooks` a hook that module
+    `name` defines (see `unload`). A library's hook, registered by an import the script
+    makes first (multiprocessing's, torch's), is registered with atexit as usual: it
+    belongs to the process, not to the script."""
     hooks = _exit_hooks.setdefault(name, [])
+    register = atexit.register
 
     def hold(func, *args, **kwargs):
+        if getattr(func, "__module__", None) != name:
+            return register(func, *args, **kwargs)
         hooks.append((func, args, kwargs))
         return func
 

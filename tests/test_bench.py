@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from processes import open_files
 from patcher.proof import bench
 from patcher.proof.bench import main, run_bench
+from patcher.proof.harness import loaded_script_names
 from templates import prefetch_loader
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -78,11 +78,11 @@ def test_other_families_report_one_python_worker(tmp_path):
 def test_a_run_lets_its_scripts_and_their_shared_slots_go(tmp_path):
     # The lean producer's slots are shared memory that its loader holds until it is
     # freed; a process that ran several benches (a test run) kept every run's open.
-    before, modules = open_files(), {name for name in sys.modules if name.startswith("_patch_prefetch_script_")}
+    before, modules = open_files(), loaded_script_names()
     report = run_bench(FIXTURES / "shuffled_minified.py", steps=4, compute_ms=1, shard_tokens=50_000, data_dir=str(tmp_path), producer_batches=5)
     assert report["producer_batches_per_s_patched"] > 0
     assert {f for f in open_files() - before if "/dev/shm/" in f or str(tmp_path) in f} == set()
-    assert {name for name in sys.modules if name.startswith("_patch_prefetch_script_")} == modules
+    assert loaded_script_names() == modules
 
 # --- op-bound mode: the step, not only the wait ---------------------------------------
 

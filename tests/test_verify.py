@@ -15,7 +15,7 @@ from processes import open_files
 from patcher.cli import EXIT_FAILED, EXIT_OK, main
 from patcher.patch import patch_source
 from patcher.read.source import read_script, render
-from patcher.proof.harness import load_module, unload
+from patcher.proof.harness import load_module, loaded_script_names, unload
 from patcher.proof.verify import CannotVerify, verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -396,10 +396,10 @@ def test_verify_lets_the_scripts_go(tmp_path, name):
     # runtime registers an exit hook that would hold the module: a process verifying
     # many scripts (a test run) kept every verify's shards open.
     original, out = patched(tmp_path, name)
-    files, modules = open_files(), {n for n in sys.modules if n.startswith("_patch_prefetch_script_")}
+    files, modules = open_files(), loaded_script_names()
     assert verify(original, out, batches=8).identical
     assert {f for f in open_files() - files if "patch-prefetch-verify-" in f} == set()
-    assert {n for n in sys.modules if n.startswith("_patch_prefetch_script_")} == modules
+    assert loaded_script_names() == modules
 
 
 def test_unload_runs_the_exit_hooks_a_script_registered_once_last_first(monkeypatch):
@@ -415,7 +415,7 @@ def test_unload_runs_the_exit_hooks_a_script_registered_once_last_first(monkeypa
     assert calls == [2, 1] and module.__name__ not in sys.modules
 
 
-def test_a_script_never_unloaded_has_its_exit_hooks_run_at_exit(tmp_path):
+def test_a_script_never_unloaded_has_its_exit_hooks_run_at_exit():
     code = (
         "from patcher.proof.harness import load_module\n"
         "load_module('import atexit\\natexit.register(lambda: print(\"hook ran\"))\\n', 'script.py')\n"

@@ -74,22 +74,26 @@ def exit_hooks_held(name: str):
         yield
 
 
-def unload(module: types.ModuleType) -> None:
-    """Undo `load_module`/`load_definitions` for `module`: run the exit hooks its code
-    registered (its prefetchers shut down, their children reaped), take it out of
-    `sys.modules` and clear its globals, so that what it held (open shard memmaps, shared
-    slots) can be released before this process's exit: at once where nothing else refers
-    to it, else by the next cyclic collection (its functions and their globals form
-    cycles; `scripts_unloaded` collects). A hook that raises is ignored, as atexit would
-    print and go on."""
-    name = module.__name__
-    for func, args, kwargs in reversed(_exit_hooks.pop(name, [])):  # last registered first, as atexit
+def _run_exit_hooks(name: str) -> None:
+    """Run, once, the exit hooks module `name` registered, last registered first as
+    atexit does; a hook that raises is ignored, as atexit would print and go on."""
+    for func, args, kwargs in reversed(_exit_hooks.pop(name, [])):
         try:
             func(*args, **kwargs)
         except Exception:
             pass
-    if sys.modules.get(name) is module:
-        del sys.modules[name]
+
+
+def unload(module: types.ModuleType) -> None:
+    """Undo `load_module`/`load_definitions` for `module`: run the exit hooks its code
+    registered (its prefetchers shut down, their children reaped) and take it out of
+    `sys.modules`, so that what it held (open shard memmaps, shared slots) can be
+    released before this process's exit: at once where nothing else refers to it, else
+    by the next cyclic collection (its functions and their globals form cycles;
+    `scripts_unloaded` collects)."""
+    _run_exit_hooks(module.__name__)
+    if sys.modules.get(module.__name__) is module:
+        del sys.modules[module.__name__]
 
 
 @contextlib.contextmanager
@@ -99,28 +103,25 @@ def scripts_unloaded():
     verified in one process): each script's open shards would otherwise stay open until
     it exits. As a decorator it collects after the function's frame is gone, so the
     function's own references do not keep the scripts."""
-    before = set(_loaded_names())
+    before = loaded_script_names()
     try:
         yield
     finally:
-        for name in _loaded_names():
-            if name not in before:
-                unload(sys.modules[name])
+        for name in loaded_script_names() - before:
+            unload(sys.modules[name])
         gc.collect()  # the cycles of their functions and globals: a loader's __del__ runs with its globals whole
 
 
-def _loaded_names() -> list[str]:
-    return [name for name in sys.modules if name.startswith(_PREFIX)]
+def loaded_script_names() -> set[str]:
+    """The `sys.modules` names of the script modules loaded and not unloaded."""
+    return {name for name in sys.modules if name.startswith(_PREFIX)}
 
 
-def _run_held_exit_hooks() -> None:
+@atexit.register
+def _run_exit_hooks_of_scripts_still_loaded() -> None:
+    """At this process's exit: the hooks of the modules never unloaded, as atexit would have run them."""
     for name in list(_exit_hooks):
-        module = sys.modules.get(name)
-        if module is not None:
-            unload(module)
-
-
-atexit.register(_run_held_exit_hooks)
+        _run_exit_hooks(name)
 
 
 def _new_module(filename: str) -> types.ModuleType:

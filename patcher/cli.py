@@ -15,6 +15,8 @@ file is checked and reported all the same).
 loader behaves differently (raises, leaves a replaced worker running; the line names rank,
 phase, batch and field), 2 cannot verify (one line: why, e.g. "needs sentencepiece"; a
 harness failure is never 1), 3 nothing to verify (PATCHED holds no runtime of this tool).
+`patch-prefetch ab ORIGINAL PATCHED` (A/B step time, alternated runs): 0 comparison made
+(whatever the verdict), 2 bad input or usage, or a run failed (one line: which run, why).
 `patch-prefetch DIR --out-dir OUT` (tree mode): 0 no file failed, 1 some failed, 2 usage.
 Every command: 130 interrupted (Ctrl-C), 141 stdout closed (quietly).
 """
@@ -60,7 +62,7 @@ IMPORT_SMOKE_HELP = (
     "not entered) in a child Python process with your environment, in a scratch working directory; "
     "its process group is killed after --timeout seconds"
 )
-SUBCOMMANDS = ("check", "verify", "bench", "unwrap")
+SUBCOMMANDS = ("check", "verify", "bench", "unwrap", "ab")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.epilog = _wrapped(
         "The output is checked unless --no-check: compiled under the target Python, then imported: "
         + IMPORT_SMOKE_HELP + ". --no-import compiles only. "
-        "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT | unwrap FILE [-o OUT] (each has --help)."
+        "Subcommands: patch-prefetch check FILE... | verify ORIGINAL PATCHED | bench SCRIPT | unwrap FILE [-o OUT] "
+        "| ab ORIGINAL PATCHED (step time on your GPU, alternated runs) (each has --help)."
     ) + "\n\n" + EXIT_HELP
     return parser
 
@@ -159,6 +162,43 @@ def build_verify_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_ab_parser() -> argparse.ArgumentParser:
+    from patcher import ab
+
+    parser = argparse.ArgumentParser(
+        prog="patch-prefetch ab",
+        usage="%(prog)s [options] ORIGINAL PATCHED [-- SCRIPT_ARG ...]",
+        description=(
+            "A/B step time, on your GPU: run ORIGINAL (A) and PATCHED (B) alternately, each run its own process, "
+            "each stopped (its process group killed) once it has logged step --steps, so no run pays for the final "
+            "evaluation or quantisation; read the mean step time of each run from the script's own log lines "
+            "(parameter-golf, its 2026-04 records, modded-nanogpt, nanochat base_train, or `step:N train_loss:X` lines "
+            "timed on arrival), and give the B/A ratio with a 95 % confidence interval, a p-value (Welch) and a verdict. "
+            "Every run gets ITERATIONS=S, TRAIN_LOG_EVERY=1, VAL_LOSS_EVERY=0 (what parameter-golf reads; --env wins), "
+            "and nanochat's --num-iterations=S where the script defines that flag. Lines starting with 'prefetch:' "
+            "are quoted, and a producer that fell back ('runs without prefetch') is counted."
+        ),
+        epilog="Exit codes: 0 comparison made (whatever the verdict), 2 bad input or usage, or a run failed (one line: which run, its exit code, the end of its stderr), 130 interrupted (the running script's process group is killed first).",
+    )
+    parser.add_argument("original", help="script A (its path; relative to the current directory, not --cwd)")
+    parser.add_argument("patched", help="script B, e.g. the output of patch-prefetch ORIGINAL -o PATCHED; what follows -- is passed to both scripts")
+    parser.set_defaults(script_args=[])  # what follows `--`: split off before parsing (_main)
+    parser.add_argument("--runs", type=int, default=ab.DEFAULT_RUNS, help=f"runs of each script, alternated A B A B (default {ab.DEFAULT_RUNS})")
+    parser.add_argument("--steps", type=int, default=ab.DEFAULT_STEPS, help=f"stop each run once it has logged this step (default {ab.DEFAULT_STEPS})")
+    parser.add_argument("--skip", type=int, default=None, help="steps left out at the start of each run (compilation, warm-up; default 20 %% of --steps, at least 1)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="K", help="run under torchrun --standalone --nproc_per_node K (default: plain python, one process)")
+    parser.add_argument("--cwd", default=None, help="working directory of the runs (default: the current one)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set for both scripts (repeatable); wins over the step settings")
+    parser.add_argument("--env-b", action="append", default=[], metavar="NAME=VALUE", help="set for script B only (repeatable), e.g. TRAIN_PREFETCH=0")
+    parser.add_argument("--label-a", default="original", help="name of side A in the report (default original)")
+    parser.add_argument("--label-b", default="patched", help="name of side B in the report (default patched)")
+    parser.add_argument("--timeout", type=_seconds, default=ab.DEFAULT_TIMEOUT_S, help=f"seconds one run may take before it is killed and counted as failed (default {ab.DEFAULT_TIMEOUT_S:.0f})")
+    parser.add_argument("--tokens-per-step", type=int, default=None, help="tokens a step, to turn a 2026-04 record's tok/s into ms (default: TRAIN_BATCH_TOKENS of the run's environment)")
+    parser.add_argument("--step-regex", default=None, metavar="REGEX", help="the step line of a script in no known format: its first group is the step number (lines timed on arrival; a group named ms: cumulative training ms)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document with everything (runs, per-run ms, ratio, ci, p, verdict, fallbacks, format, commands)")
+    return parser
+
+
 def _seconds(text: str) -> float:
     """argparse type: a positive number of seconds."""
     value = float(text)
@@ -201,12 +241,18 @@ def _main(argv: list[str] | None) -> int:
         from patcher.proof import bench
 
         return bench.main(argv[1:])
-    parser = {"check": build_check_parser, "verify": build_verify_parser, "unwrap": build_unwrap_parser}.get(command, build_parser)()
+    parser = {"check": build_check_parser, "verify": build_verify_parser, "unwrap": build_unwrap_parser, "ab": build_ab_parser}.get(command, build_parser)()
+    script_args = None
+    if command == "ab" and "--" in argv:  # `ab A B [options] -- ARGS`: ARGS go to both scripts
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1 :]
     try:
         args = parser.parse_args(argv[1:] if command else argv)
     except SystemExit as exit:
         return EXIT_BAD_INPUT if exit.code else EXIT_OK
-    run = {"check": _run_check, "verify": _run_verify, "unwrap": _run_unwrap}.get(command, _run)
+    if script_args is not None:
+        args.script_args = script_args
+    run = {"check": _run_check, "verify": _run_verify, "unwrap": _run_unwrap, "ab": _run_ab}.get(command, _run)
     try:
         if hasattr(args, "python"):
             args.python = _target_python(args)
@@ -482,6 +528,32 @@ def _run_verify(args) -> int:
             how = f" ({d.configuration})" if d.configuration else ""
             print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}")
     return EXIT_OK if result.identical else EXIT_FAILED
+
+
+def _run_ab(args) -> int:
+    """`patch-prefetch ab ORIGINAL PATCHED`: alternated runs, the step-time comparison."""
+    from patcher import ab
+
+    def progress(result, total: int) -> None:
+        if not args.json:
+            ms = "-" if result.step_ms is None else f"{result.step_ms:.3f} ms/step"
+            note = " (producer fell back)" if result.fell_back else ""
+            print(f"ab: run {result.index}/{total} {result.label}: {ms}{note}", file=sys.stderr, flush=True)
+
+    try:
+        report = ab.run_ab(
+            args.original, args.patched, runs=args.runs, steps=args.steps, skip=args.skip, nproc_per_node=args.nproc_per_node,
+            cwd=args.cwd, env=ab.parse_assignments(args.env, "--env"), env_b=ab.parse_assignments(args.env_b, "--env-b"),
+            label_a=args.label_a, label_b=args.label_b, timeout_s=args.timeout, tokens_per_step=args.tokens_per_step,
+            step_regex=args.step_regex, script_args=args.script_args, on_run=progress,
+        )
+    except ab.AbError as error:
+        print(f"patch-prefetch ab: error: {error}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(error), "exit_code": EXIT_BAD_INPUT}))
+        return EXIT_BAD_INPUT
+    print(json.dumps(report) if args.json else ab.format_report(report))
+    return EXIT_OK
 
 
 def _verify_error(args, line: str, code: int) -> int:

@@ -596,6 +596,14 @@ def _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, 
     return report
 
 
+# What a figure of this bench can tell, said under its summary line.
+CPU_FIGURE_NOTE = (
+    "(a CPU figure: it tells whether the producer takes the batch work off the training loop and what it costs "
+    "that loop; it cannot show the GPU-side saving, the host's wait for pageable H2D copies: "
+    "on a GPU, run `patch-prefetch ab ORIGINAL PATCHED`)"
+)
+
+
 def _print_table(report: dict, stream) -> None:
     print(f"{report['script']}: {report['steps']} steps ({report['warmup_steps_excluded']} warm-up steps left out), "
           f"{report['compute_ms']} ms step, main thread {report['main_thread']}, queue depth {report['queue_depth']}, {report['torch_threads']} torch thread(s)"
@@ -622,6 +630,7 @@ def _print_table(report: dict, stream) -> None:
     ops = f", {report['ops_per_step']} torch ops a step ({report['op']} on {report['op_numel']} float32)" if report.get("ops_per_step") else ""
     print(f"  data time recovered as a shorter step: {'-' if share is None else f'{100 * share:.1f} %'} of the original's "
           f"(goal {100 * STEP_GOAL_SHARE:.0f} % and a median step no longer: {'met' if report['step_goal_met'] else 'not met'}){ops}", file=stream)
+    print(f"  {CPU_FIGURE_NOTE}", file=stream)
 
 
 def main(argv: list[str] | None = None) -> int:

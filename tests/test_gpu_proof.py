@@ -1,0 +1,89 @@
+"""bench/gpu_proof.py --dry-run: every stage on the CPU at tiny sizes, on the fixtures.
+
+What the GPU run depends on is checked here, where it costs no GPU time: the wheel set
+installs for the GPU machine's Python, each stage runs and records itself, a failed
+stage does not stop the others, and a deadline skips what would overrun.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROOF = ROOT / "bench" / "gpu_proof.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_proof  # noqa: E402
+from gpu_prepare import prepare  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """The fixtures patched, and the GPU machine's wheels downloaded, once."""
+    inputs = tmp_path_factory.mktemp("inputs")
+    prepare(inputs, fixtures=True, wheels=True)
+    return inputs
+
+
+def _proof(*args: str, timeout: float = 420) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PROOF), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_runs_every_stage(prepared, tmp_path):
+    out = tmp_path / "out"
+    done = _proof("--dry-run", "--inputs", str(prepared), "--out", str(out))
+    results = json.loads((out / "results.json").read_text())
+    rows = results["stages"]
+    assert list(rows) == [stage.key for stage in gpu_proof.STAGES]
+    assert {key: row["status"] for key, row in rows.items()} == {key: "ok" for key in rows}, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Each stage recorded its figures, exit and time.
+    for row in rows.values():
+        assert row["rc"] == 0 and row["seconds"] >= 0 and row["figures"]["headline"]
+    assert set(rows["0_probe"]["figures"]["installed"]) >= {"libcst", "pyflakes", "python_minifier"}
+    assert rows["3_generator"]["figures"]["exact"] is True
+    assert rows["4_module"]["figures"]["exact"] is True
+    ab = rows["5a_ab_root"]["figures"]["ab"]
+    assert ab["runs_a"] == ab["runs_b"] == 2 if "runs_a" in ab else True
+    assert results["inputs"]["patcher"]["sha256"]
+    # What comes back from the GPU machine: few, small files.
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert 0 < len(files) <= gpu_proof.MAX_OUT_FILES
+
+
+def test_a_failed_stage_does_not_stop_the_next(prepared, tmp_path):
+    inputs = tmp_path / "inputs"
+    shutil.copytree(prepared, inputs)
+    (inputs / "modded_patched.py").unlink()
+    out = tmp_path / "out"
+    done = _proof("--dry-run", "--inputs", str(inputs), "--out", str(out), "--only", "3", "--only", "4")
+    rows = json.loads((out / "results.json").read_text())["stages"]
+    assert rows["3_generator"]["status"] == "failed"
+    assert rows["4_module"]["status"] == "ok"
+    assert done.returncode == 1
+    assert "input modded patched missing" in done.stdout
+
+
+def test_the_deadline_skips_what_would_overrun(prepared, tmp_path):
+    out = tmp_path / "out"
+    done = _proof("--dry-run", "--inputs", str(prepared), "--out", str(out), "--deadline", "0.5", "--only", "0", "--only", "1")
+    rows = json.loads((out / "results.json").read_text())["stages"]
+    # Stage 0 starts with 0.5 s left and is cut off at the deadline; stage 1 finds none left.
+    assert rows["0_probe"]["status"] == "timed out"
+    assert rows["1_premise"]["status"] == "skipped" and "left before the deadline" in rows["1_premise"]["why"]
+    assert done.returncode == 1
+
+
+def test_the_device_command_fits():
+    assert len(gpu_proof.DEVICE_COMMAND) <= gpu_proof.DEVICE_COMMAND_LIMIT
+    assert "--inputs .gpu_inputs" in gpu_proof.DEVICE_COMMAND
+
+
+def test_no_manifest_is_a_one_line_error(tmp_path):
+    done = _proof("--inputs", str(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "no manifest.json" in done.stderr

@@ -74,6 +74,7 @@ import itertools
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import sys
 import threading
@@ -83,15 +84,16 @@ import traceback
 import torch
 
 from templates.copy_stream import _h2d
-from templates.staging import _each_leaf, _each_tensor
+from templates.staging import _each_leaf, _each_tensor, _rebuilt
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
-# Loader variables that run without prefetch (a fork could not be trusted): a rebuild
-# builds the original loader at once, without trying (and saying so) again.
+# Loader variables whose producer is a thread (a fork could not be trusted): a rebuild
+# starts its producer on a thread at once, without trying (and saying so) again.
 _unforked = set()
 # At exit the children are killed and reaped (in the process that forked them only).
-atexit.register(lambda: [loader.shutdown() for loader in _live_prefetchers.values()])
+# (A producer thread is told to stop, not waited for: it may be inside the loader.)
+atexit.register(lambda: [loader.shutdown(False) for loader in _live_prefetchers.values()])
 
 
 def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
@@ -102,13 +104,13 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
     (`TRAIN_COPY_STREAM`); name: the variable's name, so that a rebuild shuts the
     previous producer down first.
-    Returns: `make_loader(device)` itself when prefetch is off or this variable's loader
-    could not prefetch before (the original behaviour), else a `_PrefetchLoader`.
+    Returns: `make_loader(device)` itself when prefetch is off (the original
+    behaviour), else a `_PrefetchLoader`.
     """
     old = _live_prefetchers.pop(name, None)
     if old:
         old.shutdown()
-    if not prefetch or name in _unforked:
+    if not prefetch:
         return make_loader(device)
     loader = _live_prefetchers[name] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream, name)
     return loader
@@ -119,10 +121,11 @@ class _PrefetchLoader:
 
     `next_batch(*args)` returns what the wrapped loader's `next_batch(*args)` returns
     (e.g. `x, y: int64 [batch, seq_len]` on `device`), bit for bit and in order.
-    Raises the child's exception (its traceback as `__cause__`) at the batch where it
-    happened; RuntimeError when the child died, for arguments other than the first
-    call's, or after `shutdown()`. Where the first call finds that a fork cannot be
-    trusted, every call is the wrapped loader's own, moved to `device`.
+    Raises the producer's exception, as its own class with its own message (its
+    traceback as `__cause__`), at the batch where it happened; RuntimeError when the
+    child died, for arguments other than the first call's, or after `shutdown()`.
+    Where the first call finds that a fork cannot be trusted, the batches are built
+    ahead by a thread of this process instead (`_start_thread`).
     """
 
     def __init__(self, loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
@@ -135,11 +138,14 @@ class _PrefetchLoader:
             batch = self.loader.next_batch(*args)  # the first batch here; the child goes on from this state
             self.values = []  # the first batch's non-tensor leaves: none means no batch has any
             self.layout = _layout(batch, self.values)
-            self._fork(batch)
-        elif self.pid is False:
-            batch = self.loader.next_batch(*args)
-        elif args != self.args or not self.pid:
+            batch = self._fork(batch)
+        elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
+        elif self.pid is False:  # a producer thread: its batches are fresh (pinned) copies
+            batch, error = self.queue.get()
+            if error:
+                self.shutdown()
+                raise error
         else:
             while not self.filled.acquire(timeout=0.1):
                 if self.conn.poll():  # the child's error, or the end of the pipe: the child is gone
@@ -148,7 +154,7 @@ class _PrefetchLoader:
                     except EOFError:  # gone without a word
                         raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
                     self.shutdown()
-                    raise error[0] from RuntimeError(error[1])  # (the exception, the child's formatted traceback)
+                    raise _rebuilt(error[0]) from RuntimeError(error[1])  # (the exception, the child's formatted traceback)
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             # Each batch's own non-tensor values (a counter, a state dict's ints, a
             # string) come through a pipe, in order, beside its tensors in the slot.
@@ -160,13 +166,16 @@ class _PrefetchLoader:
 
     def _fork(self, batch):
         """Allocate the slots and fork the child that fills them, after the first batch.
+        Returns the first batch to hand out.
 
         Where a fork cannot be trusted (`_threads_a_fork_lacks`, or /dev/shm too small for
-        the slots: a container's is 64 MB), `_run_here` instead.
+        the slots: a container's is 64 MB), `_start_thread` instead.
         """
+        if self.name in _unforked:
+            return self._start_thread("", batch)
         threads = _threads_a_fork_lacks()
         if threads:
-            return self._run_here(f"threads running {threads}: a forked producer would not have them")
+            return self._start_thread(f"threads running {threads}: a forked producer would not have them", batch)
         before = _shm_files()
         try:
             self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
@@ -176,7 +185,7 @@ class _PrefetchLoader:
             self.slots = None  # frees what was allocated; torch leaves the file of an allocation that failed
             for file in _shm_files() - before:
                 os.unlink(file)
-            return self._run_here("no shared memory for the batches (" + str(error).split("\n")[0] + ")")
+            return self._start_thread("no shared memory for the batches (" + str(error).split("\n")[0] + ")", batch)
         self.parent = os.getpid()
         sys.stdout.flush()  # what is buffered here must not be written by the child too (stderr is line-buffered)
         self.pid = os.fork()
@@ -187,13 +196,41 @@ class _PrefetchLoader:
                 os._exit(0)
         self.sender.close()  # the child's ends: closed here, so the child's exit is an end of file
         self.value_sender.close()
+        return batch
 
-    def _run_here(self, cause):
-        """No child: every call is the loader's own, in this process (`pid` False); one
-        line on stderr says why, and a rebuild of the variable builds the original loader."""
-        print(f"prefetch: {cause}; {self.name} runs without prefetch (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
+    def _start_thread(self, cause, batch):
+        """No child: a thread of this process builds the batches ahead (`pid` False), the
+        loader's own calls in the same order, each batch copied (pinned for CUDA) so that
+        a loader that reuses its buffers cannot change a queued one. One line on stderr
+        says why, once a variable: a rebuild starts its thread without trying to fork.
+        Returns the first batch, copied before the thread starts to call the loader.
+
+        The GIL is shared with the training loop, so a host-bound loop gains less than
+        from a child process (bench `--main-thread op-bound`: 25-45 % of the data time
+        recovered against 80-87 %), but a loader whose own threads a fork would lose (a
+        shard reader pool) runs here as in the original.
+        """
+        if cause:
+            print(f"prefetch: {cause}; {self.name} prefetches on a thread (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
         _unforked.add(self.name)
-        self.pid = False
+        self.pid, self.queue, self.stop = False, queue.Queue(self.depth), threading.Event()
+        batch = _each_tensor(batch, torch.clone)
+        self.thread = threading.Thread(target=self._produce_on_thread, name=f"prefetch {self.name}", daemon=True)
+        self.thread.start()
+        return batch
+
+    def _produce_on_thread(self):
+        """The producer thread: `next_batch(*self.args)` into the queue, (batch, None) each,
+        or (None, the exception) once, until `stop` is set (`shutdown` then empties the
+        queue, so a put waiting for room returns)."""
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        while not self.stop.is_set():
+            try:
+                item = _each_tensor(self.loader.next_batch(*self.args), lambda t: t.pin_memory() if pin else t.clone()), None
+            except BaseException as error:  # re-raised in the caller at this batch
+                item = None, error
+                self.stop.set()
+            self.queue.put(item)
 
     def _produce(self):
         """The child process: `next_batch(*self.args)` into the slots in turn, forever.
@@ -233,22 +270,32 @@ class _PrefetchLoader:
                     self.value_sender.send(values)
         except BaseException as error:  # re-raised in the training process
             # As torch.utils.data's ExceptionWrapper: the exception travels with its
-            # formatted traceback, which becomes its cause there. One that the caller
-            # could not rebuild (it does not pickle, or its class cannot be rebuilt from
-            # its args: an `__init__` with other required arguments) travels as a
-            # RuntimeError naming its type and message, not as an error of the pipe.
+            # formatted traceback, which becomes its cause there; it travels as its
+            # class, args and attributes, rebuilt there without its `__init__`
+            # (`_rebuilt`), so a class whose `__init__` takes other arguments arrives as
+            # itself. One whose parts do not pickle (a local class, a lock among its
+            # attributes) travels as a RuntimeError naming its type and args.
+            error = type(error), error.args, error.__dict__
             try:
-                pickle.loads(pickle.dumps(error))
+                pickle.dumps(error)
             except Exception:
-                error = RuntimeError(f"prefetch: {type(error).__qualname__} in the producer: {error}")
+                error = RuntimeError, (f"prefetch: {error[0].__qualname__} in the producer: {' '.join(map(str, error[1]))}",), {}
             self.sender.send((error, traceback.format_exc()))  # the exception this block handles
 
-    def shutdown(self):
-        """Kill the child process and reap it. Returns its exit code (negative: the
-        signal that ended it), None where there is no child of this process: a process
-        that the script forked from the training process must not touch its producer."""
+    def shutdown(self, wait=True):
+        """Kill the child process and reap it, or stop the producer thread (and, with
+        `wait`, join it: it ends at its next put, after the batch it builds). Returns the
+        child's exit code (negative: the signal that ended it), None where there is no
+        child of this process: a process that the script forked from the training
+        process must not touch its producer."""
         pid, self.pid = self.pid, 0
-        if pid and os.getpid() == self.parent:
+        if pid is False:
+            self.stop.set()
+            while not self.queue.empty():
+                self.queue.get()
+            if wait:
+                self.thread.join()
+        elif pid and os.getpid() == self.parent:
             os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
@@ -265,19 +312,32 @@ def _threads_a_fork_lacks():
     have: a loader that hands one of them work would wait forever in the child.
 
     Excused: a thread that runs no Python code (a foreign thread that once called into
-    Python), and one whose code is torch's internals or tqdm's (inductor's compile
-    workers' reader, which a torch.compile on CUDA leaves running; tqdm's monitor): no
-    loader hands them work, and torch resets its compile pools in a forked child, as for
-    its DataLoader workers. A thread's code is the module of its outermost frame outside
-    `threading` (its target or its `run`): a thread of the script inside a torch call
-    counts. So do a DataLoader's pin-memory thread (torch.utils.data: a loader that
-    iterates a DataLoader waits on it) and the workers of any ThreadPoolExecutor
-    (concurrent.futures: a script's pool cannot be told from inductor's, which a
-    torch.compile on the CPU leaves).
+    Python); one whose code is torch's internals or tqdm's (inductor's compile workers'
+    reader, which a torch.compile on CUDA leaves running; tqdm's monitor); and the
+    workers of torch's own thread pools, told by identity (`_torch_pool_threads`:
+    inductor's compile pool, which a torch.compile on the CPU leaves, and torch's
+    prefetch pool): no loader hands them work, and torch resets its compile pools in a
+    forked child, as for its DataLoader workers. A thread's code is the module of its
+    outermost frame outside `threading` (its target or its `run`): a thread of the
+    script inside a torch call counts. So do a DataLoader's pin-memory thread
+    (torch.utils.data: a loader that iterates a DataLoader waits on it) and the workers
+    of any other ThreadPoolExecutor (a script's own pool).
     """
     frames = sys._current_frames()
     frames.pop(threading.get_ident())
-    return [t.name for t in threading.enumerate() if t.ident in frames and not ([""] + [m for f, _ in traceback.walk_stack(frames[t.ident]) if (m := f.f_globals.get("__name__", "")) != "threading"])[-1].startswith(("torch._", "tqdm."))]
+    pools = _torch_pool_threads()
+    return [t.name for t in threading.enumerate() if t.ident in frames and t not in pools and not ([""] + [m for f, _ in traceback.walk_stack(frames[t.ident]) if (m := f.f_globals.get("__name__", "")) != "threading"])[-1].startswith(("torch._", "tqdm."))]
+
+
+def _torch_pool_threads():
+    """The worker threads of torch's own thread pools, as objects: inductor's compile
+    pool (`AsyncCompile.pool()`, where it was made) and `torch.utils._functools`'s
+    prefetch pool. A script's pool with the same thread names is not among them."""
+    pools = [getattr(sys.modules.get("torch.utils._functools"), "_prefetch_executor", None)]
+    compiler = getattr(sys.modules.get("torch._inductor.async_compile"), "AsyncCompile", None)
+    if compiler and compiler.pool.cache_info().currsize:  # made: the call returns it, makes none
+        pools.append(compiler.pool())
+    return {t for pool in pools for t in getattr(pool, "_threads", ())}
 
 
 def _shm_files():

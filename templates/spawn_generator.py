@@ -68,7 +68,7 @@ import types
 
 import torch
 
-from templates.staging import _each_leaf
+from templates.staging import _each_leaf, _rebuilt
 
 # The producer's niceness: it yields the CPU to the training loop (the module docstring says why).
 _PRODUCER_NICE = 10
@@ -174,7 +174,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
             if message[0] == "end":
                 return
             if message[0] == "error":
-                raise message[1] from RuntimeError(message[2])
+                raise _rebuilt(message[1]) from RuntimeError(message[2])
             shared = slots[message[2]] if slots is not None else None
             leaves = []
             _each_leaf(message[1], lambda v: leaves.append(v) if isinstance(v, _HostTensor) else None)
@@ -288,10 +288,14 @@ def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
             n += 1
     except BaseException as error:
         text = traceback.format_exc()
+        # Its class, args and attributes, rebuilt in the parent without its __init__
+        # (`_rebuilt`): the script's own exception arrives as itself. One whose parts do
+        # not pickle arrives as a RuntimeError naming its type.
+        error = type(error), error.args, error.__dict__
         try:
-            pickle.loads(pickle.dumps(error))
-        except Exception:  # rebuilt in the parent only where it pickles both ways
-            error = RuntimeError(f"{type(error).__name__}: {error}")
+            pickle.dumps(error)
+        except Exception:
+            error = RuntimeError, (f"{error[0].__name__}: {' '.join(map(str, error[1]))}",), {}
         _send(sender, ("error", error, text))
     else:
         _send(sender, ("end",))

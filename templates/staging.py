@@ -1,5 +1,6 @@
 """Injected runtime: host staging of one batch (features `train_prefetch`), shared by
-`templates/prefetch_lean.py` and `templates/prefetch_loader.py`.
+`templates/prefetch_lean.py` and `templates/prefetch_loader.py`; and the rebuild of an
+exception that a producer process sent (`_rebuilt`), shared by the process producers.
 
 A batch built ahead is copied into fresh host memory, pinned when it goes to CUDA, so
 that its H2D copy can run asynchronously on the copy stream and a loader that reuses
@@ -44,3 +45,13 @@ def _stage(item, pin, host_copy=True):
     if not (pin or host_copy):
         return item
     return _each_tensor(item, lambda t: t if t.device.type != "cpu" else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t))
+
+
+def _rebuilt(error):
+    """The producer's exception from its (class, args, __dict__), made without calling
+    `__init__` (which may take other arguments than its args), so that the script's
+    own `except ShardError:` still catches it."""
+    kind, args, state = error
+    error = kind.__new__(kind, *args)  # BaseException's (or OSError's) __new__ sets args
+    error.__dict__.update(state)
+    return error

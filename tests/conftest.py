@@ -7,6 +7,7 @@ and a test whose interpreter is missing is skipped with the reason.
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -40,3 +41,19 @@ def pytest_configure(config):
     # ignore) is reset to the default across exec, so the children get Python's own.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture
+def one_torchrun_at_a_time():
+    """Held while a test runs torchrun jobs: two 2-rank CPU jobs of two test workers at
+    once on a 2-core machine made a rank abort (SIGABRT) now and then. A lock file that
+    every worker locks in turn (flock), released when the test ends."""
+    import fcntl
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), "patch-prefetch-torchrun.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -8,7 +8,7 @@ side by side, each in a session of its own, and asserts that the patched run end
 original does (the same step and loss lines, the same exit code) within a bounded time,
 with no process of its session left behind (no orphan, no zombie) and nothing left in
 /dev/shm. Where the hazard forbids a forked producer, the patched run says so in one line
-on stderr and runs that loader without prefetch.
+on stderr and builds that loader's batches ahead on a thread instead.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from patcher.proof.shards import write_shards
 REPO = Path(__file__).resolve().parents[1]
 ORIGINAL = (REPO / "fixtures" / "tokenstream_readable.py").read_text(encoding="utf-8")
 RUN_S = 60  # a run that takes longer has hung: its session is killed and the test fails
-FALLBACK = "; train_loader runs without prefetch (TRAIN_PREFETCH=0 silences this)"
+FALLBACK = "; train_loader prefetches on a thread (TRAIN_PREFETCH=0 silences this)"
 
 IMPORT_SYS = ("import random\n", "import random\nimport signal\nimport sys\n")
 # At step 2 the training loop prints "paused" and waits for a line on stdin: the test
@@ -201,7 +201,7 @@ SHARD_POOL = (
 )
 
 
-def test_a_loader_that_uses_a_thread_pool_runs_without_prefetch_and_says_so(env, tmp_path):
+def test_a_loader_that_uses_a_thread_pool_prefetches_on_a_thread_and_says_so(env, tmp_path):
     # The survey refuses a loader it sees reaching a pool; one it cannot see (here: added
     # after patching) meets the runtime's check at the fork.
     original, patched = run_both(*scripts(tmp_path, unseen=SHARD_POOL), env, tmp_path)
@@ -276,7 +276,7 @@ def private_shm():
         pytest.skip(f"cannot mount a private /dev/shm (unshare -m, mount -t tmpfs): {probe.stderr.strip()}")
 
 
-def test_too_little_shared_memory_runs_without_prefetch_and_leaks_nothing(env, tmp_path, private_shm):
+def test_too_little_shared_memory_prefetches_on_a_thread_and_leaks_nothing(env, tmp_path, private_shm):
     # 4,096 int64 tokens per micro-batch for x and for y: one slot is 64 KB, two do not
     # fit in a 64 KB /dev/shm. torch's failed allocation leaves a partial file there.
     env = dict(env, TRAIN_BATCH_TOKENS="8192", ITERATIONS="4")

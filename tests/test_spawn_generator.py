@@ -42,6 +42,15 @@ SOURCE = textwrap.dedent(
         for k in range(3):
             yield torch.arange(4, device=device) + k + (100 if split == "val" else 0), {"pid": os.getpid(), "k": k}
 
+    class ShardError(Exception):
+        def __init__(self, path, row_group):  # other arguments than its args
+            super().__init__(f"{path}: row group {row_group} is corrupt")
+            self.path = path
+
+    def gen_corrupt(device="cpu"):
+        yield torch.zeros(2)
+        raise ShardError("shard_00003.parquet", 5)
+
     def gen_nice(device="cpu"):
         import os
         yield torch.zeros(1, device=device), os.nice(0)
@@ -94,6 +103,19 @@ def test_error_reaches_the_caller_at_its_batch_with_the_traceback(module):
             got.append(batch)
     assert len(got) == 4
     assert "Traceback" in str(raised.value.__cause__) and "in gen" in str(raised.value.__cause__)
+    assert not multiprocessing.active_children()
+
+
+def test_the_scripts_own_exception_arrives_as_itself(module):
+    # Its class takes other arguments than its args: rebuilt without its __init__, so the
+    # script's own `except ShardError:` catches it, with its attributes.
+    batches = _spawn_generator(module.gen_corrupt, {"device": "cpu"}, "device")
+    assert torch.equal(next(batches), torch.zeros(2))
+    with pytest.raises(module.ShardError) as raised:
+        next(batches)
+    assert type(raised.value) is module.ShardError and raised.value.path == "shard_00003.parquet"
+    assert str(raised.value) == "shard_00003.parquet: row group 5 is corrupt"
+    assert "in gen_corrupt" in str(raised.value.__cause__)  # the producer's traceback
     assert not multiprocessing.active_children()
 
 

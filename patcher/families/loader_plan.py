@@ -53,7 +53,7 @@ def plan_rebuilt_on_cpu(variable: DataVariable, ctx, recognition=None, detail: s
         tail += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
     return Plan(
         note=f"{head}{detail}{tail}",
-        forked_note=f"{head}; a forked child process builds the batches{tail}",
+        forked_note=f"{head}; a child process forked at the first batch builds the batches (a thread of this process instead where threads other than torch's own run then, or /dev/shm is short){tail}",
         reshape_arg=reshape_arg,
         rollback=rollback,
         attrs=attrs,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import select
+from pathlib import Path
 from typing import IO, Union
 
 
@@ -41,3 +42,25 @@ def open_files() -> set[str]:
         except OSError:  # the listing's own descriptor, closed by now
             pass
     return out
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid`, zombies included (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` in the process tree."""
+    found, todo = [], [pid]
+    while todo:
+        below = children(todo.pop())
+        found += below
+        todo += below
+    return found

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from patcher.patch import patch_source
+from processes import children
 from patcher.proof.shards import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,17 +81,6 @@ def session(sid: int) -> list[int]:
             if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
                 found.append(int(entry))
         except OSError:  # gone meanwhile
-            pass
-    return found
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-        except OSError:
             pass
     return found
 

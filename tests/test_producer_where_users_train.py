@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from patcher.patch import patch_source
+from processes import children, descendants
 from patcher.proof.shards import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,18 +77,6 @@ def scripts(tmp_path: Path, *edits: tuple[str, str]) -> tuple[Path, Path]:
     return original, patched
 
 
-def children(pid: int) -> list[int]:
-    """The pids whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
-
 STARTED: list[subprocess.Popen] = []
 
 
@@ -104,16 +93,6 @@ def nothing_left_running():
             except ProcessLookupError:
                 pass
         proc.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` in the process tree."""
-    found, todo = [], [pid]
-    while todo:
-        below = children(todo.pop())
-        found += below
-        todo += below
-    return found
 
 
 class Run:

@@ -4,9 +4,9 @@
         [--dry-run] [--steps N] [--load-ms T]
 
 ORIGINAL is the real script, PATCHED what `patch-prefetch ORIGINAL -o PATCHED` made of
-it beforehand (nothing is patched here: this runs where libcst may be missing, so it
-imports only the libcst-free parts of `patcher`: `check.stubs`, `proof.host_cuda`,
-`proof.shards`). Exit 0: the stage ran and every batch of the patched side equals the
+it beforehand (nothing is patched here; on the GPU machine `gpu_proof.py`'s stage 0 has
+installed the wheels `patcher` needs). The module stage's stand-ins (package, tokenizer,
+corpus) are `module_verify`'s and `module_bench`'s. Exit 0: the stage ran and every batch of the patched side equals the
 original's; 1: a batch differs (OUT.json has `first_difference`); 2: it could not run
 (one line why). OUT.json keys: stage, device, dry_run, sizes, load_ms, host_ms, ratio,
 batches_compared, exact, first_difference, notes (and a few more per stage).
@@ -67,7 +67,6 @@ import json
 import math
 import multiprocessing
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -81,9 +80,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from patcher.check.stubs import StubFinder  # noqa: E402  (libcst-free)
-from patcher.proof.host_cuda import cuda_on_host  # noqa: E402  (libcst-free)
-from patcher.proof.shards import write_shards  # noqa: E402  (libcst-free)
+from patcher.check.stubs import StubFinder  # noqa: E402
+from patcher.proof.host_cuda import cuda_on_host  # noqa: E402
+from patcher.proof.module_bench import write_corpus  # noqa: E402
+from patcher.proof.module_verify import ByteTokenizer, _package, package_importable  # noqa: E402
+from patcher.proof.shards import write_shards  # noqa: E402
 
 DEFAULT_STEPS = {"generator": 120, "module": 60}
 DRY_STEPS = {"generator": 24, "module": 10}
@@ -590,49 +591,6 @@ def run_generator(original: Path, patched: Path, steps: int, load_ms: float, dry
 
 # --------------------------------------------------------------------------- module
 
-# What the harness supplies for helpers the module imports from its own package
-# (the stand-ins of `module_verify.STUBS`).
-STUBS = {
-    "get_dist_info": (
-        "def get_dist_info():\n"
-        "    rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))\n"
-        "    return world > 1, rank, int(os.environ.get('LOCAL_RANK', rank)), world\n"
-    ),
-    "list_parquet_files": (
-        "def list_parquet_files(data_dir=None, warn_on_legacy=False):\n"
-        "    data_dir = data_dir or os.environ['PATCH_PREFETCH_PARQUET_DIR']\n"
-        "    return sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith('.parquet'))\n"
-    ),
-}
-# `module_verify.ByteTokenizer`, written beside the package so the spawned producer
-# imports it by name (a class of this script, run as __main__, would not unpickle there).
-TOKENIZER_MODULE = '''
-class ByteTokenizer:
-    """A test tokenizer: token id = byte + 1, BOS = 0 (module_verify.ByteTokenizer)."""
-
-    def get_bos_token_id(self):
-        return 0
-
-    def encode(self, text, prepend=None, append=None, num_threads=8):
-        if isinstance(text, str):
-            return self.encode([text], prepend, append)[0]
-        return [([prepend] if prepend is not None else []) + [b + 1 for b in t.encode("utf-8")] + ([append] if append is not None else []) for t in text]
-'''
-
-
-def write_corpus(directory: Path, docs: int, seed: int = 0) -> None:
-    """Three parquet files (the last is the val split) of docs // 2 documents each, 256 a
-    row group, of lognormal length (about 1,300 characters): `module_bench.write_corpus`."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(500)]
-    for f in range(3):
-        texts = [" ".join(rng.choice(words) for _ in range(int(rng.lognormvariate(5.0, 0.8)) + 20)) for _ in range(docs // 2)]
-        pq.write_table(pa.table({"text": texts}), directory / f"shard_{f:05d}.parquet", row_group_size=256)
-
-
 def loader_function(source: str, filename: str) -> tuple[str, str, list[str]]:
     """(name, device parameter, parameter names) of the module's loader generator: a
     top-level function with parameters `tokenizer`, `B`, `T` and a device that yields."""
@@ -645,54 +603,6 @@ def loader_function(source: str, filename: str) -> tuple[str, str, list[str]]:
             if yields and device and {"B", "T"} <= set(params) and params[0] == "tokenizer":
                 return stmt.name, device, params
     raise CannotRun(f"{filename}: no loader generator `f(tokenizer, B, T, ..., device=...)` at top level")
-
-
-def write_package(tmp: Path, original: str, patched: str, stem: str, filename: str) -> tuple[str, list[str]]:
-    """Write the package both modules live in (`<pkg>/_gpu_original.py`, `<pkg>/<stem>.py`)
-    and stand-ins of what they import from it (as `module_verify._package`). Returns
-    (package, stubbed names)."""
-    imports: dict[str, list[str]] = {}
-    for stmt in ast.parse(original, filename).body:
-        if isinstance(stmt, ast.ImportFrom) and stmt.module and stmt.level == 0 and not any(a.name == "*" for a in stmt.names):
-            imports.setdefault(stmt.module, []).extend(a.name for a in stmt.names)
-    import importlib.util
-
-    own = [d for d in imports if "." in d and importlib.util.find_spec(d.split(".")[0]) is None]
-    package = sorted({d.split(".")[0] for d in own})[0] if own else "loader_module"
-    root = tmp / package
-    root.mkdir()
-    (root / "__init__.py").write_text("")
-    stubbed = []
-    for module in own:
-        parts = module.split(".")
-        unknown = [n for n in imports[module] if n not in STUBS]
-        if unknown:
-            raise CannotRun(f"{filename} imports {', '.join(unknown)} from {module}, which this cannot stand in for")
-        target = tmp.joinpath(*parts[:-1], parts[-1] + ".py")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        for directory in target.parent.relative_to(tmp).parents[:-1]:
-            (tmp / directory / "__init__.py").touch()
-        target.write_text("import os\n\n" + "\n".join(STUBS[n] for n in imports[module]))
-        stubbed += [f"{module}.{n}" for n in imports[module]]
-    (root / "_gpu_original.py").write_text(original)
-    (root / f"{stem}.py").write_text(patched)
-    (tmp / "_gpu_loaders_tokenizer.py").write_text(TOKENIZER_MODULE)
-    return package, stubbed
-
-
-@contextlib.contextmanager
-def importable(tmp: Path, package: str):
-    """`package` under `tmp` importable inside; sys.path, os.environ and sys.modules as they were after."""
-    env = dict(os.environ)
-    sys.path.insert(0, str(tmp))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(tmp))
-        os.environ.clear()
-        os.environ.update(env)
-        for key in [k for k in sys.modules if k in (package, "_gpu_loaders_tokenizer") or k.startswith(package + ".")]:
-            del sys.modules[key]
 
 
 @contextlib.contextmanager
@@ -740,18 +650,18 @@ def run_module(original: Path, patched: Path, steps: int, load_ms: float, dry_ru
     compared_total, difference = 0, None
     with tempfile.TemporaryDirectory(prefix="gpu-loaders-module-") as tmp:
         tmp = Path(tmp)
-        package, stubbed = write_package(tmp, sources[0], sources[1], original.stem, str(original))
+        package, stubbed = _package(tmp, sources[0], sources[1], original.stem, [])
         data = tmp / "data"
         data.mkdir()
         write_corpus(data, docs)
         load = GpuLoad(load_ms, real_cuda)
         host_context = contextlib.nullcontext() if real_cuda else cuda_on_host(notes)
-        with importable(tmp, package), host_context:
+        with package_importable(tmp, package), host_context:
             os.environ.update(PATCH_PREFETCH_PARQUET_DIR=str(data), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
             import importlib
 
-            tokenizer = importlib.import_module("_gpu_loaders_tokenizer").ByteTokenizer()
-            functions = [getattr(importlib.import_module(f"{package}.{m}"), name) for m in ("_gpu_original", original.stem)]
+            tokenizer = ByteTokenizer()
+            functions = [getattr(importlib.import_module(f"{package}.{m}"), name) for m in ("_verify_original", original.stem)]
             call = {"split": "train", "resume_state_dict": None}
             call = {k: v for k, v in call.items() if k in params}
             for case, device in cases:

@@ -180,9 +180,6 @@ def _run_stage(stage: Stage, inputs: Path, timeout_s: float, dry_run: bool) -> d
             except subprocess.TimeoutExpired:
                 _kill_group(child)
                 rc, timed_out = child.wait(), True
-            except KeyboardInterrupt:
-                _kill_group(child)
-                raise
             finally:
                 _kill_group(child)  # anything the stage left behind in its group
             stderr.seek(0)
@@ -283,8 +280,9 @@ def stage_probe(inputs: Path, work: Path, dry_run: bool) -> dict:
     if done.returncode != 0:
         raise StageFailed(f"the wheels do not install into {target}: {done.stderr.strip()[-500:]}")
     figures["installed_into"] = str(target)
-    figures["installed"] = sorted(p.name for p in target.iterdir() if p.suffix != ".dist-info" and not p.name.endswith(".dist-info"))
-    missing = [name for name in ("libcst", "pyflakes", "python_minifier", "brotli") if not any(n == name or n.startswith(name + ".") or n == "_brotli" and name == "brotli" for n in figures["installed"])]
+    figures["installed"] = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info"))
+    modules = {name.split(".")[0] for name in figures["installed"]}  # a package, or a module's file
+    missing = [name for name in ("libcst", "pyflakes", "python_minifier", "brotli") if name not in modules]
     if missing:
         raise StageFailed(f"the wheel set lacks {', '.join(missing)}")
     gpu = figures.get("gpu") or "no GPU"

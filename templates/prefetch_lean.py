@@ -43,10 +43,17 @@ Contracts: at most `queue_depth` batches are built ahead (in the slots); a child
 exception is re-raised in the caller at the batch where it happened, with the child's
 traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
 a RuntimeError naming its type and message, with that cause); a child that dies
-(killed, out of memory) raises RuntimeError with its exit code; building the loader
-again for the same variable (the warm-up reset) kills the previous child first; at
-exit the training process kills and reaps its children, and a child leaves by itself
-(within 50 ms of waiting for a slot) when the training process is gone.
+(killed, out of memory) raises RuntimeError with its exit code; at exit the training
+process kills and reaps its children, and a child leaves by itself (within 50 ms of
+waiting for a slot) when the training process is gone.
+
+One producer, started once. Building the loader again for the same variable (the
+warm-up reset: 55 of 66 parameter-golf loader scripts do it, after `torch.compile`
+has left its compile pool running) does not fork again: the producer builds the
+loader again itself, from the rebuild's own expression and the values it reads now
+(`_PrefetchLoader.reset`), and the batches it had built ahead from the old loader are
+dropped. The fork happens at the first batch, before the warm-up compiles the model
+and, in most scripts, before any thread of the script's own runs.
 
 What real scripts do around it. The child is started with `os.fork()`, not as a
 `multiprocessing.Process`: a script's own raw fork whose child exits through
@@ -54,11 +61,12 @@ What real scripts do around it. The child is started with `os.fork()`, not as a
 it inherited, the producer among them; the hook here acts only in the process that
 forked the producer. The child sets SIGTERM, SIGINT and SIGHUP to their defaults first,
 so that the script's handlers (one that ignores SIGTERM, say) never run there. Where
-a fork cannot be trusted, the loader runs without prefetch, exactly as the original
-(its batches moved to `device` as `_h2d` does), with one line on stderr naming the
-cause: threads other than the caller alive at the first `next_batch` (the child would
-lack them, and a loader that hands them work would wait forever), or shared memory
-too small for the slots (a container's /dev/shm is 64 MB unless raised). Arguments that differ from the
+a fork cannot be trusted, a thread of the training process runs the same producer
+(`_produce`, through the same slots, semaphores and pipes), with one line on stderr
+naming the cause: threads other than the caller and torch's own pools alive at the
+first `next_batch` (the child would lack them, and a loader that hands them work
+would wait forever), or shared memory too small for the slots (a container's
+/dev/shm is 64 MB unless raised). Arguments that differ from the
 first call's, a batch whose tensor shapes differ from the first batch's, or a
 `next_batch` after `shutdown()` raise RuntimeError: they cannot happen where this
 runtime is injected, and would otherwise hand out wrong batches. The child never
@@ -70,27 +78,24 @@ Scripts with per-step arguments, attribute reads or the producer tuning toggles 
 
 import atexit
 import glob
-import itertools
+import marshal
 import multiprocessing
 import os
 import pickle
-import queue
 import signal
 import sys
 import threading
 import time
 import traceback
+import types
 
 import torch
 
 from templates.copy_stream import _h2d
 from templates.staging import _each_leaf, _each_tensor, _rebuilt
 
-# One live prefetcher per loader variable: building a new one shuts the old one down.
+# One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}
-# Loader variables whose producer is a thread (a fork could not be trusted): a rebuild
-# starts its producer on a thread at once, without trying (and saying so) again.
-_unforked = set()
 # At exit the children are killed and reaped (in the process that forked them only).
 # (A producer thread is told to stop, not waited for: it may be inside the loader.)
 atexit.register(lambda: [loader.shutdown(False) for loader in _live_prefetchers.values()])
@@ -102,59 +107,58 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     Takes: make_loader: `device -> loader`, the script's own construction expression;
     device: where batches must end up; prefetch: bool (`TRAIN_PREFETCH`); queue_depth:
     int >= 1, batches built ahead (`TRAIN_PREFETCH_QUEUE`); copy_stream: bool
-    (`TRAIN_COPY_STREAM`); name: the variable's name, so that a rebuild shuts the
-    previous producer down first.
+    (`TRAIN_COPY_STREAM`); name: the variable's name, so that a rebuild finds the
+    producer it has.
     Returns: `make_loader(device)` itself when prefetch is off (the original
-    behaviour), else a `_PrefetchLoader`.
+    behaviour), else a `_PrefetchLoader`: for a variable built again (the warm-up
+    reset), the one it has, reset (`_PrefetchLoader.reset`), where that can be done.
     """
     old = _live_prefetchers.pop(name, None)
+    if old and prefetch and old.device == torch.device(device) and old.reset(make_loader):
+        _live_prefetchers[name] = old
+        return old
     if old:
         old.shutdown()
     if not prefetch:
         return make_loader(device)
-    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader(torch.device("cpu")), torch.device(device), queue_depth, copy_stream, name)
+    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader, torch.device(device), queue_depth, copy_stream, name)
     return loader
 
 
 class _PrefetchLoader:
-    """A training loader whose batches are built ahead by a forked child process.
+    """A training loader whose batches are built ahead by a forked child process (or,
+    where a fork cannot be trusted, a thread of this process), started once.
 
     `next_batch(*args)` returns what the wrapped loader's `next_batch(*args)` returns
     (e.g. `x, y: int64 [batch, seq_len]` on `device`), bit for bit and in order.
     Raises the producer's exception, as its own class with its own message (its
     traceback as `__cause__`), at the batch where it happened; RuntimeError when the
     child died, for arguments other than the first call's, or after `shutdown()`.
-    Where the first call finds that a fork cannot be trusted, the batches are built
-    ahead by a thread of this process instead (`_start_thread`).
     """
 
-    def __init__(self, loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
-        self.loader, self.device, self.copy_stream, self.name, self.args, self.pid = loader, device, copy_stream, name, None, None
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
+        self.loader, self.scope = make_loader(torch.device("cpu")), make_loader.__globals__
+        self.device, self.copy_stream, self.name, self.args, self.pid = device, copy_stream, name, None, None
         self.depth, self.taken = max(1, int(queue_depth)), 0
 
     def next_batch(self, *args):
         if self.pid is None:  # the first call (shutdown() leaves 0)
             self.args = args
-            batch = self.loader.next_batch(*args)  # the first batch here; the child goes on from this state
+            batch = self.loader.next_batch(*args)  # the first batch here; the producer goes on from this state
             self.values = []  # the first batch's non-tensor leaves: none means no batch has any
             self.layout = _layout(batch, self.values)
-            batch = self._fork(batch)
+            batch = self._start(batch)
         elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
-        elif self.pid is False:  # a producer thread: its batches are fresh (pinned) copies
-            batch, error = self.queue.get()
-            if error:
-                self.shutdown()
-                raise error
         else:
             while not self.filled.acquire(timeout=0.1):
-                if self.conn.poll():  # the child's error, or the end of the pipe: the child is gone
+                if self.conn.poll():  # the producer's error, or the end of the pipe: the child is gone
                     try:
                         error = self.conn.recv()
                     except EOFError:  # gone without a word
                         raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
                     self.shutdown()
-                    raise _rebuilt(error[0]) from RuntimeError(error[1])  # (the exception, the child's formatted traceback)
+                    raise _rebuilt(error[0]) from RuntimeError(error[1])  # (the exception, the producer's formatted traceback)
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             # Each batch's own non-tensor values (a counter, a state dict's ints, a
             # string) come through a pipe, in order, beside its tensors in the slot.
@@ -164,33 +168,54 @@ class _PrefetchLoader:
             self.free.release()
         return _each_tensor(batch, lambda t: _h2d(t, self.device, self.copy_stream))
 
-    def _fork(self, batch):
-        """Allocate the slots and fork the child that fills them, after the first batch.
-        Returns the first batch to hand out.
+    def _start(self, batch):
+        """Allocate the slots and start the producer that fills them, after the first
+        batch: a forked child process, or a thread of this process where a fork cannot
+        be trusted (`_threads_a_fork_lacks`, or /dev/shm too small for the slots: a
+        container's is 64 MB), with one line on stderr saying why. Both run `_produce`
+        and hand out through the same slots, semaphores and pipes.
+        Returns the first batch to hand out (a copy: a thread's calls may rewrite a
+        buffer the loader reuses).
 
-        Where a fork cannot be trusted (`_threads_a_fork_lacks`, or /dev/shm too small for
-        the slots: a container's is 64 MB), `_start_thread` instead.
+        The GIL is shared with the training loop, so a host-bound loop gains less from a
+        thread than from a child process (bench `--main-thread op-bound`: 25-45 % of the
+        data time recovered against 80-87 %), but a loader whose own threads a fork
+        would lose (a shard reader pool) runs on a thread as in the original.
         """
-        if self.name in _unforked:
-            return self._start_thread("", batch)
         threads = _threads_a_fork_lacks()
-        if threads:
-            return self._start_thread(f"threads running {threads}: a forked producer would not have them", batch)
-        before = _shm_files()
-        try:
-            self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
-            fork = multiprocessing.get_context("fork")
-            self.filled, self.free, (self.conn, self.sender), (self.value_conn, self.value_sender) = fork.Semaphore(0), fork.Semaphore(self.depth), fork.Pipe(False), fork.Pipe(False)
-        except (OSError, RuntimeError) as error:  # no room: a bare ENOSPC, or torch's error
-            self.slots = None  # frees what was allocated; torch leaves the file of an allocation that failed
-            for file in _shm_files() - before:
-                os.unlink(file)
-            return self._start_thread("no shared memory for the batches (" + str(error).split("\n")[0] + ")", batch)
-        self.parent = os.getpid()
+        cause = threads and f"threads running {threads}: a forked producer would not have them"
+        if not cause:
+            before = _shm_files()
+            try:
+                self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
+                fork = multiprocessing.get_context("fork")
+                self.filled, self.free = fork.Semaphore(0), fork.Semaphore(self.depth)
+            except (OSError, RuntimeError) as error:  # no room: a bare ENOSPC, or torch's error
+                self.slots = None  # frees what was allocated; torch leaves the file of an allocation that failed
+                for file in _shm_files() - before:
+                    os.unlink(file)
+                cause = "no shared memory for the batches (" + str(error).split("\n")[0] + ")"
+        if cause:
+            print(f"prefetch: {cause}; {self.name} prefetches on a thread (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
+            self.slots = [_each_tensor(batch, torch.empty_like) for _ in range(self.depth)]
+            self.filled, self.free = threading.Semaphore(0), threading.Semaphore(self.depth)
+        (self.conn, self.sender), (self.value_conn, self.value_sender), (self.orders, self.order_sender) = (multiprocessing.Pipe(False) for _ in range(3))
+        self.parent, batch = os.getpid(), _each_tensor(batch, torch.clone)
+        if cause:
+            self.pid, self.thread = False, threading.Thread(target=self._produce, name=f"prefetch {self.name}", daemon=True)
+            self.thread.start()
+            return batch
         sys.stdout.flush()  # what is buffered here must not be written by the child too (stderr is line-buffered)
         self.pid = os.fork()
         if not self.pid:  # the child: never returns into the script, runs none of its exit hooks
             try:
+                # The script's handlers must not run here (one that ignores SIGTERM would keep the
+                # child alive). SIGINT too: Ctrl-C reaches the whole foreground process group, and
+                # the training process handles its own; Python's default would raise
+                # KeyboardInterrupt inside the loader, to come back as the loader's error.
+                for signum in signal.SIGTERM, signal.SIGINT, signal.SIGHUP:
+                    signal.signal(signum, signal.SIG_DFL)
+                torch.set_num_threads(1)  # the parent's OpenMP team does not exist in a forked child
                 self._produce()
             finally:
                 os._exit(0)
@@ -198,75 +223,45 @@ class _PrefetchLoader:
         self.value_sender.close()
         return batch
 
-    def _start_thread(self, cause, batch):
-        """No child: a thread of this process builds the batches ahead (`pid` False), the
-        loader's own calls in the same order, each batch copied (pinned for CUDA) so that
-        a loader that reuses its buffers cannot change a queued one. One line on stderr
-        says why, once a variable: a rebuild starts its thread without trying to fork.
-        Returns the first batch, copied before the thread starts to call the loader.
-
-        The GIL is shared with the training loop, so a host-bound loop gains less than
-        from a child process (bench `--main-thread op-bound`: 25-45 % of the data time
-        recovered against 80-87 %), but a loader whose own threads a fork would lose (a
-        shard reader pool) runs here as in the original.
-        """
-        if cause:
-            print(f"prefetch: {cause}; {self.name} prefetches on a thread (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
-        _unforked.add(self.name)
-        self.pid, self.queue, self.stop = False, queue.Queue(self.depth), threading.Event()
-        batch = _each_tensor(batch, torch.clone)
-        self.thread = threading.Thread(target=self._produce_on_thread, name=f"prefetch {self.name}", daemon=True)
-        self.thread.start()
-        return batch
-
-    def _produce_on_thread(self):
-        """The producer thread: `next_batch(*self.args)` into the queue, (batch, None) each,
-        or (None, the exception) once, until `stop` is set (`shutdown` then empties the
-        queue, so a put waiting for room returns)."""
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
-        while not self.stop.is_set():
-            try:
-                item = _each_tensor(self.loader.next_batch(*self.args), lambda t: t.pin_memory() if pin else t.clone()), None
-            except BaseException as error:  # re-raised in the caller at this batch
-                item = None, error
-                self.stop.set()
-            self.queue.put(item)
-
     def _produce(self):
-        """The child process: `next_batch(*self.args)` into the slots in turn, forever.
+        """The producer (the child process, or the thread): `next_batch(*self.args)` into
+        the slots in turn, forever.
 
-        Takes a free slot (`free`), fills it, counts it filled (`filled`). An exception is
-        sent on the pipe instead, with its traceback, and ends the child; so does the
-        training process's exit (the child's parent is no longer `self.parent`).
+        Takes a free slot (`free`), fills it, counts it filled (`filled`). A reset order
+        (`reset`) is carried out instead where one is waiting. An exception is sent on
+        the pipe instead, with its traceback, and ends the producer; so does the training
+        process's exit (the child's parent is no longer `self.parent`), or a thread's
+        `shutdown`.
         """
-        # The script's handlers must not run here (one that ignores SIGTERM would keep the
-        # child alive). SIGINT too: Ctrl-C reaches the whole foreground process group, and
-        # the training process handles its own; Python's default would raise
-        # KeyboardInterrupt inside the loader, to come back as the loader's error.
-        for signum in signal.SIGTERM, signal.SIGINT, signal.SIGHUP:
-            signal.signal(signum, signal.SIG_DFL)
-        torch.set_num_threads(1)  # the parent's OpenMP team does not exist in a forked child
+        on_thread, made = self.pid is False, 0
         try:
-            for slot in itertools.cycle(self.slots):
+            while True:
                 polls = 0
                 # 5 ms of polling (a release then wakes no sleeper), then sleeps on the
                 # semaphore, waking every 50 ms to see whether the training process is there.
-                while not self.free.acquire(polls > 9, 0.05):
-                    if os.getppid() != self.parent:
+                while not self.free.acquire(timeout=0.05 if polls > 9 else 0):
+                    if self.pid is not False if on_thread else os.getppid() != self.parent:
                         return
                     polls += 1
                     if polls < 10:
                         time.sleep(0.0005)
+                if self.orders.poll():  # a reset: the rebuilt loader, made here from the rebuild's own expression
+                    code, names, cells = pickle.loads(self.orders.recv_bytes())
+                    make = types.FunctionType(marshal.loads(code), {**self.scope, **names}, None, None, tuple(map(types.CellType, cells)))
+                    self.loader = make(torch.device("cpu"))
+                    self.sender.send(made)  # the batches made from the old loader, for the caller to drop
+                    continue  # the free slot taken is the one `reset` added
                 batch, values, into, built = self.loader.next_batch(*self.args), [], [], []
                 layout = _layout(batch, values)
                 if layout != self.layout:
                     raise RuntimeError(f"prefetch: batch structure {layout} is not the first batch's {self.layout}; set TRAIN_PREFETCH=0")
-                _each_tensor(slot, into.append)
+                _each_tensor(self.slots[made % self.depth], into.append)
                 _each_tensor(batch, built.append)
                 for tensor, new in zip(into, built):
                     tensor.copy_(new)
+                made += 1
                 self.filled.release()
-                if self.values:  # after the release: the caller reads it then (a value larger than the pipe's buffer cannot block the child)
+                if self.values:  # after the release: the caller reads it then (a value larger than the pipe's buffer cannot block the producer)
                     self.value_sender.send(values)
         except BaseException as error:  # re-raised in the training process
             # As torch.utils.data's ExceptionWrapper: the exception travels with its
@@ -282,19 +277,55 @@ class _PrefetchLoader:
                 error = RuntimeError, (f"prefetch: {error[0].__qualname__} in the producer: {' '.join(map(str, error[1]))}",), {}
             self.sender.send((error, traceback.format_exc()))  # the exception this block handles
 
+    def reset(self, make_loader):
+        """The warm-up rebuild without a new producer: the producer builds the loader
+        again itself, from the rebuild's own expression (`make_loader`'s code, and the
+        values of the global names and closure it reads, pickled: the values the
+        training process holds now), and the batches it built ahead from the old loader
+        are dropped. A fork happens once, before the model is compiled and the script's
+        threads start; the rebuilt loader costs the training process nothing.
+        Returns False where it cannot be done: no producer of this process, a value that
+        does not pickle, or the producer ended (the old loader's error, or the rebuild's
+        own): the caller then shuts this one down and starts another.
+        """
+        if not self.pid and self.pid is not False or os.getpid() != self.parent:  # not started, shut down, or another process's
+            return False
+        code, scope = make_loader.__code__, make_loader.__globals__
+        try:
+            names = {name: scope[name] for name in code.co_names if name in scope and not isinstance(scope[name], types.ModuleType)}
+            order = pickle.dumps((marshal.dumps(code), names, [cell.cell_contents for cell in make_loader.__closure__ or ()]))
+        except Exception:  # a local class, a lock: not sent
+            return False
+        self.order_sender.send_bytes(order)
+        self.free.release()  # a producer waiting for a free slot wakes; it keeps this one back
+        read = 0  # values of old batches read while waiting: a producer blocked on a full value pipe would never see the order
+        while not self.conn.poll(0.01):
+            while self.values and self.value_conn.poll():
+                self.value_conn.recv()
+                read += 1
+        try:
+            made = self.conn.recv()
+        except EOFError:
+            made = None
+        if type(made) is not int:
+            return False
+        for dropped in range(made - self.taken):  # the old loader's batches built ahead
+            self.filled.acquire()
+            if self.values and dropped >= read:
+                self.value_conn.recv()
+            self.free.release()
+        self.taken = made
+        return True
+
     def shutdown(self, wait=True):
         """Kill the child process and reap it, or stop the producer thread (and, with
-        `wait`, join it: it ends at its next put, after the batch it builds). Returns the
-        child's exit code (negative: the signal that ended it), None where there is no
-        child of this process: a process that the script forked from the training
-        process must not touch its producer."""
+        `wait`, join it: it ends within 50 ms of waiting for a slot, after the batch it
+        builds). Returns the child's exit code (negative: the signal that ended it), None
+        where there is no child of this process: a process that the script forked from
+        the training process must not touch its producer."""
         pid, self.pid = self.pid, 0
-        if pid is False:
-            self.stop.set()
-            while not self.queue.empty():
-                self.queue.get()
-            if wait:
-                self.thread.join()
+        if pid is False and wait:
+            self.thread.join()
         elif pid and os.getpid() == self.parent:
             os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])

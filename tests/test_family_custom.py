@@ -77,7 +77,7 @@ def main(device):
     for step in range(3):
         x = train_loader.next_batch(4)
 """,
-        "`train_loader` built at line 18 prefetches; a child process forked at the first batch builds the batches (a thread of this process instead where threads other than torch's own run then, or /dev/shm is short)",
+        "`train_loader` built at line 18 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
         id="run-constant-argument",
     ),
     pytest.param(
@@ -131,7 +131,7 @@ def main(device):
     train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False)
     x = train_loader.next_batch(4)
 """,
-        "`train_loader` built at line 18, 20 prefetches; a child process forked at the first batch builds the batches (a thread of this process instead where threads other than torch's own run then, or /dev/shm is short)",
+        "`train_loader` built at line 18, 20 prefetches; a child process forked once, at the first batch, builds the batches; the rebuild at line 20 resets it, without another fork (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
         id="rebuilt-after-warmup-both-rewritten",
     ),
     pytest.param(
@@ -239,7 +239,7 @@ def main(device):
     for step in range(3):
         x = batches.next_batch(4)
 """,
-        "`batches` built at line 18 prefetches; a child process forked at the first batch builds the batches (a thread of this process instead where threads other than torch's own run then, or /dev/shm is short)",
+        "`batches` built at line 18 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
         id="loader-in-another-variable-gets-its-name",
     ),
     pytest.param(
@@ -319,7 +319,7 @@ def main(device):
     x = train_loader.next_batch(4)
     SAVERS.submit(print, x)
 """,
-        "`train_loader` built at line 32 prefetches; a child process forked at the first batch builds the batches (a thread of this process instead where threads other than torch's own run then, or /dev/shm is short)",
+        "`train_loader` built at line 32 prefetches; the script starts threads (line 9, 12): where one runs at the first batch, a thread of this process builds the batches; else a child process forked once, at the first batch, builds the batches",
         id="thread-helper-and-pool-the-loader-does-not-reach",
     ),
 ]

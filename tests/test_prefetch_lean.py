@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 import traceback
+import types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +35,7 @@ import torch
 from processes import exits_within
 from patcher.render import render
 from templates import prefetch_lean
-from templates.prefetch_lean import _live_prefetchers, _make_train_loader, _threads_a_fork_lacks, _unforked
+from templates.prefetch_lean import _live_prefetchers, _make_train_loader, _threads_a_fork_lacks
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -127,7 +128,6 @@ def no_live_prefetchers():
     for loader in list(_live_prefetchers.values()):
         loader.shutdown()
     _live_prefetchers.clear()
-    _unforked.clear()
     assert not producers()
 
 
@@ -167,15 +167,107 @@ def test_prefetch_off_is_the_original_loader():
     assert type(loader) is Stream and not producers()
 
 
-def test_rebuilding_the_same_variable_stops_the_previous_producer():
+def test_rebuilding_the_same_variable_resets_its_producer_without_a_new_fork():
+    # The warm-up reset: the child that forked at the first batch builds the loader
+    # again itself; the batches it had built ahead from the old loader are dropped.
+    first = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=3)
+    for w in direct(4):
+        assert same(first.next_batch(*ARGS), w)
+    child = first.pid
+    assert first.loader.called[4 + 3].wait(WAIT_S)  # the slots full of the old loader's batches
+    second = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=3)
+    assert second is first and second.pid == child and producers() == [child]
+    for w in direct(10):  # the new loader starts from the beginning
+        assert same(second.next_batch(*ARGS), w)
+    assert producers() == [child]
+
+
+SHARD_TOKENS = 1000  # a module global that a rebuild's expression reads
+
+
+@pytest.mark.parametrize("changed", ["closure", "global"])
+def test_a_rebuild_reads_the_values_its_expression_reads_now(changed, monkeypatch):
+    # The child's copies of `n` and SHARD_TOKENS are the values at the fork; the rebuild
+    # sends today's.
+    n = 0
+    loader = _make_train_loader(lambda d: Stream(d, n_tokens=n + SHARD_TOKENS), CPU)
+    loader.next_batch(*ARGS)
+    if changed == "closure":
+        n = -500
+    else:
+        monkeypatch.setattr(sys.modules[__name__], "SHARD_TOKENS", 500)
+    want = direct(12, n_tokens=500)
+    assert not all(same(a, b) for a, b in zip(want, direct(12))), "the two lengths must give other batches"
+    assert _make_train_loader(lambda d: Stream(d, n_tokens=n + SHARD_TOKENS), CPU) is loader
+    for w in want:
+        assert same(loader.next_batch(*ARGS), w)
+
+
+def test_a_rebuild_that_cannot_be_sent_starts_a_new_producer():
+    # A value of the expression that does not pickle (a lock here): the old child is
+    # killed and reaped, and a new one forks at the new loader's first batch.
+    lock = threading.Lock()
     first = _make_train_loader(lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
     child = first.pid
-    second = _make_train_loader(lambda d: Stream(d), CPU)  # the warm-up reset
-    assert reaped(child)  # killed and reaped: no zombie
-    for w in direct(5):  # the new loader starts from the beginning
+    second = _make_train_loader(lambda d: (lock, Stream(d))[1], CPU)
+    assert second is not first and reaped(child)
+    for w in direct(5):
         assert same(second.next_batch(*ARGS), w)
     assert producers() == [second.pid]
+
+
+def test_a_rebuild_whose_construction_fails_raises_it_where_the_script_builds():
+    first = _make_train_loader(lambda d: Stream(d), CPU)
+    first.next_batch(*ARGS)
+    child = first.pid
+    with pytest.raises(NeedsTwoArguments, match="shard 3 broken at call 0"):
+        _make_train_loader(lambda d: (_ for _ in ()).throw(NeedsTwoArguments(3, 0)), CPU)
+    assert reaped(child) and not producers()
+
+
+def test_a_rebuild_with_values_larger_than_a_pipe_buffer_does_not_wait_forever():
+    # The child writes each batch's values after counting it filled; a value larger
+    # than the pipe's buffer (64 KiB) blocks it until the caller reads. A rebuild must
+    # read them while it waits for the child to see the order.
+    def make(d):
+        stream = Stream(d)
+        return types.SimpleNamespace(next_batch=lambda *a: (stream.next_batch(*a), "x" * 200_000 + str(stream.pos)), called=stream.called)
+
+    loader = _make_train_loader(make, CPU, queue_depth=2)
+    loader.next_batch(*ARGS)
+    assert loader.loader.called[2].wait(WAIT_S)  # a slot filled; the child is blocked writing its value
+    rebuilt = []
+    rebuild = threading.Thread(target=lambda: rebuilt.append(_make_train_loader(make, CPU, queue_depth=2)))
+    rebuild.start()
+    rebuild.join(WAIT_S)
+    assert rebuilt == [loader], "the rebuild waited on a child blocked writing a value"
+    stream = Stream(CPU)
+    for _ in range(4):
+        xy, value = loader.next_batch(*ARGS)
+        assert same(xy, stream.next_batch(*ARGS)) and value == "x" * 200_000 + str(stream.pos)
+
+
+def test_a_rebuild_drops_the_old_batches_values_too():
+    # Batches with non-tensor leaves: each batch's values travel on a pipe beside the
+    # slot; those of the dropped batches must not be handed out with the new ones.
+    def make(d):
+        stream = Stream(d)
+        return types.SimpleNamespace(next_batch=lambda *a: {"xy": stream.next_batch(*a), "pos": stream.pos}, called=stream.called)
+
+    def want(n):
+        stream = Stream(CPU)
+        return [(stream.next_batch(*ARGS), stream.pos) for _ in range(n)]
+
+    loader = _make_train_loader(make, CPU, queue_depth=2)
+    for xy, pos in want(3):
+        batch = loader.next_batch(*ARGS)
+        assert same(batch["xy"], xy) and batch["pos"] == pos
+    assert loader.loader.called[3 + 2].wait(WAIT_S)  # two batches of the old loader in the slots
+    assert _make_train_loader(make, CPU, queue_depth=2) is loader
+    for xy, pos in want(6):
+        batch = loader.next_batch(*ARGS)
+        assert same(batch["xy"], xy) and batch["pos"] == pos
 
 
 def test_a_producer_error_reaches_the_caller_at_its_batch_with_its_traceback():
@@ -421,22 +513,25 @@ def prefetch_threads() -> list[str]:
 def test_a_thread_alive_at_the_first_batch_means_a_producer_thread_and_one_line(monkeypatch, capsys):
     # No fork (the child would lack the script's thread): a thread of this process builds
     # the batches ahead, the loader's own calls in order; one line says so, and building
-    # the variable again (the warm-up reset) starts a thread at once, without the line.
+    # the variable again (the warm-up reset) resets that thread, without the line.
     moved = []
     monkeypatch.setattr(prefetch_lean, "_h2d", lambda t, device, copy_stream: moved.append((device, copy_stream)) or t)
     stop = threading.Event()
     helper = threading.Thread(target=stop.wait, name="shard-reader")
     helper.start()
     try:
+        threads = set()
         for build in range(2):
             loader = _make_train_loader(lambda d: Stream(d, reuse=True), CPU, copy_stream=False, queue_depth=2, name="threaded")
             want = direct(8)
             assert same(loader.next_batch(*ARGS), want[0])
-            # Built ahead: with one batch handed out, the thread has made the next ones.
-            assert loader.loader.called[4].wait(WAIT_S) and prefetch_threads() == ["prefetch threaded"]
-            for w in want[1:]:  # a loader that reuses its buffer: each queued batch is a copy
+            # Built ahead: the thread fills the slots without a further call here.
+            assert loader.loader.called[3 - build].wait(WAIT_S) and prefetch_threads() == ["prefetch threaded"]
+            threads.add(loader.thread)
+            for w in want[1:]:  # a loader that reuses its buffer: each batch in a slot is a copy
                 assert same(loader.next_batch(*ARGS), w)
             assert not producers()
+        assert len(threads) == 1, "a rebuild started another thread"
         assert moved == [(CPU, False)] * 32
         _make_train_loader(lambda d: Stream(d), CPU, prefetch=False, name="threaded")  # shuts the thread down, joined
         assert not prefetch_threads()
@@ -515,7 +610,7 @@ def test_shared_memory_that_runs_out_means_a_producer_thread_and_no_file_left(wh
         loader = _make_train_loader(lambda d: stream, CPU, name="small_shm")
         for w in want:
             assert same(loader.next_batch(*ARGS), w)
-        assert not producers() and not left.exists() and kept.exists() and loader.slots is None
+        assert not producers() and not left.exists() and kept.exists() and not any(t.is_shared() for slot in loader.slots for t in slot)
     finally:
         kept.unlink()
         left.unlink(missing_ok=True)
@@ -558,8 +653,8 @@ def test_the_cut_copy_hands_out_the_loaders_batches():
     first = runtime["_make_train_loader"](lambda d: Stream(d), CPU)
     first.next_batch(*ARGS)
     child = first.pid
-    loader = runtime["_make_train_loader"](lambda d: Stream(d), CPU)
-    assert reaped(child)
+    loader = runtime["_make_train_loader"](lambda d: Stream(d), CPU)  # reset: every name `reset` and `_produce` need (marshal, types) is there
+    assert loader is first and producers() == [child]
     for w in want:
         assert same(loader.next_batch(*ARGS), w)
     # The error path too: every name it needs (pickle, traceback) is imported in the cut copy.
@@ -579,13 +674,14 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     for gone in ('"""', "# ", "_stage", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    # Bytes a raw-counted script pays: 9,1xx today (7,309 before the producer thread).
-    # 1,109 of them hand out batches of any structure; 1,703 survive what real scripts do
-    # (the child forked with os.fork and reaped, the default signal handlers in it, its
+    # Bytes a raw-counted script pays: 10,358 today (7,309 before the producer ran where
+    # a fork cannot be trusted, 9,136 before one producer started once). 1,109 of them
+    # hand out batches of any structure; about 1,700 survive what real scripts do (the
+    # child forked with os.fork and reaped, the default signal handlers in it, its
     # back-off while idle); about 1,800 run the producer where a fork cannot be trusted
-    # (a producer thread, torch's own pools told by identity, the script's exception
-    # rebuilt as itself).
-    assert len(code.encode()) < 9200, len(code.encode())
+    # (on a thread, torch's own pools told by identity, the script's exception rebuilt
+    # as itself); about 1,000 reset the producer at a rebuild instead of forking again.
+    assert len(code.encode()) < 10400, len(code.encode())
 
 
 # --------------------------------------------------------------------------- any batch structure

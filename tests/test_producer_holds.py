@@ -42,7 +42,7 @@ FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tokenstream_rea
 WAIT_S = 20.0  # the most any awaited line or exit may take on a loaded machine
 PROMPT_S = 10.0  # the most a run may take to end after a signal or a dead producer
 STEP = re.compile(r"^(?:rank(\d) )?step:(\d+) train_loss:(\S+)$")
-FORKED = "a child process forked at the first batch builds the batches"
+FORKED = "a child process forked once, at the first batch, builds the batches"
 
 
 # ---------------------------------------------------------------- processes through /proc

@@ -32,15 +32,18 @@ RUN_S = 240  # a run that takes longer has hung (a compiled model compiles for t
 ITERATIONS = 8
 
 # Half-way through the training loop (after the warm-up and the loader's rebuild), each
-# rank writes `observe RANK PID THREAD...` to stderr (one write: ranks share it) and blocks reading its FIFO until the test
-# writes a line to it. Only where OBSERVE_DIR is set: the original runs through.
+# rank writes `observe RANK PID FORKS THREAD...` to stderr (one write: ranks share it) and
+# blocks reading its FIFO until the test writes a line to it. FORKS counts the
+# `os.fork()` calls of the rank's process so far. Only where OBSERVE_DIR is set: the
+# original runs through.
 OBSERVE = (
     "        step_loss = 0.0\n",
     "        if step == args.iterations // 2 and os.environ.get('OBSERVE_DIR'):\n"
-    "            os.write(2, ' '.join(['observe', str(rank), str(os.getpid())] + [t.name.replace(' ', '_') for t in __import__('threading').enumerate()]).encode() + b'\\n')\n"
+    "            os.write(2, ' '.join(['observe', str(rank), str(os.getpid()), str(len(FORKS))] + [t.name.replace(' ', '_') for t in __import__('threading').enumerate()]).encode() + b'\\n')\n"
     "            open(os.path.join(os.environ['OBSERVE_DIR'], f'{rank}.go')).read()\n"
     "        step_loss = 0.0\n",
 )
+COUNT_FORKS = ("import os\n", "import os\nFORKS = []\nos.register_at_fork(after_in_parent=lambda: FORKS.append(1))\n")
 COMPILED = (
     "    embeddings = [base_model.wte.weight, base_model.wpe.weight]\n",
     "    model = torch.compile(model)\n    embeddings = [base_model.wte.weight, base_model.wpe.weight]\n",
@@ -66,7 +69,7 @@ def scripts(tmp_path: Path, *edits: tuple[str, str]) -> tuple[Path, Path]:
     """The original with `edits` (each old text occurs once) and the observation point,
     and its default patch (which must give the forked producer). Returns (original, patched)."""
     source = ORIGINAL
-    for old, new in (*edits, OBSERVE):
+    for old, new in (*edits, OBSERVE, COUNT_FORKS):
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     result = patch_source(source)
@@ -118,7 +121,7 @@ class Run:
                 lines.put(into[-1])
 
     def observations(self, ranks: int) -> dict[int, tuple[int, list[str]]]:
-        """Wait for `ranks` observe lines: {rank: (pid, thread names)}."""
+        """Wait for `ranks` observe lines: {rank: (pid, forks so far, thread names)}."""
         seen = {}
         while len(seen) < ranks:
             try:
@@ -126,8 +129,8 @@ class Run:
             except queue.Empty:
                 pytest.fail(f"no observation within {RUN_S} s: {self.stdout[-5:]} {self.stderr[-30:]}")
             if line.startswith("observe "):
-                _, rank, pid, *threads = line.split()
-                seen[int(rank)] = (int(pid), threads)
+                _, rank, pid, forks, *threads = line.split()
+                seen[int(rank)] = (int(pid), int(forks), threads)
         return seen
 
     def finish(self) -> int:
@@ -146,7 +149,7 @@ class Run:
 
 def run_observed(original: Path, patched: Path, env: dict, tmp_path: Path, ranks: int = 1) -> tuple[Run, Run, dict]:
     """Run both (under torchrun with `ranks` > 1); hold the patched run's ranks half-way
-    and return what each was running then: {rank: (pid, thread names, child pids)}."""
+    and return what each was running then: {rank: (pid, forks so far, thread names, child pids)}."""
     observe = tmp_path / "observe"
     observe.mkdir()
     for rank in range(ranks):
@@ -157,7 +160,7 @@ def run_observed(original: Path, patched: Path, env: dict, tmp_path: Path, ranks
         runs[0].finish()
     runs.append(Run(launcher + [str(patched)], {**env, "OBSERVE_DIR": str(observe)}, tmp_path))
     seen = runs[1].observations(ranks)
-    held = {rank: (pid, threads, children(pid)) for rank, (pid, threads) in seen.items()}
+    held = {rank: (pid, forks, threads, children(pid)) for rank, (pid, forks, threads) in seen.items()}
     for rank in range(ranks):
         with open(observe / f"{rank}.go", "w") as go:
             go.write("go\n")
@@ -178,14 +181,15 @@ def assert_same_training(original: Run, patched: Run) -> None:
 
 
 def test_a_compiled_model_and_a_rebuilt_loader_keep_the_forked_producer(env, tmp_path):
-    # torch.compile on the CPU leaves inductor's compile pool running: the loader built
-    # again after the warm-up still forks (torch's pool is told apart by identity).
-    # Caches off: a cache hit compiles nothing and starts no pool, and the condition
-    # under test would not arise.
+    # torch.compile on the CPU leaves inductor's compile pool running when the loader is
+    # built again after the warm-up: the producer forked at the first batch, before the
+    # compile, is reset, not forked again. Caches off: a cache hit compiles nothing and
+    # starts no pool, and the condition under test would not arise.
     original, patched, held = run_observed(*scripts(tmp_path, COMPILED), {**env, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}, tmp_path)
-    pid, threads, child_pids = held[0]
+    pid, forks, threads, child_pids = held[0]
     assert any(name.startswith("ThreadPoolExecutor") for name in threads), f"no compile pool running: {threads}"
     assert child_pids, f"no producer process half-way through training; threads {threads}"
+    assert forks == 1, f"{forks} forks: the rebuild forked again"
     assert not [line for line in patched.stderr if line.startswith("prefetch:")], patched.stderr[-10:]
     assert_same_training(original, patched)
 
@@ -193,7 +197,8 @@ def test_a_compiled_model_and_a_rebuilt_loader_keep_the_forked_producer(env, tmp
 def test_a_thread_of_the_scripts_own_means_a_producer_thread(env, tmp_path):
     # A fork would lack the heartbeat thread: the batches are built ahead on a thread.
     original, patched, held = run_observed(*scripts(tmp_path, OWN_THREAD), env, tmp_path)
-    pid, threads, child_pids = held[0]
+    pid, forks, threads, child_pids = held[0]
+    assert forks == 0 and threads.count("prefetch_train_loader") == 1, (forks, threads)
     assert "prefetch_train_loader" in threads and "heartbeat" in threads, threads
     assert [line for line in patched.stderr if line.startswith("prefetch:")] == [
         "prefetch: threads running ['heartbeat']: a forked producer would not have them; train_loader prefetches on a thread (TRAIN_PREFETCH=0 silences this)"]
@@ -202,7 +207,8 @@ def test_a_thread_of_the_scripts_own_means_a_producer_thread(env, tmp_path):
 
 def test_two_ranks_under_torchrun_each_keep_a_forked_producer(env, tmp_path, one_torchrun_at_a_time):
     original, patched, held = run_observed(*scripts(tmp_path), env, tmp_path, ranks=2)
-    for rank, (pid, threads, child_pids) in held.items():
+    for rank, (pid, forks, threads, child_pids) in held.items():
         assert child_pids, f"rank {rank}: no producer process half-way through training; threads {threads}"
+        assert forks == 1, f"rank {rank}: {forks} forks: the rebuild forked again"
     assert not [line for line in patched.stderr if "prefetch:" in line], patched.stderr[-10:]
     assert_same_training(original, patched)  # rank 0's lines: it alone logs

@@ -78,7 +78,8 @@ IGNORE_CHANGED_ARG = (
     [
         pytest.param("tokenstream_readable", SWAP_TWO, "warmup", 3, id="swaps-two-batches"),
         pytest.param("shuffled_minified", None, None, None, id="control-minified-unbroken"),
-        pytest.param("tokenstream_readable", DROP_ONE, "train", 5, id="drops-one-batch"),
+        # The hand-out's count spans the warm-up: the rebuild resets the same loader (train batch 1 is its 5th slot).
+        pytest.param("tokenstream_readable", DROP_ONE, "train", 1, id="drops-one-batch"),
         pytest.param("curriculum", IGNORE_CHANGED_ARG, "train", 5, id="ignores-a-changed-seq-len"),
     ],
 )

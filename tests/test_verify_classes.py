@@ -150,9 +150,9 @@ def test_a_warm_up_worker_left_running_after_the_rebuild_is_caught(tmp_path):
     text = out.read_text()
     if "def _stop_previous(" in text:  # the full runtime: nor does dropping the last reference to it
         out.write_text(text + "\n\ndef _stop_previous(name):\n    _live_prefetchers.pop(name, None)\n\n\n_PrefetchLoader.__del__ = lambda self: None\n")
-    else:  # the lean runtime: the replaced worker is only ever stopped here
-        assert text.count("        old.shutdown()\n") == 1
-        out.write_text(text.replace("        old.shutdown()\n", "        pass\n"))
+    else:  # the lean runtime: a rebuild that cannot reset starts another worker; the replaced one is only ever stopped here
+        assert text.count("        old.shutdown()\n") == 1 and text.count("old.reset(make_loader)") == 1
+        out.write_text(text.replace("        old.shutdown()\n", "        pass\n").replace("old.reset(make_loader)", "False"))
     result = verify(original, out, batches=8)
     assert not result.identical
     assert result.difference.phase == "train" and "still alive after the script rebuilt it" in result.difference.what

@@ -197,7 +197,8 @@ class HandOutTheSlot(_InInjected):
 
 
 class OldWorkerLeftRunning(_InInjected):
-    """Building the loader again does not shut the previous worker down (`old.shutdown()`
+    """Building the loader again starts another worker and does not shut the previous
+    one down (the lean runtime's `old.reset(...)` read as False, `old.shutdown()`
     removed, and the finaliser's `self.shutdown()`, which would otherwise stop it when
     the old loader is collected)."""
 
@@ -205,6 +206,22 @@ class OldWorkerLeftRunning(_InInjected):
         if self.inside("_make_train_loader", "_stop_previous", "__del__") and m.matches(updated, m.Expr(m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("shutdown"))))):
             self.edits += 1
             return updated.with_changes(value=cst.Name("None"))
+        return updated
+
+    def leave_Call(self, original, updated):
+        if self.inside("_make_train_loader") and m.matches(updated, m.Call(func=m.Attribute(value=m.Name("old"), attr=m.Name("reset")))):
+            return cst.Name("False")
+        return updated
+
+
+class ResetKeepsTheOldBatches(_InInjected):
+    """The lean runtime's reset at a rebuild does not drop the batches its producer had
+    built ahead from the old loader (`range(made - self.taken)` read as `range(0)`)."""
+
+    def leave_Call(self, original, updated):
+        if self.inside("reset") and m.matches(updated, m.Call(func=m.Name("range"), args=[m.Arg(m.BinaryOperation(operator=m.Subtract()))])):
+            self.edits += 1
+            return updated.with_changes(args=[cst.Arg(cst.Integer("0"))])
         return updated
 
 
@@ -325,6 +342,7 @@ MUTANTS = [
     pytest.param(LEAN, HandOutTheSlot, "", id="lean-slot-handed-out-uncopied"),
     pytest.param(LEAN, WorkerDropsABatch, NTH_CALL, id="lean-worker-drops-a-batch"),
     pytest.param(LEAN, OldWorkerLeftRunning, "", id="lean-old-worker-left-running"),
+    pytest.param(LEAN, ResetKeepsTheOldBatches, "", id="lean-reset-keeps-the-old-batches"),
     pytest.param(NUMPY, ReuseStagingBuffer, REUSED_BUFFER, id="numpy-staging-buffer-reused"),
     pytest.param(NUMPY, RngDrawnAheadOfReshuffle, "", id="numpy-rng-draw-reordered-across-reshuffle"),
     pytest.param(NUMPY, ReshuffleMissesAShard, "", id="numpy-reshuffle-misses-a-shard"),

@@ -24,6 +24,7 @@ import libcst.matchers as m
 
 from patcher.cst_walk import walk
 from patcher.families.base import DataVariable, Plan, refused
+from patcher.survey.threads import THREAD_NAMES
 
 
 def already_prefetches(loader) -> Plan:
@@ -53,7 +54,7 @@ def plan_rebuilt_on_cpu(variable: DataVariable, ctx, recognition=None, detail: s
         tail += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
     return Plan(
         note=f"{head}{detail}{tail}",
-        forked_note=f"{head}; a child process forked at the first batch builds the batches (a thread of this process instead where threads other than torch's own run then, or /dev/shm is short){tail}",
+        forked_note=f"{head}; {_planned_start(variable, survey)}{tail}",
         reshape_arg=reshape_arg,
         rollback=rollback,
         attrs=attrs,
@@ -126,3 +127,29 @@ def _direct_uses(survey, variable: DataVariable) -> list[str]:
     binding = variable.sites[0].binding
     uses = [a for a in survey.collector.attribute_uses if a.base == variable.target and a.scope.resolve(a.base) is binding]
     return sorted({f"{a.base}.{a.attr}" for a in uses if a.attr != "next_batch"})
+
+
+def _planned_start(variable: DataVariable, survey) -> str:
+    """How the forked runtime's producer will start, and why, as the report says it: a
+    child process forked once at the first batch, which a rebuild resets; a thread of the
+    training process instead where the script's own threads run at that batch (the
+    calls that start threads outside the loader classes are named), or /dev/shm is short."""
+    rebuilds = [site.line for site in variable.sites[1:]]
+    start = "a child process forked once, at the first batch, builds the batches"
+    if rebuilds:
+        start += f"; the rebuild{'s' if len(rebuilds) > 1 else ''} at line {', '.join(map(str, rebuilds))} reset{'' if len(rebuilds) > 1 else 's'} it, without another fork"
+    threads = _thread_starts(survey)
+    if threads:
+        return f"the script starts threads (line {', '.join(map(str, threads))}): where one runs at the first batch, a thread of this process builds the batches; else {start}"
+    return f"{start} (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)"
+
+
+_THREAD_CALL = m.Call(func=m.Name(m.MatchIfTrue(THREAD_NAMES.__contains__)) | m.Attribute(attr=m.Name(m.MatchIfTrue(THREAD_NAMES.__contains__))))
+
+
+def _thread_starts(survey) -> list[int]:
+    """Lines of the script's calls that create threads (`threading.Thread(...)`, an
+    executor) outside its loader classes, which `LoaderClass.threads` covers."""
+    loaders = [loader.node for loader in survey.loader_classes.values()]
+    inside = {id(node) for loader in loaders for node in walk(loader)}
+    return sorted({survey.line_of(call) for call in m.findall(survey.module, _THREAD_CALL) if id(call) not in inside})

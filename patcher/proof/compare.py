@@ -284,6 +284,16 @@ class ChildProcess:
             time.sleep(0.005)
 
 
+def reset_producer(loader) -> set:
+    """The producer a rebuilt loader kept from the loader built before (templates/prefetch_lean.py
+    resets its forked child or its thread at a rebuild instead of starting another): as
+    `script_threads` lists it, or empty for other runtimes and a producer started anew."""
+    pid, thread = getattr(loader, "pid", None), getattr(loader, "thread", None)
+    if type(pid) is int and pid > 0:
+        return {ChildProcess(pid)}
+    return {thread} if pid is False and thread is not None else set()
+
+
 def still_alive(threads: set, grace_s: float) -> list:
     """The threads and processes of `threads` still alive after waiting up to `grace_s` seconds in all."""
     deadline = time.monotonic() + grace_s

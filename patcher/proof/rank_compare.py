@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
 from patcher.proof.harness import SimulatedDist
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
@@ -106,7 +106,8 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     CannotVerify when the patched loader hangs (no batch within `timeout_s` seconds).
 
     The warm-up loader is not shut down here: the script's rebuild must do it (its
-    worker threads, found by `threading.enumerate()`, must be gone after it). Each
+    worker threads, found by `threading.enumerate()`, must be gone after it, but for
+    the producer the rebuild reset and the new loader holds: `reset_producer`). Each
     batch is compared when handed out and again just before the next is taken. An
     exception from the patched loader is a difference at that batch.
     """
@@ -124,8 +125,9 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                 before_build = script_threads()
                 earlier = before_build - started_with
                 loader = harness_step(lambda: recipe.evaluate(patched_sites[index], ns, recipe.constructions[index].binding), f"building the patched loader (line {recipe.constructions[index].line}'s construction) for rank {rank}")
+                kept = reset_producer(loader) & earlier  # the producer the rebuild reset: it serves the new loader
                 if p > 0:
-                    leaked = unexcused(still_alive(earlier, REBUILD_GRACE_S), reference.leaked)
+                    leaked = unexcused(still_alive(earlier - kept, REBUILD_GRACE_S), reference.leaked)
                     if leaked:
                         names = ", ".join(sorted({t.name for t in leaked}))
                         return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
@@ -153,7 +155,8 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                         return Difference(rank, phase, count - 1, diff[0], f"changed after it was handed out: {diff[1]}")
                 if p > 0 and rank == 0:
                     alive = script_threads() - before_build
-                    notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended; {len(alive)} of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
+                    reset = f"; its producer reset for the new loader, not started again ({', '.join(sorted(t.name for t in kept))})" if kept else ""
+                    notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended{reset}; {len(alive)} more of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
         finally:
             close(loader)
             still_alive(script_threads() - started_with, REBUILD_GRACE_S)

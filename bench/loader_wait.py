@@ -9,11 +9,9 @@ an absolute wait in ms:
 - `wait ratio`: total wait original / patched (higher is better);
 - `max ms`: the patched loader's longest single wait, against the original's;
 - `producer`: the patched worker's build rate / the original `next_batch` rate;
-- `python`, `numpy`, `N workers`: producer batches/s of one worker calling the script's
-  own `next_batch`, of one worker with the numpy assembly, and of `--workers N` threads
-  (ShuffledSequenceLoader family; `-` where a variant does not apply), each with its
-  ratio to the original's;
-- `N/1`: N workers' rate against one worker's (same assembly);
+- `python`, `numpy`: producer batches/s of the thread runtime's worker calling the
+  script's own `next_batch`, and with the numpy assembly (ShuffledSequenceLoader family;
+  `-` where it does not apply), each with its ratio to the original's;
 - `slowdown`: how much longer the main thread's own Python work took beside the patched
   loader's worker than beside the original (GIL-busy only).
 
@@ -24,8 +22,7 @@ the median and p99 steps, the original's mean time in `next_batch` (`data`), the
 share of it recovered as a shorter step (`recovered`; the goal is 80 % with a median
 step no longer than the original's), and the op loop's slowdown beside the worker.
 
-The wait and the step are measured with what a default patch gives (`--workers 1`, the
-default), or with the producer-toggles runtime at `TRAIN_PREFETCH_WORKERS=N` (`--workers N`). Shards are
+The wait and the step are measured with what a default patch gives. Shards are
 written once into --data-dir (`--shards` x 100 M tokens, about 200 MB each) and reused.
 """
 
@@ -45,9 +42,6 @@ def main() -> int:
     parser.add_argument("scripts", nargs="+")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--data-dir", default="out/bench-shards")
-    # Default 1: the wait and the step are then measured with what a default patch gives
-    # (the forked producer); above 1, with the producer-toggles runtime's N threads.
-    parser.add_argument("--workers", type=int, default=1, help="TRAIN_PREFETCH_WORKERS of the patched loader and of the N-worker producer variant (default 1: the default patch)")
     parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3)")
     parser.add_argument("--modes", default=",".join(MAIN_THREAD_MODES), help=f"main-thread modes, comma-separated (default {','.join(MAIN_THREAD_MODES)})")
     parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step in ms (default 20)")
@@ -59,26 +53,24 @@ def main() -> int:
     unknown = sorted(set(modes) - set(MAIN_THREAD_MODES))
     if unknown:
         parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MAIN_THREAD_MODES)}")
-    n = f"{args.workers} workers"
     wait_modes = [m for m in modes if m != "op-bound"]
     if wait_modes:
-        print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'python':>16} {'numpy':>16} {n:>16} {'N/1':>7} {'slowdown':>9}")
+        print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'python':>16} {'numpy':>16} {'slowdown':>9}")
     for script in args.scripts:
         for mode in wait_modes:
-            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, workers=args.workers, shards=args.shards, pageable_h2d=args.pageable_h2d)
+            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, shards=args.shards, pageable_h2d=args.pageable_h2d)
             slowdown = "" if r["main_thread_slowdown_pct"] is None else f"{r['main_thread_slowdown_pct']:+.2f} %"
             maxes = f"{r['wait_ms_patched_max']:.2f} ({r['wait_ms_original_max']:.1f})"
-            rates = [_rate(r, name) for name in ("python", "numpy", "workers")]
-            per_worker = "-" if r["producer_ratio_workers_vs_1"] is None else f"{r['producer_ratio_workers_vs_1']:.2f}x"
+            rates = [_rate(r, name) for name in ("python", "numpy")]
             print(
                 f"{Path(script).parent.name[-48:] or script:48} {mode:11} {r['ratio']:>9.1f}x {maxes:>16} {r['producer_ratio']:>8.2f}x "
-                f"{r['producer_batches_per_s_original']:>9.0f} {rates[0]:>16} {rates[1]:>16} {rates[2]:>16} {per_worker:>7} {slowdown:>9}",
+                f"{r['producer_batches_per_s_original']:>9.0f} {rates[0]:>16} {rates[1]:>16} {slowdown:>9}",
                 flush=True,
             )
     if "op-bound" in modes:
         print(f"{'script':48} {'mean step ms':>17} {'median':>15} {'p99':>15} {'data ms':>8} {'recovered':>10} {'goal':>5} {'ops slowdown':>13} {'ops':>6}")
         for script in args.scripts:
-            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread="op-bound", data_dir=args.data_dir, workers=args.workers, shards=args.shards, pageable_h2d=args.pageable_h2d, op=args.op, op_numel=args.op_numel)
+            r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread="op-bound", data_dir=args.data_dir, shards=args.shards, pageable_h2d=args.pageable_h2d, op=args.op, op_numel=args.op_numel)
             share = "-" if r["recovered_share"] is None else f"{100 * r['recovered_share']:.1f} %"
             print(
                 f"{Path(script).parent.name[-48:] or script:48} {_pair(r, 'mean'):>17} {_pair(r, 'median'):>15} {_pair(r, 'p99'):>15} "

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip", action="append", metavar="FEATURE", choices=FEATURES, help="do not apply this feature")
     parser.add_argument("--with", dest="extra", action="append", metavar="FEATURE", choices=FEATURES, help=f"also apply this feature; the diagnostics ({', '.join(DIAGNOSTICS)}) only add code until a toggle is set, so a default patch leaves them out")
     parser.add_argument("--diagnostics", action="store_true", help=f"also apply every diagnostic feature ({', '.join(DIAGNOSTICS)})")
-    parser.add_argument("--producer-toggles", action="store_true", help="also add the producer tuning toggles: TRAIN_PREFETCH_QUEUE (prefetch depth, default 2), and TRAIN_PREFETCH_WORKERS and TRAIN_PREFETCH_NUMPY where the loader family has them (ShuffledSequenceLoader); a default patch leaves them out, since they cost code bytes")
+    parser.add_argument("--producer-toggles", action="store_true", help="also add the producer tuning toggles: TRAIN_PREFETCH_QUEUE (prefetch depth, default 2), and TRAIN_PREFETCH_NUMPY (numpy batch assembly) where the loader family has it (ShuffledSequenceLoader); a default patch leaves them out, since they cost code bytes")
     parser.add_argument("--no-rewrap", action="store_true", help="write a wrapped input's patched payload as plain source")
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
@@ -156,7 +156,6 @@ def build_verify_parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, default=2, help="ranks to simulate (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic shards")
     parser.add_argument("--shard-tokens", type=int, help="tokens per synthetic train shard for a loader class (default: 4 shards holding about 2/3 of what the run reads); small shards make a ShuffledSequenceLoader reshuffle within the run")
-    parser.add_argument("--workers", type=int, default=None, metavar="N", help="producer threads of the several-thread run, where the script has TRAIN_PREFETCH_WORKERS (default 3)")
     parser.add_argument("--send", action="append", default=[], metavar="EXPR", help="a value to pass to a data generator's .send() mid-run, as a Python expression over the script's module-level names (repeatable; the values the script's own .send() calls pass are used when they can be evaluated outside training)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -499,7 +498,7 @@ def _run_verify(args) -> int:
     try:
         batches = "default batches" if args.batches is None else f"{args.batches} batches"
         with running_clock(f"verify {args.patched}: {batches} x {args.world_size} ranks", wanted(args.json)):
-            result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens, workers=args.workers)
+            result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens)
     except NothingToVerify as error:
         return _verify_error(args, f"nothing to verify: {error}", EXIT_NOTHING)
     except CannotVerify as error:

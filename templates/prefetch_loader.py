@@ -28,15 +28,20 @@ dimension of `.reshape(-1, n)` (the sequence length in the TokenStream family, w
 the stream advances by a span that does not depend on it) is left out of that check
 and applied when the batch is handed out.
 
-Several workers (`TRAIN_PREFETCH_WORKERS`): each batch is planned under one lock in
-call order (the loader advances), finished on any of the threads, and taken by its
-sequence number (`_OrderedWorker`, templates/ordered_handoff.py).
+One worker thread per loader. Several threads planning batches in call order and
+handing them out in order (the idea of parameter-golf PR #1532) were measured and
+removed: `patch-prefetch bench --main-thread op-bound --steps 300 --compute-ms 20`
+on parameter-golf's 2026-04-05 SDClip record (ShuffledSequenceLoader), 2-core CPU,
+this thread runtime with numpy assembly: two workers lengthened the step by
++0.49 ms against +0.27 ms for one (median, within noise of each other; numpy off:
++1.03 vs +0.81 ms), and built batches at 0.44-0.77x the rate of one. The default
+forked child (templates/prefetch_lean.py) shortened the step by about 0.25 ms
+(47-66 % of the data time recovered).
 
 A script gets only the code paths its patch uses (patcher/render/cut.py): each option
 of `_make_train_loader` that the feature declares (`OPTIONS` in
 patcher/transforms/train_prefetch.py) and no call site passes is the default of its
-parameter, and the code behind it is cut; a `_CUT_HOOKS` name is filled only by the
-named template.
+parameter, and the code behind it is cut.
 """
 
 import atexit
@@ -59,9 +64,6 @@ _live_prefetchers = {}
 _running_workers = set()
 # How often a blocked caller or worker looks at the stop event (s).
 _POLL_S = 0.1
-# [_OrderedWorker] where templates/ordered_handoff.py is injected (several workers).
-_ORDERED_WORKER = []
-_CUT_HOOKS = {"_ORDERED_WORKER": "ordered_handoff"}
 
 
 def _stop_workers(stopping, wait):
@@ -89,7 +91,7 @@ def _start_worker(worker):
         thread.start()
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, name="train_loader", rollback=False, host_copy=True, workers=1, assembly=None, attrs=False, replay=False):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, name="train_loader", rollback=False, host_copy=True, assembly=None, attrs=False, replay=False):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -103,11 +105,10 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     (only for loaders that never change an array in place; the survey checks that);
     host_copy: copy each batch built ahead even when it is not pinned, for loaders
     that may later write into an array a returned batch views (False when the survey
-    finds no such write: the batch is handed out as built); workers: threads
-    building batches (`TRAIN_PREFETCH_WORKERS`); assembly: None (`next_batch` in the
-    worker) or the name of the script's shard getter (numpy assembly,
-    templates/shuffled_assembly.py; `TRAIN_PREFETCH_NUMPY`): `_shuffled_plan` advances
-    the loader as `next_batch(*args)`, `_shuffled_gather` builds its batch;
+    finds no such write: the batch is handed out as built); assembly: None
+    (`next_batch` in the worker) or the name of the script's shard getter (numpy
+    assembly, templates/shuffled_assembly.py; `TRAIN_PREFETCH_NUMPY`): `_shuffled_plan`
+    advances the loader as `next_batch(*args)`, `_shuffled_gather` builds its batch;
     attrs: the script reads the loader's attributes (`train_loader.stream`), which
     first settle it where the caller is (`_SettlingLoader`, needs `replay=True`);
     without it such reads raise AttributeError; replay: keep the arguments of every batch
@@ -122,7 +123,7 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
         return make_loader(device)
     if attrs and not replay:
         raise ValueError("prefetch: attrs=True needs replay=True")
-    loader = _live_prefetchers[name] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, workers=workers, assembly=assembly, replay=replay)
+    loader = _live_prefetchers[name] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, assembly=assembly, replay=replay)
     return loader
 
 
@@ -141,9 +142,8 @@ class _PrefetchLoader:
     A worker's exception is re-raised in the caller with the worker's traceback.
     """
 
-    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, workers=1, assembly=None, replay=False):
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, assembly=None, replay=False):
         self._copy_stream, self._reshape_arg, self._rollback, self._host_copy, self._assembly, self._replay = copy_stream, reshape_arg, rollback, host_copy, assembly, replay
-        self._workers = max(1, int(workers))
         self._device = torch.device(device)
         self._pin = self._device.type == "cuda" and torch.cuda.is_available()
         self._on_host = self._device.type == "cpu"
@@ -195,9 +195,7 @@ class _PrefetchLoader:
             if not self._replay:
                 raise RuntimeError("prefetch: next_batch after shutdown")
             self._rewind()
-        if self._workers > 1 and not _ORDERED_WORKER:
-            raise RuntimeError("prefetch: several workers need _OrderedWorker (templates/ordered_handoff.py)")
-        self._worker, self._worker_args = (_ORDERED_WORKER[0] if self._workers > 1 else _Worker)(self._loader, args, self._depth, self._pin, rollback=self._rollback, host_copy=self._host_copy, workers=self._workers, assembly=self._assembly), args
+        self._worker, self._worker_args = _Worker(self._loader, args, self._depth, self._pin, rollback=self._rollback, host_copy=self._host_copy, assembly=self._assembly), args
         _start_worker(self._worker)
 
     def shutdown(self):
@@ -289,10 +287,9 @@ class _Built:
 class _Worker:
     """A daemon thread that builds batches in call order into a bounded `_Handoff`:
     `next_batch` then `_stage`, or `_shuffled_plan` then `_shuffled_gather`; with
-    rollback, each batch carries a snapshot of the loader from before it. Several
-    threads: `_OrderedWorker` (templates/ordered_handoff.py)."""
+    rollback, each batch carries a snapshot of the loader from before it."""
 
-    def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True, workers=1, assembly=None):
+    def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True, assembly=None):
         self.loader, self.args, self.pin, self.rollback, self.host_copy, self.assembly = loader, args, pin, rollback, host_copy, assembly
         self.queue, self.stop = _Handoff(depth), threading.Event()
         self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)

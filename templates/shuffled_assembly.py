@@ -23,7 +23,7 @@ and the prefetch worker builds each batch in two steps:
   shard from the memory-mapped shard arrays straight into one int64 buffer `[2, rows,
   seq_len]` (pinned when the batch goes to CUDA), one `torch.from_numpy` at the end;
   `x, y` are its two halves. It does not touch the loader, and numpy releases the GIL
-  while it copies, so several worker threads gather at once.
+  while it copies.
 
 Exactness: the windows are `mm[start : start + seq_len + 1]` cast to int64, as in
 `np.array(mm[...], dtype=np.int64)`; `x` is a window without its last token and `y`

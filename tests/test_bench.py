@@ -52,26 +52,24 @@ def test_script_without_loader_is_one_line_exit_2(capsys):
 
 
 def test_producer_variants_for_a_shuffled_loader(tmp_path):
-    # One run reports the original, one worker with the script's own next_batch, one
-    # worker with the numpy assembly and N workers, each with its ratio to the original.
-    report = run_bench(FIXTURES / "shuffled_minified.py", steps=6, compute_ms=1, shard_tokens=50_000, shards=16, data_dir=str(tmp_path), workers=2, producer_batches=10)
-    assert report["workers"] == 2 and report["assembly"] == "numpy"
-    for name in ("python", "numpy", "workers"):
+    # One run reports the original, the worker with the script's own next_batch and the
+    # worker with the numpy assembly, each with its ratio to the original.
+    report = run_bench(FIXTURES / "shuffled_minified.py", steps=6, compute_ms=1, shard_tokens=50_000, shards=16, data_dir=str(tmp_path), producer_batches=10)
+    assert report["assembly"] == "numpy"
+    for name in ("python", "numpy"):
         assert report[f"producer_batches_per_s_{name}"] > 0
         # ratios are printed to 3 decimals: a small ratio is checked to that precision
         assert report[f"producer_ratio_{name}"] == pytest.approx(report[f"producer_batches_per_s_{name}"] / report["producer_batches_per_s_original"], rel=1e-2, abs=1e-3)
-    assert report["producer_batches_per_s_patched"] == report["producer_batches_per_s_workers"]
-    assert report["producer_ratio_workers_vs_1"] == pytest.approx(report["producer_batches_per_s_workers"] / report["producer_batches_per_s_numpy"], rel=1e-2, abs=1e-3)
+    assert report["producer_batches_per_s_patched"] > 0
+    assert not any("workers" in key for key in report)
     assert len(list(tmp_path.glob("fineweb_train_*.bin"))) == 16
 
 
-def test_other_families_report_one_python_worker(tmp_path):
-    report = run_bench(FIXTURES / "tokenstream_readable.py", steps=4, compute_ms=1, shard_tokens=50_000, data_dir=str(tmp_path), workers=2, producer_batches=5)
-    assert report["workers"] == 1 and report["assembly"] == "python"
-    assert report["producer_batches_per_s_numpy"] is None and report["producer_batches_per_s_workers"] is None
-    assert report["producer_ratio_workers_vs_1"] is None
+def test_other_families_report_the_python_variant_only(tmp_path):
+    report = run_bench(FIXTURES / "tokenstream_readable.py", steps=4, compute_ms=1, shard_tokens=50_000, data_dir=str(tmp_path), producer_batches=5)
+    assert report["assembly"] == "python"
+    assert report["producer_batches_per_s_numpy"] is None and report["producer_ratio_numpy"] is None
     assert report["producer_batches_per_s_patched"] == report["producer_batches_per_s_python"]
-
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc (Linux)")

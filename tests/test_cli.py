@@ -215,7 +215,7 @@ def test_verify_subcommand(tmp_path, capsys):
 
 def test_producer_toggles_only_on_request(tmp_path, capsys):
     # The tuning toggles cost code bytes: a default patch leaves them out, the flag adds
-    # them (and the runtime that runs several workers), and the byte report counts them.
+    # them (and the thread runtime with the numpy assembly), and the byte report counts them.
     fixture = FIXTURES / "shuffled_minified.py"
     reports = {}
     for flag in ([], ["--producer-toggles"]):
@@ -224,8 +224,8 @@ def test_producer_toggles_only_on_request(tmp_path, capsys):
         assert code == EXIT_OK
         reports[bool(flag)] = (json.loads(stdout), read_script(out).source)
     (plain, plain_src), (tuned, tuned_src) = reports[False], reports[True]
-    assert "TRAIN_PREFETCH_WORKERS" not in plain_src and "class _OrderedWorker" not in plain_src
-    assert "TRAIN_PREFETCH_WORKERS" in tuned_src and "TRAIN_PREFETCH_NUMPY" in tuned_src
-    assert "class _OrderedWorker" in tuned_src and "assembly='_get_shard_memmap'" in tuned_src
+    assert "TRAIN_PREFETCH_QUEUE" not in plain_src and "TRAIN_PREFETCH_NUMPY" not in plain_src
+    assert "TRAIN_PREFETCH_QUEUE" in tuned_src and "TRAIN_PREFETCH_NUMPY" in tuned_src
+    assert "def _shuffled_gather(" in tuned_src and "assembly='_get_shard_memmap'" in tuned_src
     assert "def _produce(" in plain_src and "assembly=" not in plain_src  # the lean runtime's child process
     assert tuned["code_bytes"]["after"] > plain["code_bytes"]["after"]

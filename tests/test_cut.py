@@ -215,16 +215,16 @@ TRAIN = "_make_train_loader"
 NUMPY_ON = Code("Hyperparameters.train_prefetch_numpy")
 
 
-# What each call passes -> the facts of assembly, host_copy and workers ("-": none, the code stays).
+# What each call passes -> the facts of assembly, host_copy and rollback ("-": none, the code stays).
 @pytest.mark.parametrize("calls, facts", [
-    pytest.param({}, {"assembly": None, "host_copy": True, "workers": 1}, id="no-call-the-entry-functions-defaults"),
-    pytest.param({TRAIN: [{"assembly": "_get"}] * 2}, {"assembly": PASSED, "host_copy": True, "workers": 1}, id="every-call-a-string"),
-    pytest.param({TRAIN: [{"assembly": "_get"}, {"queue_depth": 3}]}, {"assembly": "-", "host_copy": True, "workers": 1}, id="one-call-leaves-it-out"),
-    pytest.param({TRAIN: [{"assembly": None}]}, {"assembly": "-", "host_copy": True, "workers": 1}, id="passed-as-none"),
-    pytest.param({TRAIN: [{"assembly": Code(f"'_get' if {NUMPY_ON} else None")}]}, {"assembly": "-", "host_copy": True, "workers": 1}, id="may-be-none"),
-    pytest.param({TRAIN: [{"host_copy": False}]}, {"assembly": None, "host_copy": PASSED, "workers": 1}, id="a-literal-false-is-not-none"),
-    pytest.param({TRAIN: [{"workers": NUMPY_ON}]}, {"assembly": None, "host_copy": True, "workers": "-"}, id="a-toggle-is-not-a-literal"),
-    pytest.param({"_other": [{"assembly": "_get"}]}, {"assembly": None, "host_copy": True, "workers": 1}, id="not-the-entry-function"),
+    pytest.param({}, {"assembly": None, "host_copy": True, "rollback": False}, id="no-call-the-entry-functions-defaults"),
+    pytest.param({TRAIN: [{"assembly": "_get"}] * 2}, {"assembly": PASSED, "host_copy": True, "rollback": False}, id="every-call-a-string"),
+    pytest.param({TRAIN: [{"assembly": "_get"}, {"queue_depth": 3}]}, {"assembly": "-", "host_copy": True, "rollback": False}, id="one-call-leaves-it-out"),
+    pytest.param({TRAIN: [{"assembly": None}]}, {"assembly": "-", "host_copy": True, "rollback": False}, id="passed-as-none"),
+    pytest.param({TRAIN: [{"assembly": Code(f"'_get' if {NUMPY_ON} else None")}]}, {"assembly": "-", "host_copy": True, "rollback": False}, id="may-be-none"),
+    pytest.param({TRAIN: [{"host_copy": False}]}, {"assembly": None, "host_copy": PASSED, "rollback": False}, id="a-literal-false-is-not-none"),
+    pytest.param({TRAIN: [{"rollback": NUMPY_ON}]}, {"assembly": None, "host_copy": True, "rollback": "-"}, id="a-toggle-is-not-a-literal"),
+    pytest.param({"_other": [{"assembly": "_get"}]}, {"assembly": None, "host_copy": True, "rollback": False}, id="not-the-entry-function"),
 ])
 def test_cut_facts_come_from_the_options_each_call_passed(calls, facts):
     found = render.cut_facts(["prefetch_loader"], calls)
@@ -345,7 +345,6 @@ VARIANTS = [
     pytest.param(["prefetch_loader"], {"reshape_arg": 1}, id="reshape"),
     pytest.param(["prefetch_loader"], {"rollback": True}, id="rollback"),
     pytest.param(["prefetch_loader"], {"attrs": True, "replay": True}, id="attrs"),
-    pytest.param(["prefetch_loader", "ordered_handoff"], {"workers": 2}, id="ordered-workers"),
 ]
 
 
@@ -371,7 +370,7 @@ def test_cut_runtime_hands_out_the_loaders_batches(templates, options):
     for a, w in zip(args, want):
         got = loader.next_batch(*a)
         assert all(torch.equal(g, x) for g, x in zip(got, w))
-    assert len(_threads()) == options.get("workers", 1)
+    assert len(_threads()) == 1
     if "attrs" in options:
         assert loader.pos == direct.pos  # settles where the caller is
     else:
@@ -385,6 +384,6 @@ def test_cut_runtime_hands_out_the_loaders_batches(templates, options):
 def test_lean_cut_keeps_no_option_code():
     facts = render.cut_facts(["prefetch_loader"], {TRAIN: [{"prefetch": Code("TRAIN_PREFETCH")}]})
     code = cst.Module(body=render.runtime_block(["prefetch_loader"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
-    for gone in ("_snapshot", "_SettlingLoader", "_ORDERED_WORKER", "reshape", "assembly", "rollback", "workers=", "self._workers", '"""', "wait_full", "qsize", "_handed_out", "_rewind", "warnings", "_Built"):
+    for gone in ("_snapshot", "_SettlingLoader", "reshape", "assembly", "rollback", '"""', "wait_full", "qsize", "_handed_out", "_rewind", "warnings", "_Built"):
         assert gone not in code, gone
     compile(code, "<lean>", "exec")

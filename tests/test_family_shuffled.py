@@ -2,9 +2,8 @@
 before -> after and noop tables, whole outputs (runtime block as `RUNTIME`).
 
 A `ShuffledSequenceLoader` is rebuilt on the CPU by `_make_train_loader`: the forked
-producer by default; with the producer toggles, the thread runtime with
-`TRAIN_PREFETCH_WORKERS` and, where `next_batch` is exactly the known shape, the numpy
-assembly (`TRAIN_PREFETCH_NUMPY`). The assembly's recognition of altered shapes and its
+producer by default; with the producer toggles, the thread runtime and, where
+`next_batch` is exactly the known shape, the numpy assembly (`TRAIN_PREFETCH_NUMPY`). The assembly's recognition of altered shapes and its
 batches are tested in test_producer.py.
 """
 
@@ -205,7 +204,6 @@ _MEMMAPS = {}
 import os
 TRAIN_PREFETCH = int(os.environ.get("TRAIN_PREFETCH", 1))
 TRAIN_PREFETCH_QUEUE = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))
-TRAIN_PREFETCH_WORKERS = int(os.environ.get("TRAIN_PREFETCH_WORKERS", 1))
 TRAIN_PREFETCH_NUMPY = int(os.environ.get("TRAIN_PREFETCH_NUMPY", 1))
 """
         + RUNTIME
@@ -253,11 +251,11 @@ class ShuffledSequenceLoader:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 def main(h, device):
-    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, prefetch=TRAIN_PREFETCH, queue_depth=TRAIN_PREFETCH_QUEUE, copy_stream=False, host_copy=False, workers=TRAIN_PREFETCH_WORKERS, assembly='_get_shard_memmap' if TRAIN_PREFETCH_NUMPY else None)
+    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, prefetch=TRAIN_PREFETCH, queue_depth=TRAIN_PREFETCH_QUEUE, copy_stream=False, host_copy=False, assembly='_get_shard_memmap' if TRAIN_PREFETCH_NUMPY else None)
     for step in range(10):
         x, y = train_loader.next_batch(h.train_batch_tokens, h.grad_accum_steps)
 """,
-        "`train_loader` built at line 48 prefetches (TRAIN_PREFETCH_WORKERS threads, batches handed out in order); ShuffledSequenceLoader.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)",
+        "`train_loader` built at line 48 prefetches; ShuffledSequenceLoader.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)",
         id="producer-toggles-known-next-batch-gathered-in-numpy",
     ),
     pytest.param(
@@ -321,7 +319,6 @@ _MEMMAPS = {}
 import os
 TRAIN_PREFETCH = int(os.environ.get("TRAIN_PREFETCH", 1))
 TRAIN_PREFETCH_QUEUE = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))
-TRAIN_PREFETCH_WORKERS = int(os.environ.get("TRAIN_PREFETCH_WORKERS", 1))
 """
         + RUNTIME
         + """\
@@ -368,11 +365,11 @@ class ShuffledSequenceLoader:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 def main(h, device):
-    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, prefetch=TRAIN_PREFETCH, queue_depth=TRAIN_PREFETCH_QUEUE, copy_stream=False, host_copy=False, workers=TRAIN_PREFETCH_WORKERS)
+    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, prefetch=TRAIN_PREFETCH, queue_depth=TRAIN_PREFETCH_QUEUE, copy_stream=False, host_copy=False)
     for step in range(10):
         x, y = train_loader.next_batch(h.train_batch_tokens, h.grad_accum_steps)
 """,
-        "`train_loader` built at line 48 prefetches (TRAIN_PREFETCH_WORKERS threads, batches handed out in order); numpy assembly not used: next_batch differs from the known ShuffledSequenceLoader shape (`int32` where the known shape has `int64`) at line 42; the worker calls the script's own next_batch",
+        "`train_loader` built at line 48 prefetches; numpy assembly not used: next_batch differs from the known ShuffledSequenceLoader shape (`int32` where the known shape has `int64`) at line 42; the worker calls the script's own next_batch",
         id="producer-toggles-altered-next-batch-keeps-its-own",
     ),
 ]

@@ -1,16 +1,15 @@
-"""The ordered multi-worker producer and the numpy assembly of ShuffledSequenceLoader batches.
+"""The numpy assembly of ShuffledSequenceLoader batches.
 
 - `templates/shuffled_assembly.py`: plan + gather give the original `next_batch`'s
   batches bit for bit, and leave the loader (its RNG, its start lists) exactly where
   the original leaves it, over seeds, batch sizes, sequence lengths and shard sizes
   that cross shards and use them all up (the reshuffle).
-- `templates/prefetch_loader.py` with `workers > 1`: batches handed out in order
-  whichever thread finishes first; the lifecycle guarantees of one worker (errors
-  with the worker's traceback, prompt shutdown, one set of threads per loader variable, memory
-  bounded by the queue depth plus one batch per thread).
+- `templates/prefetch_loader.py` with `assembly=`: the prefetched batches and the
+  loader's state are the original's; a plan's or a gather's error is re-raised at its
+  batch with the worker's traceback.
 - `patcher/families/shuffled.py`: the known `next_batch` is recognised in minified and readable
   form; altered shapes are not, and the patch then keeps the script's own `next_batch`.
-- verify: identical on the fixture with TRAIN_PREFETCH_WORKERS 1/2/4 and TRAIN_PREFETCH_NUMPY 0/1.
+- verify: identical on the fixture with TRAIN_PREFETCH_NUMPY 0/1.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import traceback
 import types
 from pathlib import Path
@@ -39,11 +36,10 @@ from patcher.patch import patch_source
 from patcher.proof.shards import write_shard, write_shards
 from patcher.read.source import read_script, render
 from patcher.proof.verify import verify
-from templates.ordered_handoff import _OrderedHandoff
-from templates.prefetch_loader import _EMPTY, _make_train_loader
+from templates.prefetch_loader import _make_train_loader
 from templates.shuffled_assembly import _shuffled_gather, _shuffled_plan
 import test_templates
-from test_templates import ARGS, CPU, WAIT_S, CallGate, FakeTokenLoader, assert_batch_equal, direct_batches, prefetch_threads
+from test_templates import CPU, assert_batch_equal, direct_batches, prefetch_threads
 
 clean_prefetchers = test_templates.clean_prefetchers  # the same autouse fixture here
 
@@ -180,21 +176,20 @@ def test_gather_pinned(script, tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# Through the prefetcher: several workers, in order, RNG state after k batches
+# Through the prefetcher: batches and RNG state after k batches
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workers", [1, 2, 4])
 @pytest.mark.parametrize("numpy_assembly", [True, False])
-def test_prefetched_shuffled_batches_and_rng_state(script, tmp_path, workers, numpy_assembly):
+def test_prefetched_shuffled_batches_and_rng_state(script, tmp_path, numpy_assembly):
     h = hparams(write_sized_shards(tmp_path, [700, 450, 300], 4), 16)
     make = lambda d: script.ShuffledSequenceLoader(h, d)
     want, direct = direct_batches(make, [(16 * 6, 1)] * 25)
     assembly = "_get_shard_memmap" if numpy_assembly else None
-    wrapper = _make_train_loader(make, CPU, queue_depth=2, workers=workers, assembly=assembly, host_copy=False, attrs=True, replay=True)
+    wrapper = _make_train_loader(make, CPU, queue_depth=2, assembly=assembly, host_copy=False, attrs=True, replay=True)
     for w in want:
         assert_batch_equal(wrapper.next_batch(16 * 6, 1), w)
-    assert len(prefetch_threads()) == workers
+    assert len(prefetch_threads()) == 1
     # Reading the loader's own state settles it where the caller is (replayed by plans).
     assert wrapper.rng.bit_generator.state == direct.rng.bit_generator.state
     assert wrapper.start_inds == direct.start_inds
@@ -214,20 +209,12 @@ class Counter:
         return (torch.arange(self.n - k, self.n),)
 
 
-class GatedAssembly:
-    """plan: Counter.next_batch's state change, numbered; gather of plan p waits for release[p].
+class FakeAssembly:
+    """plan: Counter.next_batch's state change, numbered; gather: the plan's batch, except
+    that the gather of plan `fail_gather` raises."""
 
-    started[p] is set when gather p begins; finished lists the plans in the order their
-    gathers ended; gather of plan `fail_gather` raises.
-    """
-
-    def __init__(self, count, gated=(), fail_gather=None):
-        self.started = {p: threading.Event() for p in range(count + 8)}
-        self.release = {p: threading.Event() for p in range(count + 8)}
-        for p in self.release:
-            if p not in gated:
-                self.release[p].set()
-        self.finished, self.fail_gather = [], fail_gather
+    def __init__(self, fail_gather=None):
+        self.fail_gather = fail_gather
 
     def plan(self, loader, args):
         first = loader.n
@@ -235,90 +222,33 @@ class GatedAssembly:
         return first, args[0]
 
     def gather(self, plan, pin=False):
-        p = plan[0] // plan[1]
-        self.started[p].set()
-        assert self.release[p].wait(WAIT_S), f"gather {p} never released"
-        if p == self.fail_gather:
+        if plan[0] // plan[1] == self.fail_gather:
             raise ValueError("gather failed")
-        self.finished.append(p)
         return (torch.arange(plan[0], plan[0] + plan[1]),)
 
 
-def gated(monkeypatch, assembly: GatedAssembly) -> str:
+def faked(monkeypatch, assembly: FakeAssembly) -> str:
     """The runtime's plan and gather replaced by `assembly`'s; returns the `assembly=` value to pass."""
-    import templates.ordered_handoff
     import templates.prefetch_loader
 
-    for module in (templates.ordered_handoff, templates.prefetch_loader):
-        monkeypatch.setattr(module, "_shuffled_plan", lambda loader, getter, *args: assembly.plan(loader, args))
-        monkeypatch.setattr(module, "_shuffled_gather", assembly.gather)
-    return "_gated_getter"
+    monkeypatch.setattr(templates.prefetch_loader, "_shuffled_plan", lambda loader, getter, *args: assembly.plan(loader, args))
+    monkeypatch.setattr(templates.prefetch_loader, "_shuffled_gather", assembly.gather)
+    return "_fake_getter"
 
 
 def expected(count, k=3):
     return [(torch.arange(i * k, (i + 1) * k),) for i in range(count)]
 
 
-def test_batches_come_out_in_order_when_gathers_finish_out_of_order(clean_prefetchers, monkeypatch):
-    _, created = clean_prefetchers
-    assembly = GatedAssembly(12, gated={0, 1, 2})
-    wrapper = _make_train_loader(lambda d: Counter(d), CPU, queue_depth=2, workers=3, assembly=gated(monkeypatch, assembly))
-    created.append(wrapper)
-    taker = threading.Thread(target=lambda: out.append([wrapper.next_batch(3) for _ in range(12)]), daemon=True)
-    out = []
-    taker.start()
-    for p in (0, 1, 2):
-        assert assembly.started[p].wait(WAIT_S)  # three gathers at once, one per thread
-    for p in (2, 1, 0):  # the last planned finishes first
-        assembly.release[p].set()
-        deadline = time.monotonic() + WAIT_S
-        while p not in assembly.finished:
-            assert time.monotonic() < deadline
-            assembly.started[11].wait(0.005)
-    taker.join(WAIT_S)
-    assert [p for p in assembly.finished if p < 3] == [2, 1, 0]
-    assert len(out) == 1
-    for got, want in zip(out[0], expected(12)):
-        assert_batch_equal(got, want)
-
-
-@pytest.mark.parametrize("workers", [2, 4])
-@pytest.mark.parametrize("queue_depth", [1, 3])
-def test_several_python_workers_are_exact(workers, queue_depth, clean_prefetchers):
-    # No assembly: the plan is the script's own next_batch (under the plan lock), the
-    # rest is the copy; exact with argument changes (replay) too.
-    _, created = clean_prefetchers
-    make = lambda d: FakeTokenLoader(2003, d)
-    schedule = [ARGS] * 7 + [(256, 16, 2)] * 6 + [ARGS] * 5
-    want, _ = direct_batches(make, schedule)
-    wrapper = _make_train_loader(make, CPU, queue_depth=queue_depth, workers=workers, replay=True)
-    created.append(wrapper)
-    with pytest.warns(RuntimeWarning):
-        for args, w in zip(schedule, want):
-            assert_batch_equal(wrapper.next_batch(*args), w)
-    assert len(prefetch_threads()) == workers
-
-
-def test_several_workers_with_rollback_and_reshape(clean_prefetchers):
-    _, created = clean_prefetchers
-    make = lambda d: FakeTokenLoader(3001, d)
-    schedule = [(512, 16, 2)] * 5 + [(512, 32, 2)] * 3 + [(1024, 32, 2)] * 4 + [(256, 8, 2)] * 5
-    want, _ = direct_batches(make, schedule)
-    wrapper = _make_train_loader(make, CPU, queue_depth=2, workers=3, reshape_arg=1, rollback=True)
-    created.append(wrapper)
-    for args, w in zip(schedule, want):
-        assert_batch_equal(wrapper.next_batch(*args), w)
-
-
 # ---------------------------------------------------------------------------
-# Lifecycle with several workers
+# Errors of the assembly
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("k", [0, 4])
 def test_plan_error_reraised_at_its_batch_with_the_worker_traceback(k, clean_prefetchers, monkeypatch):
     _, created = clean_prefetchers
-    wrapper = _make_train_loader(lambda d: Counter(d, fail_at=3 * k), CPU, queue_depth=2, workers=3, assembly=gated(monkeypatch, GatedAssembly(12)))
+    wrapper = _make_train_loader(lambda d: Counter(d, fail_at=3 * k), CPU, queue_depth=2, assembly=faked(monkeypatch, FakeAssembly()))
     created.append(wrapper)
     for got, want in zip([wrapper.next_batch(3) for _ in range(k)], expected(k)):
         assert_batch_equal(got, want)
@@ -330,106 +260,13 @@ def test_plan_error_reraised_at_its_batch_with_the_worker_traceback(k, clean_pre
 
 def test_gather_error_reraised_at_its_batch(clean_prefetchers, monkeypatch):
     _, created = clean_prefetchers
-    wrapper = _make_train_loader(lambda d: Counter(d), CPU, queue_depth=2, workers=2, assembly=gated(monkeypatch, GatedAssembly(12, fail_gather=5)))
+    wrapper = _make_train_loader(lambda d: Counter(d), CPU, queue_depth=2, assembly=faked(monkeypatch, FakeAssembly(fail_gather=5)))
     created.append(wrapper)
     for got, want in zip([wrapper.next_batch(3) for _ in range(5)], expected(5)):
         assert_batch_equal(got, want)
     with pytest.raises(ValueError, match="^gather failed$") as info:
         wrapper.next_batch(3)
     assert "in gather" in "".join(traceback.format_tb(info.value.__traceback__))
-
-
-def test_python_worker_error_with_several_workers(clean_prefetchers):
-    _, created = clean_prefetchers
-    want, _ = direct_batches(lambda d: FakeTokenLoader(1000, d), [ARGS] * 3)
-    wrapper = _make_train_loader(lambda d: FakeTokenLoader(1000, d, fail_at=4), CPU, queue_depth=2, workers=2)  # the 4th call fails
-    created.append(wrapper)
-    for w in want:
-        assert_batch_equal(wrapper.next_batch(*ARGS), w)
-    with pytest.raises(ValueError, match="^boom$") as info:
-        wrapper.next_batch(*ARGS)
-    assert "_fake_build_batch" in "".join(traceback.format_tb(info.value.__traceback__))
-
-
-@pytest.mark.parametrize("depth, workers", [(1, 2), (2, 3), (4, 2)])
-def test_memory_bounded_by_depth_plus_one_per_worker(depth, workers, clean_prefetchers):
-    gates, created = clean_prefetchers
-    bound = 1 + depth + workers  # one handed out, `depth + workers` built and not taken
-    gate = CallGate(upto=bound)
-    gates.append(gate)
-    inner = []
-
-    def make(d):
-        inner.append(FakeTokenLoader(20000, d, on_call=gate))
-        return inner[-1]
-
-    wrapper = _make_train_loader(make, CPU, queue_depth=depth, workers=workers)
-    created.append(wrapper)
-    wrapper.next_batch(*ARGS)
-    gate.wait(bound)
-    assert not gate.overrun.wait(0.5), f"built more than {depth} + {workers} batches ahead"
-    assert inner[0].calls == bound
-    wrapper.next_batch(*ARGS)  # one more taken: exactly one more built
-    deadline = time.monotonic() + WAIT_S
-    while inner[0].calls < bound + 1:
-        assert time.monotonic() < deadline, "taking a batch did not start the next one"
-        gate.release.wait(0.005)
-    gate.release.wait(0.3)  # a bounded wait for a call that must not come
-    assert inner[0].calls == bound + 1
-
-
-def test_shutdown_prompt_with_every_worker_blocked(clean_prefetchers):
-    gates, created = clean_prefetchers
-    gate = CallGate(upto=6)
-    gates.append(gate)
-    wrapper = _make_train_loader(lambda d: FakeTokenLoader(5000, d, on_call=gate), CPU, queue_depth=2, workers=3)
-    created.append(wrapper)
-    wrapper.next_batch(*ARGS)
-    gate.wait(6)  # all slots used: every thread waits for one
-    threads = list(wrapper._worker.threads)
-    assert len(threads) == 3
-    t0 = time.monotonic()
-    wrapper.shutdown()
-    assert time.monotonic() - t0 < 1.0
-    assert not any(t.is_alive() for t in threads)
-
-
-def test_rebuild_leaves_one_set_of_workers(clean_prefetchers):
-    _, created = clean_prefetchers
-    make = lambda d: FakeTokenLoader(1000, d)
-    first = _make_train_loader(make, CPU, workers=2)
-    created.append(first)
-    first.next_batch(*ARGS)
-    old = list(first._worker.threads)
-    second = _make_train_loader(make, CPU, workers=2)
-    created.append(second)
-    want, _ = direct_batches(make, [ARGS] * 3)
-    for w in want:
-        assert_batch_equal(second.next_batch(*ARGS), w)
-    assert not any(t.is_alive() for t in old)
-    assert set(prefetch_threads()) == set(second._worker.threads) and len(second._worker.threads) == 2
-
-
-def test_ordered_handoff_takes_in_number_order_and_frees_slots_on_room():
-    handoff = _OrderedHandoff(depth=2, slots=3)
-    stop = threading.Event()
-    assert [handoff.claim(stop) for _ in range(3)] == [True, True, True]
-    handoff.deliver(2, "c", stop)
-    handoff.deliver(1, "b", stop)
-    assert handoff.get(0.05) is _EMPTY and handoff.qsize() == 0  # item 0 is not there yet
-    handoff.deliver(0, "a", stop)
-    assert handoff.full() and handoff.qsize() == 3
-    claimed = threading.Event()
-    thread = threading.Thread(target=lambda: handoff.claim(stop) and claimed.set(), daemon=True)
-    thread.start()
-    assert [handoff.get(0.05) for _ in range(3)] == ["a", "b", "c"]
-    assert not claimed.wait(0.2), "taking an item freed its slot before room()"
-    handoff.room()
-    assert claimed.wait(WAIT_S)
-    stop.set()
-    handoff.clear()  # wakes producers waiting for a slot; they see the stop
-    assert not handoff.claim(stop)
-    thread.join(WAIT_S)
 
 
 # ---------------------------------------------------------------------------
@@ -523,52 +360,41 @@ def test_rejects_altered_shapes(old, new, why):
 def test_patch_uses_the_numpy_assembly_only_when_recognised():
     source = FIXTURE.read_text()
     result = patch_source(source, producer_toggles=True)
-    assert "workers=Hyperparameters.train_prefetch_workers" in result.source
     assert "assembly='_get_shard_memmap'if Hyperparameters.train_prefetch_numpy else None" in result.source
     assert "def _shuffled_gather(" in result.source
     note = next(n for n in result.notes if n.feature == "train_prefetch")
-    assert "recognised" in note.reason and "TRAIN_PREFETCH_WORKERS" in note.reason
+    assert "recognised" in note.reason and "TRAIN_PREFETCH_NUMPY" in note.reason
     altered = source.replace("dtype=np.int64))", "dtype=np.int64)).clone()", 1)
     assert altered != source
     fallback = patch_source(altered, producer_toggles=True)
-    assert "workers=Hyperparameters.train_prefetch_workers" in fallback.source
     assert "assembly=" not in fallback.source and "train_prefetch_numpy" not in fallback.source
-    assert "_ORDERED_WORKER.append(_OrderedWorker)" in fallback.source  # workers still run in order
+    assert "def _shuffled_gather(" not in fallback.source and "def _shuffled_plan(" not in fallback.source
     note = next(n for n in fallback.notes if n.feature == "train_prefetch")
     line = next(i for i, text in enumerate(altered.splitlines(), 1) if ".clone()" in text)
     assert "numpy assembly not used" in note.reason and "own next_batch" in note.reason and f"at line {line}" in note.reason
 
 
 def test_default_patch_runs_the_loader_in_a_child_without_producer_toggles():
-    # Every byte counts against the artifact cap: the numpy assembly, the tuning toggles
-    # and the ordered hand-off come with --producer-toggles only. A default patch gets
+    # Every byte counts against the artifact cap: the numpy assembly and the tuning
+    # toggles come with --producer-toggles only. A default patch gets
     # the lean runtime, whose forked child runs the script's own next_batch.
     result = patch_source(FIXTURE.read_text())
     sites = [line for line in result.source.splitlines() if "_make_train_loader(lambda" in line]
     assert len(sites) == 2 and all(line.endswith("copy_stream=Hyperparameters.train_copy_stream)") for line in sites)
     assert "def _produce(" in result.source
-    for absent in ("train_prefetch_workers", "train_prefetch_numpy", "TRAIN_PREFETCH_WORKERS", "class _OrderedHandoff", "_ORDERED_WORKER", "workers=", "self._workers", "def _stage(", "assembly", "_shuffled_plan", "host_copy"):
+    for absent in ("train_prefetch_numpy", "train_prefetch_queue", "def _stage(", "assembly", "_shuffled_plan", "host_copy"):
         assert absent not in result.source, absent
     note = next(n for n in result.notes if n.feature == "train_prefetch")
     assert "child process forked once, at the first batch" in note.reason and "TRAIN_PREFETCH" not in note.reason
 
 
-def test_other_loader_families_get_no_worker_toggle():
-    result = patch_source((FIXTURES / "tokenstream_readable.py").read_text())
-    sites = [line for line in result.source.splitlines() if "= _make_train_loader(lambda" in line]
-    assert len(sites) == 2 and not any("workers=" in line for line in sites)
-    assert "train_prefetch_workers" not in result.source and "def _shuffled_plan(" not in result.source
-    assert "class _OrderedHandoff" not in result.source  # no dead code in scripts that cannot use it
-    assert "class _OrderedWorker" not in result.source and "_ORDERED_WORKER" not in result.source
-
-
-def test_several_workers_without_the_ordered_handoff_say_so(monkeypatch, clean_prefetchers):
-    import templates.prefetch_loader as runtime
-
-    monkeypatch.setattr(runtime, "_ORDERED_WORKER", [])
-    wrapper = _make_train_loader(lambda d: FakeTokenLoader(500, d), CPU, workers=2)
-    with pytest.raises(RuntimeError, match="_OrderedWorker"):
-        wrapper.next_batch(*ARGS)
+def test_other_loader_families_get_no_numpy_assembly():
+    # No dead code in scripts that cannot use it, with or without the producer toggles.
+    source = (FIXTURES / "tokenstream_readable.py").read_text()
+    for result in (patch_source(source), patch_source(source, producer_toggles=True)):
+        sites = [line for line in result.source.splitlines() if "= _make_train_loader(lambda" in line]
+        assert len(sites) == 2 and not any("assembly=" in line for line in sites)
+        assert "train_prefetch_numpy" not in result.source and "def _shuffled_plan(" not in result.source
 
 
 # ---------------------------------------------------------------------------
@@ -583,14 +409,13 @@ def write_patched(tmp_path, source=None):
     return out
 
 
-@pytest.mark.parametrize("workers, numpy_on", [(1, 1), (2, 1), (4, 1), (1, 0), (2, 0)])
+@pytest.mark.parametrize("numpy_on", [1, 0])
 @pytest.mark.parametrize("shard_tokens", [None, 300])
-def test_verify_identical_with_workers_and_numpy_toggles(tmp_path, monkeypatch, workers, numpy_on, shard_tokens):
-    monkeypatch.setenv("TRAIN_PREFETCH_WORKERS", str(workers))
+def test_verify_identical_with_the_numpy_toggle(tmp_path, monkeypatch, numpy_on, shard_tokens):
     monkeypatch.setenv("TRAIN_PREFETCH_NUMPY", str(numpy_on))
     result = verify(FIXTURE, write_patched(tmp_path), batches=24, world_size=2, shard_tokens=shard_tokens)
     assert result.identical, result.difference
-    assert f"TRAIN_PREFETCH_WORKERS={workers} TRAIN_PREFETCH_NUMPY={numpy_on}" in " ".join(result.notes)
+    assert f"TRAIN_PREFETCH_NUMPY={numpy_on}" in " ".join(result.notes)
 
 
 def test_verify_catches_a_gather_that_shifts_y(tmp_path):
@@ -603,7 +428,7 @@ def test_verify_catches_a_gather_that_shifts_y(tmp_path):
     assert not result.identical and result.difference.field == 1
 
 
-def test_training_losses_identical_with_two_workers(tmp_path):
+def test_training_losses_identical_with_the_numpy_assembly(tmp_path):
     data = tmp_path / "shards"
     write_shards(data)
     patched = write_patched(tmp_path)
@@ -615,6 +440,6 @@ def test_training_losses_identical_with_two_workers(tmp_path):
         return done.stdout
 
     reference = STEP_LINE.findall(run(FIXTURE))
-    out = run(patched, TRAIN_PREFETCH_WORKERS="2")
-    assert "train_prefetch_workers:2 train_prefetch_numpy:1" in out
+    out = run(patched)
+    assert "train_prefetch_numpy:1" in out
     assert STEP_LINE.findall(out) == reference and len(reference) > 20

@@ -5,7 +5,7 @@ through verify with its default settings.
 The runtimes covered are the ones a patch injects: the lean train prefetch
 (templates/prefetch_lean.py: constant `next_batch` arguments, a forked producer
 process), the full one (templates/prefetch_loader.py: a per-step argument applied at
-hand-out, a rollback to a snapshot, several producer threads and the numpy assembly of
+hand-out, a rollback to a snapshot, and the numpy assembly of
 templates/shuffled_assembly.py with --producer-toggles), the generator runtime
 (templates/prefetch_iterator.py) and the validation generator (templates/prefetch_val.py).
 Every mutant in `MUTANTS` can change the batches a CPU run hands out (or leaves a
@@ -271,19 +271,6 @@ class SnapshotAfterTheBatch(_InInjected):
         return updated
 
 
-# Not in MUTANTS: a race, caught only in the runs where the producer threads finish out
-# of order (on the fixture's small batches they rarely do): `SEVERAL` with this mutant
-# was caught in some runs of verify's defaults, not in all.
-class DeliveredByArrival(_InInjected):
-    """Several producer threads: a batch is filed under its arrival, not the number it was planned with."""
-
-    def leave_Subscript(self, original, updated):
-        if self.inside("deliver") and m.matches(updated, m.Subscript(value=m.Attribute(value=m.Name("self"), attr=m.Name("_done")), slice=[m.SubscriptElement(m.Index(m.Name("seq")))])):
-            self.edits += 1
-            return updated.with_changes(slice=[cst.SubscriptElement(cst.Index(cst.parse_expression("self._next + len(self._done)")))])
-        return updated
-
-
 class SentValueIgnored(_InInjected):
     """A generator's rebuilt copy is resumed with None instead of the value the caller sent (stale arguments)."""
 
@@ -326,12 +313,11 @@ class ValStagingReused(_InInjected):
         return updated
 
 
-LEAN, NUMPY, FULL_RESHAPE, FULL_ROLLBACK, SEVERAL, GENERATOR, VAL = (
+LEAN, NUMPY, FULL_RESHAPE, FULL_ROLLBACK, GENERATOR, VAL = (
     ("own_configuration", False),  # TokenStream, templates/prefetch_lean.py
     ("shuffled_minified", True),  # ShuffledSequenceLoader, --producer-toggles: numpy assembly
     ("curriculum", False),  # a per-step sequence length: templates/prefetch_loader.py, reshape at hand-out
     ("batch_switch", False),  # a per-step batch size: templates/prefetch_loader.py, rollback
-    ("shuffled_minified", True),  # --producer-toggles: 3 producer threads, numpy assembly
     ("generator_toplevel", False),  # a data generator with .send(): templates/prefetch_iterator.py
     ("tokenstream_readable", False),  # the validation generator: templates/prefetch_val.py
 )

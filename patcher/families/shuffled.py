@@ -9,10 +9,10 @@ not the training loader (survey).
 Producer: `_make_train_loader`, on the forked producer `prefetch_lean` by default: the
 child process runs the script's own `next_batch` at no GIL cost to the training loop,
 and every byte counts against the artifact cap. With `--producer-toggles` it runs on
-the thread runtime `prefetch_loader` with the tuning toggles `TRAIN_PREFETCH_WORKERS`
-(several threads, batches handed out in order) and, when its `next_batch` is exactly
-the known shape (below), `TRAIN_PREFETCH_NUMPY`: the batch is planned (the RNG draws,
-in order) and gathered in numpy (`templates/shuffled_assembly.py`).
+the thread runtime `prefetch_loader` (one worker thread) and, when its `next_batch` is
+exactly the known shape (below), the tuning toggle `TRAIN_PREFETCH_NUMPY`: the batch
+is planned (the RNG draws, in order) and gathered in numpy
+(`templates/shuffled_assembly.py`).
 Verify: the "loader_class" driver.
 
 Strict recognition of the `next_batch` whose batches numpy can assemble:
@@ -212,14 +212,13 @@ def plan(variable: DataVariable, ctx) -> Plan:
 
 
 def _assembly_note(cls, recognition: Recognition | None, ctx) -> str:
-    """What the report says of the workers and the numpy assembly ("" without the producer toggles)."""
+    """What the report says of the numpy assembly ("" without the producer toggles)."""
     if recognition is None:
         return ""
-    workers = " (TRAIN_PREFETCH_WORKERS threads, batches handed out in order)"
     if recognition.recognised:
-        return f"{workers}; {cls.name}.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)"
+        return f"; {cls.name}.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)"
     where = f" at line {ctx.survey.line_of(recognition.node)}" if recognition.node is not None else ""
-    return f"{workers}; numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
+    return f"; numpy assembly not used: {recognition.reason}{where}; the worker calls the script's own next_batch"
 
 
 UNIT = Family("shuffled", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=40)

@@ -44,17 +44,16 @@ Measured per step, in ms: the main thread's wait inside `next_batch` (p50, p99, 
 total) for each loader, and the time of the Python work of the step (to see how much
 the patched loader's worker slows the main thread). Producer throughput (batches/s)
 is measured separately: the original loader's `next_batch` in a tight loop, and the
-patched loader's workers filling a queue while the caller only waits (their build
+patched loader's worker filling a queue while the caller only waits (its build
 rate). The first `warmup` steps (the cold start, whose first batch is built
 synchronously) are left out of the statistics, and the report says how many.
 
-Producer variants, measured in the same run, alternating, best of three rounds each:
-`python` (one worker calling the script's own `next_batch`, `TRAIN_PREFETCH_NUMPY=0`),
-`numpy` (one worker, batches planned and gathered in numpy, for a recognised
-ShuffledSequenceLoader) and `workers` (`--workers N` threads, numpy assembly where
-recognised); `patched` is the configuration the wait was measured with
-(`TRAIN_PREFETCH_WORKERS=N`, numpy on). Each rate comes with its ratio to the
-original's, and `producer_ratio_workers_vs_1` is N workers against one.
+Producer variants of a patch with the producer toggles (thread runtime), measured in
+the same run, alternating, best of three rounds each: `python` (the worker calls the
+script's own `next_batch`, `TRAIN_PREFETCH_NUMPY=0`) and `numpy` (batches planned and
+gathered in numpy, for a recognised ShuffledSequenceLoader); each rate comes with its
+ratio to the original's. `producer_batches_per_s_patched` is the default patch's
+producer, the one the wait and the step are measured with.
 """
 
 from __future__ import annotations
@@ -124,7 +123,6 @@ def run_bench(
     warmup: int = 3,
     producer_batches: int = 30,
     torch_threads: int | None = 1,
-    workers: int = 1,
     pageable_h2d: bool = False,
     op: str = DEFAULT_OP,
     op_numel: int = DEFAULT_OP_NUMEL,
@@ -149,18 +147,16 @@ def run_bench(
         raise BenchError(f"--main-thread must be one of {', '.join(MAIN_THREAD_MODES)}, not {main_thread!r}")
     if op not in OP_KINDS:
         raise BenchError(f"--op must be one of {', '.join(OP_KINDS)}, not {op!r}")
-    with bench_loaders(script, shards, shard_tokens, seed, data_dir, queue_depth, workers, torch_threads) as setup:
+    with bench_loaders(script, shards, shard_tokens, seed, data_dir, queue_depth, torch_threads) as setup:
         build, args, variants, tuned_space = setup.build, setup.args, setup.variants, setup.spaces[2]
         threads_used = torch.get_num_threads()
         step, ops = _step_function(main_thread, compute_ms, op, op_numel, ops_per_step)
-        measured = "workers" if variants["patched"] == "workers" else "default"
-        _set_toggles(tuned_space, variants[variants["patched"]])
-        waits, work, spans = _alternate([build[0], build[2] if measured == "workers" else build[1]], args, steps + warmup, step, stage_original=_stage_pageable if pageable_h2d else None, every=alternate_every)
+        waits, work, spans = _alternate([build[0], build[1]], args, steps + warmup, step, stage_original=_stage_pageable if pageable_h2d else None, every=alternate_every)
         # Best of a few alternating rounds: the rate a side can reach on this machine.
-        names = ["original", "default"] + [name for name in ("python", "numpy", "workers") if name in variants]
-        # No assembly or worker toggles: the tuned patch runs the default's producer with a
-        # depth toggle, and the rate rounds set the depth themselves.
-        same_producer = set(variants) == {"python", "patched"}
+        names = ["original", "default"] + [name for name in ("python", "numpy") if name in variants]
+        # No assembly toggle: the tuned patch runs the default's producer with a depth
+        # toggle, and the rate rounds set the depth themselves.
+        same_producer = set(variants) == {"python"}
         rounds = []
         for _ in range(3):
             rates_now = {}
@@ -174,8 +170,8 @@ def run_bench(
                 rates_now[name] = _producer_rate(side, args, producer_batches, patched=name != "original")
             rounds.append(rates_now)
         rates = {name: max(r[name] for r in rounds) for name in names}
-        _set_toggles(tuned_space, {"TRAIN_PREFETCH_WORKERS": 1, "TRAIN_PREFETCH_NUMPY": 1})
-    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates[measured]])
+        _set_toggles(tuned_space, {"TRAIN_PREFETCH_NUMPY": 1})
+    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates["default"]])
     report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
     report["ops_per_step"] = ops
     report["torch_threads"] = threads_used
@@ -183,7 +179,7 @@ def run_bench(
     report["op"] = op if main_thread == "op-bound" else None
     report["op_numel"] = op_numel if main_thread == "op-bound" else None
     report["alternate_every"] = max(1, int(alternate_every))
-    _producer_report(report, rates, variants, workers)
+    _producer_report(report, rates, variants)
     return report
 
 
@@ -201,7 +197,7 @@ class BenchLoaders:
 
 
 @contextlib.contextmanager
-def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed: int = 0, data_dir=None, queue_depth: int = 2, workers: int = 1, torch_threads: int | None = 1):
+def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed: int = 0, data_dir=None, queue_depth: int = 2, torch_threads: int | None = 1):
     """The original's and the patched scripts' training loaders of rank 0 of 8, ready to build.
 
     Patches `script` in memory (a default patch, and one with the producer toggles),
@@ -212,9 +208,9 @@ def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed
     Raises BenchError when the script has no training loader the patch prefetches.
     """
     original_source = read_script(script).source
-    # The wait and the step are measured with what a default patch gives (with
-    # `workers` > 1: the producer toggles set to N workers); the producer-rate rounds
-    # compare the variants of a patch with the producer toggles, and wait for a full queue.
+    # The wait and the step are measured with what a default patch gives; the
+    # producer-rate rounds compare the variants of a patch with the producer toggles,
+    # and wait for a full queue.
     result = patch_source(original_source, keep=frozenset({"wait_full"}))
     tuned = patch_source(original_source, keep=frozenset({"wait_full"}), producer_toggles=True)
     if "train_prefetch" not in result.applied:
@@ -226,7 +222,7 @@ def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed
         raise BenchError(f"{script}: {error}") from None
     patched_site = patched_constructions(result.source, recipe)[0]
     tuned_site = patched_constructions(tuned.source, recipe)[0]
-    variants = _producer_variants(tuned_site, max(1, int(workers)))
+    variants = _producer_variants(tuned_site)
     threads = torch.get_num_threads() if torch_threads is None else torch_threads
     with _shard_dir(data_dir) as directory, host_only_pinning([]), swapped(torch.get_num_threads, torch.set_num_threads, threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
@@ -247,29 +243,22 @@ def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed
         yield BenchLoaders(build, args, spaces, variants)
 
 
-def _producer_variants(patched_site: str, workers: int) -> dict:
-    """Toggle settings per producer variant the patched construction supports, and
-    `"patched"`: the name of the one the wait is measured with."""
-    variants = {"python": {"TRAIN_PREFETCH_NUMPY": 0, "TRAIN_PREFETCH_WORKERS": 1}}
+def _producer_variants(patched_site: str) -> dict:
+    """Toggle settings per producer variant the patched construction supports."""
+    variants = {"python": {"TRAIN_PREFETCH_NUMPY": 0}}
     if "assembly=" in patched_site:
-        variants["numpy"] = {"TRAIN_PREFETCH_NUMPY": 1, "TRAIN_PREFETCH_WORKERS": 1}
-    if "workers=" in patched_site and workers > 1:
-        variants["workers"] = {"TRAIN_PREFETCH_NUMPY": 1, "TRAIN_PREFETCH_WORKERS": workers}
-    variants["patched"] = "workers" if "workers" in variants else "numpy" if "numpy" in variants else "python"
+        variants["numpy"] = {"TRAIN_PREFETCH_NUMPY": 1}
     return variants
 
 
-def _producer_report(report: dict, rates: dict, variants: dict, workers: int) -> None:
-    """Producer rate and ratio to the original's per variant; N workers against one."""
+def _producer_report(report: dict, rates: dict, variants: dict) -> None:
+    """Producer rate and ratio to the original's per variant."""
     original = rates["original"]
-    report["workers"] = workers if "workers" in variants else 1
     report["assembly"] = "numpy" if "numpy" in variants else "python"
-    for name in ("python", "numpy", "workers"):
+    for name in ("python", "numpy"):
         rate = rates.get(name)
         report[f"producer_batches_per_s_{name}"] = None if rate is None else round(rate, 2)
         report[f"producer_ratio_{name}"] = round(rate / original, 3) if rate and original else None
-    one = rates.get("numpy", rates["python"])
-    report["producer_ratio_workers_vs_1"] = round(rates["workers"] / one, 3) if "workers" in rates and one else None
 
 
 def _with_depth(loader, depth: int):
@@ -614,11 +603,9 @@ def _print_table(report: dict, stream) -> None:
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f} {row[3]:10.1f}", file=stream)
     print(f"  total wait original / patched: {report['ratio']}x", file=stream)
     print(f"  producer: original {report['producer_batches_per_s_original']} batches/s, patched {report['producer_batches_per_s_patched']} batches/s ({report['producer_ratio']}x)", file=stream)
-    for name, label in (("python", "1 worker, script's next_batch"), ("numpy", "1 worker, numpy assembly"), ("workers", f"{report['workers']} workers, {report['assembly']} assembly")):
+    for name, label in (("python", "thread, script's next_batch"), ("numpy", "thread, numpy assembly")):
         if report[f"producer_batches_per_s_{name}"] is not None:
             print(f"    {label:34} {report[f'producer_batches_per_s_{name}']:>10} batches/s ({report[f'producer_ratio_{name}']}x original)", file=stream)
-    if report["producer_ratio_workers_vs_1"] is not None:
-        print(f"    {report['workers']} workers / 1 worker: {report['producer_ratio_workers_vs_1']}x", file=stream)
     if report["main_thread_slowdown_pct"] is not None:
         work = "op loop" if report["main_thread"] == "op-bound" else "Python work"
         print(f"  main thread's {work} slowed by {report['main_thread_slowdown_pct']} %", file=stream)
@@ -643,7 +630,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
     parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node; 0: as torch starts, one per core)")
-    parser.add_argument("--workers", type=int, default=1, help="TRAIN_PREFETCH_WORKERS for the patched loader; above 1 the producer rate of N workers is reported against one (ShuffledSequenceLoader family)")
     parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3; rank 0 of 8 reads every 8th in the ShuffledSequenceLoader family)")
     parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
     parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (the patched hand-out's copy is the pinning copy it makes there)")
@@ -664,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                 report = run_module_bench(args.script, args.steps, args.compute_ms, args.main_thread)
                 print(json.dumps(report)) if args.json else print_module_report(report, sys.stdout)
                 return 0
-            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads or None, workers=args.workers, pageable_h2d=args.pageable_h2d,
+            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads or None, pageable_h2d=args.pageable_h2d,
                 op=args.op, op_numel=args.op_numel, ops_per_step=args.ops_per_step, alternate_every=args.alternate_every)
     except (BenchError, SourceError) as error:
         print(f"patch-prefetch bench: error: {error}", file=sys.stderr)

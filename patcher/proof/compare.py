@@ -40,7 +40,7 @@ class Difference:
     batch: int
     field: int | str | None  # the top-level field (index) or the path (`2['pq_idx']`) that differs; None: not one field (an exception, a thread left running)
     what: str
-    configuration: str | None = None  # how the patched loader ran (producer threads, device)
+    configuration: str | None = None  # how the patched loader ran (the producer, the device)
 
 
 def first_difference(a, b) -> tuple[int | str, str] | None:

@@ -86,15 +86,12 @@ class VerifyResult:
         return d
 
 
-# Batches per rank after the rebuild (each rank runs the default producer, rank 0
-# also several producer threads: an ordering race among them shows in most runs of
-# this many batches; --batches 256 for more).
+# Batches per rank after the rebuild (each rank runs the default producer on the CUDA
+# path, rank 0 also on a CPU device; --batches 256 for more).
 DEFAULT_BATCHES = 96
 # Items per rank of a data generator (one producer thread; each item is a whole
 # global batch, so the shards grow with this).
 DEFAULT_GENERATOR_ITEMS = 64
-# Producer threads of the several-thread run, where the script has the toggle.
-SEVERAL_WORKERS = 3
 # A batch takes milliseconds to build; one that has not come after this long never will
 # (a generator that walks its files once and ran out, a script thread that died).
 DRAW_TIMEOUT_S = 60.0
@@ -114,7 +111,6 @@ class _Run:
     warmup: int
     sends: list[str]
     shard_tokens: int | None
-    workers: int | None
     notes: list[str]
     started: float
 
@@ -143,15 +139,14 @@ class Driver:
 # The scripts are unloaded once verify's frame is gone: a process that verifies many would
 # otherwise keep every script's shards open (memmap caches) and its runtime's exit hooks.
 @scripts_unloaded()
-def verify(original: str | Path, patched: str | Path, batches: int | None = None, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None, workers: int | None = None) -> VerifyResult:
+def verify(original: str | Path, patched: str | Path, batches: int | None = None, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None) -> VerifyResult:
     """Compare the training batches of `original` and `patched` for ranks 0..world_size-1.
 
     Both scripts are imported with `__file__` = the original's path (the patched one is
     meant to stand there). Each rank's original batches are drawn once; the patched
-    loader is then run, for every rank, with the default producer and (where the
-    script has `TRAIN_PREFETCH_WORKERS`) `workers` producer threads (default 3), both
-    on the CUDA path driven with host memory (pinned staging, copy stream), and once
-    more on a CPU device for rank 0. The script's own rebuild (its second
+    loader is then run, for every rank, with the default producer on the CUDA path
+    driven with host memory (pinned staging, copy stream), and once more on a CPU
+    device for rank 0. The script's own rebuild (its second
     construction) replaces the warm-up loader; the warm-up loader's threads and child processes must be
     gone after it. Every batch is compared when handed out and again when the next is
     taken (a staging buffer reused too early changes a batch already handed out).
@@ -186,7 +181,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")
         elif not prefetched:
             notes.append("nothing was prefetched: the patched script has no training prefetch (train_prefetch was skipped), so its training loader is the original's")
-        run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, workers, notes, started)
+        run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started)
         driver, recipe = _select_driver(run)
         if run.batches is None:
             run.batches = driver.default_batches
@@ -272,7 +267,7 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
 
         modules = load(0)
         notes.append(_toggle_note(modules[1]))
-        configurations = _configurations(modules[1], run.workers)
+        configurations = _configurations()
         difference = None
         try:
             plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, run.shard_tokens)
@@ -392,24 +387,13 @@ DRIVERS = {
 }
 
 
-def _configurations(patched_module, workers: int | None) -> list[Configuration]:
+def _configurations() -> list[Configuration]:
     """The runs of the patched loader: the default producer on the CUDA path (host
-    memory), several producer threads where the script reads `TRAIN_PREFETCH_WORKERS`,
-    and the CPU device (what a laptop runs) for rank 0."""
-    several = SEVERAL_WORKERS if workers is None else max(2, int(workers))
-    runs = [Configuration("the default producer on the CUDA path (host memory)", {}, True, None)]
-    if _has_toggle(patched_module, "TRAIN_PREFETCH_WORKERS"):
-        runs.append(Configuration(f"{several} producer threads (TRAIN_PREFETCH_WORKERS={several}) on the CUDA path (host memory)", {"TRAIN_PREFETCH_WORKERS": str(several)}, True, (0,)))
-    runs.append(Configuration("the default producer on a CPU device", {}, False, (0,)))
-    return runs
-
-
-def _has_toggle(module, env_name: str) -> bool:
-    """True when the patched script reads the toggle `env_name` (a module constant or a Hyperparameters attribute)."""
-    if env_name in module.__dict__:
-        return True
-    attr = TOGGLES[env_name][0]
-    return any(isinstance(value, type) and attr in vars(value) for value in list(module.__dict__.values()))
+    memory), and the CPU device (what a laptop runs) for rank 0."""
+    return [
+        Configuration("the default producer on the CUDA path (host memory)", {}, True, None),
+        Configuration("the default producer on a CPU device", {}, False, (0,)),
+    ]
 
 
 def _toggle_note(module) -> str:

@@ -1,7 +1,7 @@
 """Cut a runtime template down to the code paths one script's patch uses.
 
 The templates (`templates/*.py`) are complete, tested modules: every option of the
-runtime (a per-step argument rolled back, several workers, numpy assembly, ...) is a
+runtime (a per-step argument rolled back, numpy assembly, settling on attribute reads, ...) is a
 keyword parameter of an entry function such as `_make_train_loader`, stored on the
 instance as `self._<option>` and tested where it matters. A script whose patch never
 passes an option gets the code without it:

@@ -94,7 +94,7 @@ class Context:
     names referenced by the new code. keep: runtime names kept although the script
     does not use them (benchmarks).
     producer_toggles: add the producer tuning toggles (`TRAIN_PREFETCH_QUEUE`; and
-    `TRAIN_PREFETCH_WORKERS`, `TRAIN_PREFETCH_NUMPY` where the loader family has them).
+    `TRAIN_PREFETCH_NUMPY` where the loader family has it).
     What the new code uses of the runtime, for the renderer (`runtime_call`):
     runtime_calls: runtime function -> the options of each call written, {keyword:
     value}; runtime_reads: runtime names and attribute names the new code reads;

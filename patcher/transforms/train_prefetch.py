@@ -11,7 +11,7 @@ options (a `Plan`). This transform writes what the families decided:
   The runtime is the families' forked one, `templates/prefetch_lean.py` (a child
   process runs the loader, so it costs the training loop no GIL time), unless a
   variable needs the thread runtime `templates/prefetch_loader.py` (replay, rollback,
-  reshape at hand-out, settling on attribute reads, several workers) or a runner's
+  reshape at hand-out, settling on attribute reads) or a runner's
   template uses it: the two define the same names, so a script gets one of them. On
   the thread runtime, a loader that never writes into an array it keeps gets
   `host_copy=False`: on a host device its batches are handed out as built, without a
@@ -164,9 +164,6 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         options["name"] = site.target
     if attrs:
         options.update(attrs=True, replay=True)
-    if recognition is not None and ctx.producer_toggles:
-        ctx.need("ordered_handoff")
-        options["workers"] = ctx.toggle_value("TRAIN_PREFETCH_WORKERS")
     if recognition is not None and recognition.recognised:
         ctx.need("shuffled_assembly")
         assembly = recognition.getter
@@ -205,7 +202,6 @@ def _runner_call(runner: str, site, ctx: Context, module: cst.Module) -> cst.Cal
 TOGGLES = (
     Toggle("TRAIN_PREFETCH", 1, "build training batches ahead in a forked child process (or a thread)", position=0),
     Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", position=1),
-    Toggle("TRAIN_PREFETCH_WORKERS", 1, "threads building ShuffledSequenceLoader batches, handed out in order", position=9),
     Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", position=10),
     Toggle("TRAIN_PREFETCH_EVERY_SPLIT", 0, "spawn a data-loader module's producer for every split (val too), not only the training split", position=12),
 )
@@ -214,7 +210,6 @@ RUNTIME = {
     "prefetch_lean": ("copy_stream", "staging"),
     "prefetch_loader": ("copy_stream", "staging"),
     "prefetch_iterator": ("prefetch_loader",),
-    "ordered_handoff": ("prefetch_loader",),
     "shuffled_assembly": (),
     "spawn_generator": ("staging",),
 }
@@ -223,6 +218,6 @@ RUNTIME = {
 # TRAIN_PREFETCH_QUEUE toggle comes with the producer toggles), so the depth is 2.
 OPTIONS = {
     "prefetch_lean": ("queue_depth",),
-    "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "workers", "assembly", "attrs", "replay"),
+    "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "assembly", "attrs", "replay"),
 }
 UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected=(MAKE_TRAIN_LOADER, bestfit_packing.MODULE_RUNTIME))

@@ -122,6 +122,8 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(configuration.host_cuda))
         try:
             for p, (phase, index, count) in enumerate(loader_phases(recipe, plan)):
+                if loader is not None:  # the warm-up loader's producer as far ahead as it goes: a rebuild must drop those batches
+                    _producer_caught_up(loader)
                 before_build = script_threads()
                 earlier = before_build - started_with
                 loader = harness_step(lambda: recipe.evaluate(patched_sites[index], ns, recipe.constructions[index].binding), f"building the patched loader (line {recipe.constructions[index].line}'s construction) for rank {rank}")

@@ -324,9 +324,12 @@ class _PrefetchLoader:
         where there is no child of this process: a process that the script forked from
         the training process must not touch its producer."""
         pid, self.pid = self.pid, 0
-        if pid is False and wait:
-            self.thread.join()
-        elif pid and os.getpid() == self.parent:
+        while pid is False and wait and self.thread.is_alive():
+            for conn in self.value_conn, self.conn:  # a thread blocked writing a value or an error larger than the pipe's buffer ends once it is read
+                while conn.poll():
+                    conn.recv()
+            self.thread.join(0.01)
+        if pid and os.getpid() == self.parent:
             os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 

@@ -74,7 +74,6 @@ TOGGLES_OFF = {
 # The GPU-only tests (each skips on a CPU).
 CUDA_TESTS = [
     "tests/test_prefetch_iterator.py::test_cuda_items_identical_on_the_copy_stream",
-    "tests/test_producer.py::test_gather_pinned",
     "tests/test_step_timing.py::test_breakdown_times_a_real_h2d_copy",
     "tests/test_templates.py::test_h2d_cuda_values_after_sync",
     "tests/test_templates.py::test_prefetch_to_cuda_exact",

@@ -9,9 +9,6 @@ an absolute wait in ms:
 - `wait ratio`: total wait original / patched (higher is better);
 - `max ms`: the patched loader's longest single wait, against the original's;
 - `producer`: the patched worker's build rate / the original `next_batch` rate;
-- `python`, `numpy`: producer batches/s of the thread runtime's worker calling the
-  script's own `next_batch`, and with the numpy assembly (ShuffledSequenceLoader family;
-  `-` where it does not apply), each with its ratio to the original's;
 - `slowdown`: how much longer the main thread's own Python work took beside the patched
   loader's worker than beside the original (GIL-busy only).
 
@@ -55,16 +52,15 @@ def main() -> int:
         parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MAIN_THREAD_MODES)}")
     wait_modes = [m for m in modes if m != "op-bound"]
     if wait_modes:
-        print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'python':>16} {'numpy':>16} {'slowdown':>9}")
+        print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'slowdown':>9}")
     for script in args.scripts:
         for mode in wait_modes:
             r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, shards=args.shards, pageable_h2d=args.pageable_h2d)
             slowdown = "" if r["main_thread_slowdown_pct"] is None else f"{r['main_thread_slowdown_pct']:+.2f} %"
             maxes = f"{r['wait_ms_patched_max']:.2f} ({r['wait_ms_original_max']:.1f})"
-            rates = [_rate(r, name) for name in ("python", "numpy")]
             print(
                 f"{Path(script).parent.name[-48:] or script:48} {mode:11} {r['ratio']:>9.1f}x {maxes:>16} {r['producer_ratio']:>8.2f}x "
-                f"{r['producer_batches_per_s_original']:>9.0f} {rates[0]:>16} {rates[1]:>16} {slowdown:>9}",
+                f"{r['producer_batches_per_s_original']:>9.0f} {slowdown:>9}",
                 flush=True,
             )
     if "op-bound" in modes:
@@ -83,12 +79,6 @@ def main() -> int:
 def _pair(report: dict, stat: str) -> str:
     """`original -> patched` step time in ms for `stat` (mean, median or p99)."""
     return f"{report[f'{stat}_step_ms_original']:.2f}->{report[f'{stat}_step_ms_patched']:.2f}"
-
-
-def _rate(report: dict, name: str) -> str:
-    """`batches/s (ratio to the original)`, or `-` where the variant does not apply."""
-    rate = report[f"producer_batches_per_s_{name}"]
-    return "-" if rate is None else f"{rate:.0f} ({report[f'producer_ratio_{name}']:.2f}x)"
 
 
 if __name__ == "__main__":

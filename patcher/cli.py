@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip", action="append", metavar="FEATURE", choices=FEATURES, help="do not apply this feature")
     parser.add_argument("--with", dest="extra", action="append", metavar="FEATURE", choices=FEATURES, help=f"also apply this feature; the diagnostics ({', '.join(DIAGNOSTICS)}) only add code until a toggle is set, so a default patch leaves them out")
     parser.add_argument("--diagnostics", action="store_true", help=f"also apply every diagnostic feature ({', '.join(DIAGNOSTICS)})")
-    parser.add_argument("--producer-toggles", action="store_true", help="also add the producer tuning toggles: TRAIN_PREFETCH_QUEUE (prefetch depth, default 2), and TRAIN_PREFETCH_NUMPY (numpy batch assembly) where the loader family has it (ShuffledSequenceLoader); a default patch leaves them out, since they cost code bytes")
+    parser.add_argument("--producer-toggles", action="store_true", help="also add the producer tuning toggle TRAIN_PREFETCH_QUEUE (prefetch depth, default 2); a default patch leaves it out, since it costs code bytes")
     parser.add_argument("--no-rewrap", action="store_true", help="write a wrapped input's patched payload as plain source")
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")

@@ -78,8 +78,8 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     module: `source` already parsed; surveyed: `module`'s survey (read-only, so one
     survey serves several patches of the same module); keep: runtime names to inject
     although the script never uses them (methods a benchmark drives);
-    producer_toggles: add `TRAIN_PREFETCH_QUEUE`, and `TRAIN_PREFETCH_NUMPY` where the
-    loader family has it (`--producer-toggles`; costs code bytes).
+    producer_toggles: add `TRAIN_PREFETCH_QUEUE` (`--producer-toggles`; costs code
+    bytes).
     Raises libcst.ParserSyntaxError when `source` is not valid Python.
     """
     enabled = set(DEFAULT_FEATURES) if enabled is None else enabled

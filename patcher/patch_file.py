@@ -41,7 +41,7 @@ class FileOptions:
     per applied feature, so off by default; counted anyway when the artifact is over
     the cap, for the error line). in_place: the
     output is the input (a `.orig` backup is kept). producer_toggles: also add
-    `TRAIN_PREFETCH_QUEUE`, and `TRAIN_PREFETCH_NUMPY` where the loader family has it.
+    `TRAIN_PREFETCH_QUEUE`.
     """
 
     enabled: frozenset[str] = frozenset(DEFAULT_FEATURES)

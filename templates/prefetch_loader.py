@@ -28,15 +28,25 @@ dimension of `.reshape(-1, n)` (the sequence length in the TokenStream family, w
 the stream advances by a span that does not depend on it) is left out of that check
 and applied when the batch is handed out.
 
-One worker thread per loader. Several threads planning batches in call order and
-handing them out in order (the idea of parameter-golf PR #1532) were measured and
-removed: `patch-prefetch bench --main-thread op-bound --steps 300 --compute-ms 20`
-on parameter-golf's 2026-04-05 SDClip record (ShuffledSequenceLoader), 2-core CPU,
-this thread runtime with numpy assembly: two workers lengthened the step by
-+0.49 ms against +0.27 ms for one (median, within noise of each other; numpy off:
-+1.03 vs +0.81 ms), and built batches at 0.44-0.77x the rate of one. The default
-forked child (templates/prefetch_lean.py) shortened the step by about 0.25 ms
-(47-66 % of the data time recovered).
+One worker thread per loader, calling the script's own `next_batch`. Two producers
+of this runtime, both from parameter-golf PR #1532, were measured and removed, with
+`patch-prefetch bench --main-thread op-bound --steps 300 --compute-ms 20` on
+parameter-golf's 2026-04-05 SDClip record (ShuffledSequenceLoader), 2-core CPU:
+
+- Several threads planning batches in call order and handing them out in order: two
+  workers lengthened the step by +0.49 ms against +0.27 ms for one (median, within
+  noise of each other; with the script's own `next_batch`: +1.03 vs +0.81 ms), and
+  built batches at 0.44-0.77x the rate of one.
+- Batches built in numpy (the loader's RNG draws planned in its order, the token
+  windows gathered with one fancy index per shard) instead of by the script's own
+  `next_batch`: on this thread runtime it shortened the step by about 0.5 ms against
+  the thread without it, but every thread variant made the step longer than the
+  original (+0.27 ms at best), while the default forked child
+  (templates/prefetch_lean.py) shortened it. In that child, 3 alternated runs each,
+  the script's own `next_batch` recovered 61.2, 56.9, 61.1 % of the data time (step
+  20.09, 20.21, 20.08 ms) and the numpy build 67.5, 67.4, 58.6 % (step 20.09, 19.92,
+  20.13 ms): the ranges overlap, about 0.02 ms a step, for +709 counted bytes on
+  that wrapped record.
 
 A script gets only the code paths its patch uses (patcher/render/cut.py): each option
 of `_make_train_loader` that the feature declares (`OPTIONS` in
@@ -55,7 +65,6 @@ import warnings
 import torch
 
 from templates.copy_stream import _h2d
-from templates.shuffled_assembly import _shuffled_gather, _shuffled_plan
 from templates.staging import _each_tensor, _stage
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
@@ -91,7 +100,7 @@ def _start_worker(worker):
         thread.start()
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, name="train_loader", rollback=False, host_copy=True, assembly=None, attrs=False, replay=False):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, reshape_arg=None, name="train_loader", rollback=False, host_copy=True, attrs=False, replay=False):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -105,10 +114,7 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
     (only for loaders that never change an array in place; the survey checks that);
     host_copy: copy each batch built ahead even when it is not pinned, for loaders
     that may later write into an array a returned batch views (False when the survey
-    finds no such write: the batch is handed out as built); assembly: None
-    (`next_batch` in the worker) or the name of the script's shard getter (numpy
-    assembly, templates/shuffled_assembly.py; `TRAIN_PREFETCH_NUMPY`): `_shuffled_plan`
-    advances the loader as `next_batch(*args)`, `_shuffled_gather` builds its batch;
+    finds no such write: the batch is handed out as built);
     attrs: the script reads the loader's attributes (`train_loader.stream`), which
     first settle it where the caller is (`_SettlingLoader`, needs `replay=True`);
     without it such reads raise AttributeError; replay: keep the arguments of every batch
@@ -123,7 +129,7 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
         return make_loader(device)
     if attrs and not replay:
         raise ValueError("prefetch: attrs=True needs replay=True")
-    loader = _live_prefetchers[name] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, assembly=assembly, replay=replay)
+    loader = _live_prefetchers[name] = (_SettlingLoader if attrs else _PrefetchLoader)(make_loader, device, queue_depth, copy_stream, reshape_arg=reshape_arg, rollback=rollback, host_copy=host_copy, replay=replay)
     return loader
 
 
@@ -142,8 +148,8 @@ class _PrefetchLoader:
     A worker's exception is re-raised in the caller with the worker's traceback.
     """
 
-    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, assembly=None, replay=False):
-        self._copy_stream, self._reshape_arg, self._rollback, self._host_copy, self._assembly, self._replay = copy_stream, reshape_arg, rollback, host_copy, assembly, replay
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, replay=False):
+        self._copy_stream, self._reshape_arg, self._rollback, self._host_copy, self._replay = copy_stream, reshape_arg, rollback, host_copy, replay
         self._device = torch.device(device)
         self._pin = self._device.type == "cuda" and torch.cuda.is_available()
         self._on_host = self._device.type == "cpu"
@@ -195,7 +201,7 @@ class _PrefetchLoader:
             if not self._replay:
                 raise RuntimeError("prefetch: next_batch after shutdown")
             self._rewind()
-        self._worker, self._worker_args = _Worker(self._loader, args, self._depth, self._pin, rollback=self._rollback, host_copy=self._host_copy, assembly=self._assembly), args
+        self._worker, self._worker_args = _Worker(self._loader, args, self._depth, self._pin, rollback=self._rollback, host_copy=self._host_copy), args
         _start_worker(self._worker)
 
     def shutdown(self):
@@ -224,10 +230,7 @@ class _PrefetchLoader:
     def _rewind(self):
         self._loader = self._make_loader(torch.device("cpu"))
         for old_args in self._handed_out:
-            if self._assembly is not None:
-                _shuffled_plan(self._loader, self._assembly, *old_args)
-            else:
-                self._loader.next_batch(*old_args)
+            self._loader.next_batch(*old_args)
         self._ahead = False
 
     def _checked(self, item):
@@ -286,11 +289,11 @@ class _Built:
 
 class _Worker:
     """A daemon thread that builds batches in call order into a bounded `_Handoff`:
-    `next_batch` then `_stage`, or `_shuffled_plan` then `_shuffled_gather`; with
-    rollback, each batch carries a snapshot of the loader from before it."""
+    `next_batch` then `_stage`; with rollback, each batch carries a snapshot of the
+    loader from before it."""
 
-    def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True, assembly=None):
-        self.loader, self.args, self.pin, self.rollback, self.host_copy, self.assembly = loader, args, pin, rollback, host_copy, assembly
+    def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True):
+        self.loader, self.args, self.pin, self.rollback, self.host_copy = loader, args, pin, rollback, host_copy
         self.queue, self.stop = _Handoff(depth), threading.Event()
         self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
         self.threads = [self.thread]
@@ -301,7 +304,7 @@ class _Worker:
                 # Arguments run left to right: the snapshot is the loader from before the batch.
                 if self.rollback:
                     before = _snapshot(self.loader)
-                built = _shuffled_gather(_shuffled_plan(self.loader, self.assembly, *self.args), self.pin) if self.assembly is not None else _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy)
+                built = _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy)
                 if self.rollback:
                     built = _Built(before, built)
                 self.queue.put_until(built, self.stop)

@@ -214,8 +214,8 @@ def test_verify_subcommand(tmp_path, capsys):
 
 
 def test_producer_toggles_only_on_request(tmp_path, capsys):
-    # The tuning toggles cost code bytes: a default patch leaves them out, the flag adds
-    # them (and the thread runtime with the numpy assembly), and the byte report counts them.
+    # The tuning toggle costs code bytes: a default patch leaves it out, the flag adds it
+    # (on the same forked runtime), and the byte report counts it.
     fixture = FIXTURES / "shuffled_minified.py"
     reports = {}
     for flag in ([], ["--producer-toggles"]):
@@ -224,8 +224,7 @@ def test_producer_toggles_only_on_request(tmp_path, capsys):
         assert code == EXIT_OK
         reports[bool(flag)] = (json.loads(stdout), read_script(out).source)
     (plain, plain_src), (tuned, tuned_src) = reports[False], reports[True]
-    assert "TRAIN_PREFETCH_QUEUE" not in plain_src and "TRAIN_PREFETCH_NUMPY" not in plain_src
-    assert "TRAIN_PREFETCH_QUEUE" in tuned_src and "TRAIN_PREFETCH_NUMPY" in tuned_src
-    assert "def _shuffled_gather(" in tuned_src and "assembly='_get_shard_memmap'" in tuned_src
-    assert "def _produce(" in plain_src and "assembly=" not in plain_src  # the lean runtime's child process
+    assert "TRAIN_PREFETCH_QUEUE" not in plain_src and "TRAIN_PREFETCH_QUEUE" in tuned_src
+    for src in (plain_src, tuned_src):  # the lean runtime's child process, either way
+        assert "def _produce(" in src and "host_copy" not in src
     assert tuned["code_bytes"]["after"] > plain["code_bytes"]["after"]

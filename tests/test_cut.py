@@ -141,26 +141,26 @@ FOLD_CASES = [
     pytest.param(
         """\
         class W:
-            def __init__(self, loader, assembly=None):
-                self.loader, self.assembly = loader, assembly
+            def __init__(self, loader, reshape_arg=None):
+                self.loader, self.reshape_arg = loader, reshape_arg
 
             def build(self):
-                if self.assembly is not None:
-                    return gather(plan(self.loader, self.assembly))
+                if self.reshape_arg is not None:
+                    return reshape(self.loader.next_batch(), self.reshape_arg)
                 else:
                     return stage(self.loader.next_batch())
 
             def other(self):
-                return self.assembly is None or (assembly is None)
+                return self.reshape_arg is None or (reshape_arg is None)
         """,
-        {"assembly": PASSED},
+        {"reshape_arg": PASSED},
         """\
         class W:
-            def __init__(self, loader, assembly=None):
-                self.loader, self.assembly = loader, assembly
+            def __init__(self, loader, reshape_arg=None):
+                self.loader, self.reshape_arg = loader, reshape_arg
 
             def build(self):
-                return gather(plan(self.loader, self.assembly))
+                return reshape(self.loader.next_batch(), self.reshape_arg)
 
             def other(self):
                 return False
@@ -212,19 +212,19 @@ def test_fold(before, facts, after):
 
 
 TRAIN = "_make_train_loader"
-NUMPY_ON = Code("Hyperparameters.train_prefetch_numpy")
+TOGGLE_ON = Code("Hyperparameters.train_copy_stream")
 
 
-# What each call passes -> the facts of assembly, host_copy and rollback ("-": none, the code stays).
+# What each call passes -> the facts of reshape_arg, host_copy and rollback ("-": none, the code stays).
 @pytest.mark.parametrize("calls, facts", [
-    pytest.param({}, {"assembly": None, "host_copy": True, "rollback": False}, id="no-call-the-entry-functions-defaults"),
-    pytest.param({TRAIN: [{"assembly": "_get"}] * 2}, {"assembly": PASSED, "host_copy": True, "rollback": False}, id="every-call-a-string"),
-    pytest.param({TRAIN: [{"assembly": "_get"}, {"queue_depth": 3}]}, {"assembly": "-", "host_copy": True, "rollback": False}, id="one-call-leaves-it-out"),
-    pytest.param({TRAIN: [{"assembly": None}]}, {"assembly": "-", "host_copy": True, "rollback": False}, id="passed-as-none"),
-    pytest.param({TRAIN: [{"assembly": Code(f"'_get' if {NUMPY_ON} else None")}]}, {"assembly": "-", "host_copy": True, "rollback": False}, id="may-be-none"),
-    pytest.param({TRAIN: [{"host_copy": False}]}, {"assembly": None, "host_copy": PASSED, "rollback": False}, id="a-literal-false-is-not-none"),
-    pytest.param({TRAIN: [{"rollback": NUMPY_ON}]}, {"assembly": None, "host_copy": True, "rollback": "-"}, id="a-toggle-is-not-a-literal"),
-    pytest.param({"_other": [{"assembly": "_get"}]}, {"assembly": None, "host_copy": True, "rollback": False}, id="not-the-entry-function"),
+    pytest.param({}, {"reshape_arg": None, "host_copy": True, "rollback": False}, id="no-call-the-entry-functions-defaults"),
+    pytest.param({TRAIN: [{"reshape_arg": 1}] * 2}, {"reshape_arg": PASSED, "host_copy": True, "rollback": False}, id="every-call-a-literal"),
+    pytest.param({TRAIN: [{"reshape_arg": 1}, {"queue_depth": 3}]}, {"reshape_arg": "-", "host_copy": True, "rollback": False}, id="one-call-leaves-it-out"),
+    pytest.param({TRAIN: [{"reshape_arg": None}]}, {"reshape_arg": "-", "host_copy": True, "rollback": False}, id="passed-as-none"),
+    pytest.param({TRAIN: [{"reshape_arg": Code(f"1 if {TOGGLE_ON} else None")}]}, {"reshape_arg": "-", "host_copy": True, "rollback": False}, id="may-be-none"),
+    pytest.param({TRAIN: [{"host_copy": False}]}, {"reshape_arg": None, "host_copy": PASSED, "rollback": False}, id="a-literal-false-is-not-none"),
+    pytest.param({TRAIN: [{"rollback": TOGGLE_ON}]}, {"reshape_arg": None, "host_copy": True, "rollback": "-"}, id="a-toggle-is-not-a-literal"),
+    pytest.param({"_other": [{"reshape_arg": 1}]}, {"reshape_arg": None, "host_copy": True, "rollback": False}, id="not-the-entry-function"),
 ])
 def test_cut_facts_come_from_the_options_each_call_passed(calls, facts):
     found = render.cut_facts(["prefetch_loader"], calls)
@@ -384,6 +384,6 @@ def test_cut_runtime_hands_out_the_loaders_batches(templates, options):
 def test_lean_cut_keeps_no_option_code():
     facts = render.cut_facts(["prefetch_loader"], {TRAIN: [{"prefetch": Code("TRAIN_PREFETCH")}]})
     code = cst.Module(body=render.runtime_block(["prefetch_loader"], set(), False, [], facts, {"_make_train_loader", "next_batch"})).code
-    for gone in ("_snapshot", "_SettlingLoader", "reshape", "assembly", "rollback", '"""', "wait_full", "qsize", "_handed_out", "_rewind", "warnings", "_Built"):
+    for gone in ("_snapshot", "_SettlingLoader", "reshape", "rollback", '"""', "wait_full", "qsize", "_handed_out", "_rewind", "warnings", "_Built"):
         assert gone not in code, gone
     compile(code, "<lean>", "exec")

@@ -1,10 +1,10 @@
 """Family `shuffled` (patcher/families/shuffled.py): recognition, and train_prefetch's
 before -> after and noop tables, whole outputs (runtime block as `RUNTIME`).
 
-A `ShuffledSequenceLoader` is rebuilt on the CPU by `_make_train_loader`: the forked
-producer by default; with the producer toggles, the thread runtime and, where
-`next_batch` is exactly the known shape, the numpy assembly (`TRAIN_PREFETCH_NUMPY`). The assembly's recognition of altered shapes and its
-batches are tested in test_producer.py.
+A `ShuffledSequenceLoader` is rebuilt on the CPU by `_make_train_loader` and run by
+the forked producer, with or without the producer toggles (which add only
+`TRAIN_PREFETCH_QUEUE`). Its batches through the producers are tested in
+test_producer.py.
 """
 
 from __future__ import annotations
@@ -204,7 +204,6 @@ _MEMMAPS = {}
 import os
 TRAIN_PREFETCH = int(os.environ.get("TRAIN_PREFETCH", 1))
 TRAIN_PREFETCH_QUEUE = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))
-TRAIN_PREFETCH_NUMPY = int(os.environ.get("TRAIN_PREFETCH_NUMPY", 1))
 """
         + RUNTIME
         + """\
@@ -251,126 +250,12 @@ class ShuffledSequenceLoader:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
 def main(h, device):
-    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, prefetch=TRAIN_PREFETCH, queue_depth=TRAIN_PREFETCH_QUEUE, copy_stream=False, host_copy=False, assembly='_get_shard_memmap' if TRAIN_PREFETCH_NUMPY else None)
+    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, prefetch=TRAIN_PREFETCH, queue_depth=TRAIN_PREFETCH_QUEUE, copy_stream=False)
     for step in range(10):
         x, y = train_loader.next_batch(h.train_batch_tokens, h.grad_accum_steps)
 """,
-        "`train_loader` built at line 48 prefetches; ShuffledSequenceLoader.next_batch recognised: batches planned in its RNG order and gathered in numpy (TRAIN_PREFETCH_NUMPY)",
-        id="producer-toggles-known-next-batch-gathered-in-numpy",
-    ),
-    pytest.param(
-        """\
-import numpy as np
-import torch
-
-_MEMMAPS = {}
-
-def _get_shard_memmap(file):
-    if file not in _MEMMAPS:
-        _MEMMAPS[file] = np.memmap(file, dtype=np.uint16, mode="r", offset=1024)
-    return _MEMMAPS[file]
-
-class ShuffledSequenceLoader:
-    def __init__(self, h, device):
-        self.files = h.train_files[h.rank :: h.world_size]
-        self.world_size, self.seq_len, self.device = h.world_size, h.train_seq_len, device
-        self.rng = np.random.Generator(np.random.PCG64(h.rank))
-        self.start_inds = [[] for _ in self.files]
-        for si in range(len(self.files)):
-            self._reset_shard(si)
-
-    def _reset_shard(self, si):
-        windows = (len(_get_shard_memmap(self.files[si])) - 1) // self.seq_len
-        self.start_inds[si] = list(self.rng.permutation(windows) * self.seq_len)
-
-    def next_batch(self, global_tokens, grad_accum_steps):
-        device_tokens = global_tokens // (self.world_size * grad_accum_steps)
-        device_batch_size = device_tokens // self.seq_len
-        remaining = np.array([len(s) for s in self.start_inds], dtype=np.float64)
-        x = torch.empty((device_batch_size, self.seq_len), dtype=torch.int64)
-        y = torch.empty((device_batch_size, self.seq_len), dtype=torch.int64)
-        for bi in range(device_batch_size):
-            total = remaining.sum()
-            if total <= 0:
-                for si in range(len(self.files)):
-                    self._reset_shard(si)
-                remaining = np.array([len(s) for s in self.start_inds], dtype=np.float64)
-                total = remaining.sum()
-            probs = remaining / total
-            si = int(self.rng.choice(len(self.files), p=probs))
-            start_ind = self.start_inds[si].pop()
-            remaining[si] -= 1
-            mm = _get_shard_memmap(self.files[si])
-            window = torch.as_tensor(np.array(mm[start_ind:start_ind + self.seq_len + 1], dtype=np.int32))
-            x[bi] = window[:-1]
-            y[bi] = window[1:]
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-def main(h, device):
-    train_loader = ShuffledSequenceLoader(h, device)
-    for step in range(10):
-        x, y = train_loader.next_batch(h.train_batch_tokens, h.grad_accum_steps)
-""",
-        """\
-import numpy as np
-import torch
-
-_MEMMAPS = {}
-import os
-TRAIN_PREFETCH = int(os.environ.get("TRAIN_PREFETCH", 1))
-TRAIN_PREFETCH_QUEUE = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))
-"""
-        + RUNTIME
-        + """\
-
-def _get_shard_memmap(file):
-    if file not in _MEMMAPS:
-        _MEMMAPS[file] = np.memmap(file, dtype=np.uint16, mode="r", offset=1024)
-    return _MEMMAPS[file]
-
-class ShuffledSequenceLoader:
-    def __init__(self, h, device):
-        self.files = h.train_files[h.rank :: h.world_size]
-        self.world_size, self.seq_len, self.device = h.world_size, h.train_seq_len, device
-        self.rng = np.random.Generator(np.random.PCG64(h.rank))
-        self.start_inds = [[] for _ in self.files]
-        for si in range(len(self.files)):
-            self._reset_shard(si)
-
-    def _reset_shard(self, si):
-        windows = (len(_get_shard_memmap(self.files[si])) - 1) // self.seq_len
-        self.start_inds[si] = list(self.rng.permutation(windows) * self.seq_len)
-
-    def next_batch(self, global_tokens, grad_accum_steps):
-        device_tokens = global_tokens // (self.world_size * grad_accum_steps)
-        device_batch_size = device_tokens // self.seq_len
-        remaining = np.array([len(s) for s in self.start_inds], dtype=np.float64)
-        x = torch.empty((device_batch_size, self.seq_len), dtype=torch.int64)
-        y = torch.empty((device_batch_size, self.seq_len), dtype=torch.int64)
-        for bi in range(device_batch_size):
-            total = remaining.sum()
-            if total <= 0:
-                for si in range(len(self.files)):
-                    self._reset_shard(si)
-                remaining = np.array([len(s) for s in self.start_inds], dtype=np.float64)
-                total = remaining.sum()
-            probs = remaining / total
-            si = int(self.rng.choice(len(self.files), p=probs))
-            start_ind = self.start_inds[si].pop()
-            remaining[si] -= 1
-            mm = _get_shard_memmap(self.files[si])
-            window = torch.as_tensor(np.array(mm[start_ind:start_ind + self.seq_len + 1], dtype=np.int32))
-            x[bi] = window[:-1]
-            y[bi] = window[1:]
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-def main(h, device):
-    train_loader = _make_train_loader(lambda loader_device: ShuffledSequenceLoader(h, loader_device), device, prefetch=TRAIN_PREFETCH, queue_depth=TRAIN_PREFETCH_QUEUE, copy_stream=False, host_copy=False)
-    for step in range(10):
-        x, y = train_loader.next_batch(h.train_batch_tokens, h.grad_accum_steps)
-""",
-        "`train_loader` built at line 48 prefetches; numpy assembly not used: next_batch differs from the known ShuffledSequenceLoader shape (`int32` where the known shape has `int64`) at line 42; the worker calls the script's own next_batch",
-        id="producer-toggles-altered-next-batch-keeps-its-own",
+        "`train_loader` built at line 48 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        id="producer-toggles-forked-producer-with-a-depth-toggle",
     ),
 ]
 

@@ -5,8 +5,7 @@ through verify with its default settings.
 The runtimes covered are the ones a patch injects: the lean train prefetch
 (templates/prefetch_lean.py: constant `next_batch` arguments, a forked producer
 process), the full one (templates/prefetch_loader.py: a per-step argument applied at
-hand-out, a rollback to a snapshot, and the numpy assembly of
-templates/shuffled_assembly.py with --producer-toggles), the generator runtime
+hand-out, a rollback to a snapshot), the generator runtime
 (templates/prefetch_iterator.py) and the validation generator (templates/prefetch_val.py).
 Every mutant in `MUTANTS` can change the batches a CPU run hands out (or leaves a
 replaced loader's thread running), so verify must catch every one (a difference, never
@@ -225,27 +224,6 @@ class ResetKeepsTheOldBatches(_InInjected):
         return updated
 
 
-class RngDrawnAheadOfReshuffle(_InInjected):
-    """The numpy assembly draws a batch's uniforms at once even when a reshuffle (which draws too) falls inside it."""
-
-    def leave_IfExp(self, original, updated):
-        if self.inside("_shuffled_plan") and m.matches(updated, m.IfExp(test=m.BooleanOperation(left=m.Name("direct"), operator=m.And()))):
-            self.edits += 1
-            return updated.with_changes(test=updated.test.left)
-        return updated
-
-
-class ReshuffleMissesAShard(_InInjected):
-    """The numpy assembly's reshuffle resets every shard but the last."""
-
-    def leave_For(self, original, updated):
-        if self.inside("_shuffled_plan") and m.findall(updated.body, m.Call(func=m.Attribute(attr=m.Name("_reset_shard")))) and m.matches(updated.iter, m.Call(func=m.Name("range"), args=[m.Arg()])):
-            self.edits += 1
-            count = updated.iter.args[0].value
-            return updated.with_changes(iter=updated.iter.with_changes(args=[cst.Arg(cst.BinaryOperation(count, cst.Subtract(), cst.Integer("1")))]))
-        return updated
-
-
 class StaleSequenceLength(_InInjected):
     """A batch is reshaped with the sequence length it was built with, not the caller's (a stale argument)."""
 
@@ -313,13 +291,12 @@ class ValStagingReused(_InInjected):
         return updated
 
 
-LEAN, NUMPY, FULL_RESHAPE, FULL_ROLLBACK, GENERATOR, VAL = (
-    ("own_configuration", False),  # TokenStream, templates/prefetch_lean.py
-    ("shuffled_minified", True),  # ShuffledSequenceLoader, --producer-toggles: numpy assembly
-    ("curriculum", False),  # a per-step sequence length: templates/prefetch_loader.py, reshape at hand-out
-    ("batch_switch", False),  # a per-step batch size: templates/prefetch_loader.py, rollback
-    ("generator_toplevel", False),  # a data generator with .send(): templates/prefetch_iterator.py
-    ("tokenstream_readable", False),  # the validation generator: templates/prefetch_val.py
+LEAN, FULL_RESHAPE, FULL_ROLLBACK, GENERATOR, VAL = (
+    "own_configuration",  # TokenStream, templates/prefetch_lean.py
+    "curriculum",  # a per-step sequence length: templates/prefetch_loader.py, reshape at hand-out
+    "batch_switch",  # a per-step batch size: templates/prefetch_loader.py, rollback
+    "generator_toplevel",  # a data generator with .send(): templates/prefetch_iterator.py
+    "tokenstream_readable",  # the validation generator: templates/prefetch_val.py
 )
 
 MUTANTS = [
@@ -329,9 +306,6 @@ MUTANTS = [
     pytest.param(LEAN, WorkerDropsABatch, NTH_CALL, id="lean-worker-drops-a-batch"),
     pytest.param(LEAN, OldWorkerLeftRunning, "", id="lean-old-worker-left-running"),
     pytest.param(LEAN, ResetKeepsTheOldBatches, "", id="lean-reset-keeps-the-old-batches"),
-    pytest.param(NUMPY, ReuseStagingBuffer, REUSED_BUFFER, id="numpy-staging-buffer-reused"),
-    pytest.param(NUMPY, RngDrawnAheadOfReshuffle, "", id="numpy-rng-draw-reordered-across-reshuffle"),
-    pytest.param(NUMPY, ReshuffleMissesAShard, "", id="numpy-reshuffle-misses-a-shard"),
     pytest.param(FULL_RESHAPE, HandOutEarly, NTH_CALL, id="full-batch-handed-out-early"),
     pytest.param(FULL_RESHAPE, SkipABatch, NTH_CALL, id="full-batch-skipped"),
     pytest.param(FULL_RESHAPE, StaleSequenceLength, "", id="full-stale-sequence-length"),
@@ -362,16 +336,15 @@ def _stop_leftover_workers():
         thread.join(5)
 
 
-def mutant(tmp_path: Path, fixture: tuple[str, bool], transformer, helpers: str) -> tuple[Path, Path]:
+def mutant(tmp_path: Path, name: str, transformer, helpers: str) -> tuple[Path, Path]:
     """(fixture script, its patched copy with `transformer` applied to the injected runtime).
 
-    fixture: (name under fixtures/ or fixtures/verify/, patched with --producer-toggles)."""
-    name, producer_toggles = fixture
+    name: the fixture's name under fixtures/ or fixtures/verify/ (a default patch)."""
     original = FIXTURES / f"{name}.py"
     if not original.exists():
         original = FIXTURES / "verify" / f"{name}.py"
     script = read_script(original)
-    patched = cst.parse_module(patch_source(script.source, producer_toggles=producer_toggles).source)
+    patched = cst.parse_module(patch_source(script.source).source)
     edit = transformer(_top_level_names(patched) - _top_level_names(cst.parse_module(script.source)))
     mutated = patched.visit(edit)
     assert edit.edits, f"{transformer.__name__}: nothing to mutate in the runtime (it changed; adapt the mutant)"

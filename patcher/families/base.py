@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Callable
 if TYPE_CHECKING:
     import libcst as cst
 
-    from patcher.families.shuffled import Recognition
     from patcher.survey.index import ScriptIndex
     from patcher.survey.loaders import LoaderClass
     from patcher.survey.sites import IteratorSite
@@ -118,10 +117,8 @@ class Plan:
     For `_make_train_loader` only: reshape_arg: index of the `next_batch` argument
     applied at hand-out (a reshape); rollback: the per-step arguments that need the
     snapshot rollback, or None; attrs: the script reads the loader beyond
-    `.next_batch` (settle it on reads); recognition: the numpy assembly's verdict on
-    the loader (producer toggles, ShuffledSequenceLoader family), or None; thread:
-    the variable needs the thread runtime `prefetch_loader` (per-step arguments,
-    attribute reads, the assembly), not the forked one.
+    `.next_batch` (settle it on reads); thread: the variable needs the thread runtime
+    `prefetch_loader` (per-step arguments, attribute reads), not the forked one.
     """
 
     refusal: str | None = None
@@ -131,7 +128,6 @@ class Plan:
     reshape_arg: int | None = None
     rollback: str | None = None
     attrs: bool = False
-    recognition: Recognition | None = None
     thread: bool = False
 
 

@@ -33,12 +33,10 @@ def already_prefetches(loader) -> Plan:
     return refused(loader.threads or f"{loader.name} already prefetches (threads in the loader); not wrapped again", loader.line)
 
 
-def plan_rebuilt_on_cpu(variable: DataVariable, ctx, recognition=None, detail: str = "") -> Plan:
+def plan_rebuilt_on_cpu(variable: DataVariable, ctx) -> Plan:
     """The plan for `variable`, whose loader is rebuilt on the CPU by `_make_train_loader`.
 
-    recognition: the numpy assembly's verdict (ShuffledSequenceLoader family, producer
-    toggles), which needs the thread runtime; detail: what the report adds on the
-    thread runtime (the assembly's note). Returns a refusal or the wrap's options.
+    Returns a refusal or the wrap's options.
     """
     survey = ctx.survey
     reason, line, reshape_arg, rollback = _blocker(variable, survey)
@@ -53,13 +51,12 @@ def plan_rebuilt_on_cpu(variable: DataVariable, ctx, recognition=None, detail: s
     if rollback:
         tail += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
     return Plan(
-        note=f"{head}{detail}{tail}",
+        note=f"{head}{tail}",
         forked_note=f"{head}; {_planned_start(variable, survey)}{tail}",
         reshape_arg=reshape_arg,
         rollback=rollback,
         attrs=attrs,
-        recognition=recognition,
-        thread=reshape_arg is not None or bool(rollback) or attrs or recognition is not None,
+        thread=reshape_arg is not None or bool(rollback) or attrs,
     )
 
 

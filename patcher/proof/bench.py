@@ -46,14 +46,10 @@ the patched loader's worker slows the main thread). Producer throughput (batches
 is measured separately: the original loader's `next_batch` in a tight loop, and the
 patched loader's worker filling a queue while the caller only waits (its build
 rate). The first `warmup` steps (the cold start, whose first batch is built
-synchronously) are left out of the statistics, and the report says how many.
-
-Producer variants of a patch with the producer toggles (thread runtime), measured in
-the same run, alternating, best of three rounds each: `python` (the worker calls the
-script's own `next_batch`, `TRAIN_PREFETCH_NUMPY=0`) and `numpy` (batches planned and
-gathered in numpy, for a recognised ShuffledSequenceLoader); each rate comes with its
-ratio to the original's. `producer_batches_per_s_patched` is the default patch's
-producer, the one the wait and the step are measured with.
+synchronously) are left out of the statistics, and the report says how many. Each
+rate is the best of three rounds that alternate the two sides;
+`producer_batches_per_s_patched` is the default patch's producer, the one the wait
+and the step are measured with.
 """
 
 from __future__ import annotations
@@ -70,7 +66,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from patcher.transforms.features import TOGGLES
 from patcher.proof.harness import HarnessError, hparams_factory, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import host_only_pinning
 from patcher.proof.recipes import LoaderRecipe, patched_constructions
@@ -148,30 +143,14 @@ def run_bench(
     if op not in OP_KINDS:
         raise BenchError(f"--op must be one of {', '.join(OP_KINDS)}, not {op!r}")
     with bench_loaders(script, shards, shard_tokens, seed, data_dir, queue_depth, torch_threads) as setup:
-        build, args, variants, tuned_space = setup.build, setup.args, setup.variants, setup.spaces[2]
+        build, args = setup.build, setup.args
         threads_used = torch.get_num_threads()
         step, ops = _step_function(main_thread, compute_ms, op, op_numel, ops_per_step)
         waits, work, spans = _alternate([build[0], build[1]], args, steps + warmup, step, stage_original=_stage_pageable if pageable_h2d else None, every=alternate_every)
         # Best of a few alternating rounds: the rate a side can reach on this machine.
-        names = ["original", "default"] + [name for name in ("python", "numpy") if name in variants]
-        # No assembly toggle: the tuned patch runs the default's producer with a depth
-        # toggle, and the rate rounds set the depth themselves.
-        same_producer = set(variants) == {"python"}
-        rounds = []
-        for _ in range(3):
-            rates_now = {}
-            for name in names:
-                if name in variants:
-                    _set_toggles(tuned_space, variants[name])
-                if name == "python" and same_producer:
-                    rates_now[name] = rates_now["default"]  # the same producer
-                    continue
-                side = build[0] if name == "original" else build[1] if name == "default" else build[2]
-                rates_now[name] = _producer_rate(side, args, producer_batches, patched=name != "original")
-            rounds.append(rates_now)
-        rates = {name: max(r[name] for r in rounds) for name in names}
-        _set_toggles(tuned_space, {"TRAIN_PREFETCH_NUMPY": 1})
-    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, [rates["original"], rates["default"]])
+        rounds = [[_producer_rate(make, args, producer_batches, patched=make is build[1]) for make in build] for _ in range(3)]
+        rates = [max(side) for side in zip(*rounds)]
+    report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, rates)
     report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
     report["ops_per_step"] = ops
     report["torch_threads"] = threads_used
@@ -179,40 +158,35 @@ def run_bench(
     report["op"] = op if main_thread == "op-bound" else None
     report["op_numel"] = op_numel if main_thread == "op-bound" else None
     report["alternate_every"] = max(1, int(alternate_every))
-    _producer_report(report, rates, variants)
     return report
 
 
 class BenchLoaders:
     """What `bench_loaders` yields.
 
-    build: `[make_original, make_default_patch, make_tuned_patch]`, each `() -> loader`
-    (the tuned one is a patch with the producer toggles, set by `spaces[2]`); args: the
-    `next_batch` arguments of rank 0; spaces: the three scripts' namespaces; variants:
-    `_producer_variants` of the tuned patch.
+    build: `[make_original, make_default_patch]`, each `() -> loader`; args: the
+    `next_batch` arguments of rank 0; spaces: the two scripts' namespaces.
     """
 
-    def __init__(self, build, args, spaces, variants):
-        self.build, self.args, self.spaces, self.variants = build, args, spaces, variants
+    def __init__(self, build, args, spaces):
+        self.build, self.args, self.spaces = build, args, spaces
 
 
 @contextlib.contextmanager
 def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed: int = 0, data_dir=None, queue_depth: int = 2, torch_threads: int | None = 1):
     """The original's and the patched scripts' training loaders of rank 0 of 8, ready to build.
 
-    Patches `script` in memory (a default patch, and one with the producer toggles),
-    writes `shards` synthetic shards of `shard_tokens` tokens into `data_dir` (reused
-    when their count and size match; None: a temporary directory), loads the three
-    scripts and yields a `BenchLoaders`. Inside, torch runs `torch_threads` CPU threads
-    (None: as many as before), CUDA pinning is a host-only stand-in, and the shards stay.
+    Patches `script` in memory (a default patch), writes `shards` synthetic shards of
+    `shard_tokens` tokens into `data_dir` (reused when their count and size match;
+    None: a temporary directory), loads both scripts and yields a `BenchLoaders`.
+    Inside, torch runs `torch_threads` CPU threads (None: as many as before), CUDA
+    pinning is a host-only stand-in, and the shards stay.
     Raises BenchError when the script has no training loader the patch prefetches.
     """
     original_source = read_script(script).source
     # The wait and the step are measured with what a default patch gives; the
-    # producer-rate rounds compare the variants of a patch with the producer toggles,
-    # and wait for a full queue.
+    # producer-rate rounds wait for a full queue.
     result = patch_source(original_source, keep=frozenset({"wait_full"}))
-    tuned = patch_source(original_source, keep=frozenset({"wait_full"}), producer_toggles=True)
     if "train_prefetch" not in result.applied:
         reasons = "; ".join(n.reason for n in result.skipped if n.feature == "train_prefetch") or "no training loader"
         raise BenchError(f"{script}: nothing to benchmark: {reasons}")
@@ -221,44 +195,22 @@ def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed
     except HarnessError as error:
         raise BenchError(f"{script}: {error}") from None
     patched_site = patched_constructions(result.source, recipe)[0]
-    tuned_site = patched_constructions(tuned.source, recipe)[0]
-    variants = _producer_variants(tuned_site)
     threads = torch.get_num_threads() if torch_threads is None else torch_threads
     with _shard_dir(data_dir) as directory, host_only_pinning([]), swapped(torch.get_num_threads, torch.set_num_threads, threads):
         _ensure_shards(directory, shards, shard_tokens, seed)
-        modules = load_module(original_source, str(script)), load_module(result.source, str(script)), load_module(tuned.source, str(script))
+        modules = load_module(original_source, str(script)), load_module(result.source, str(script))
         # Rank 0 of the record's own configuration, 8 GPUs: in the TokenStream family every
         # rank's stream advances by the global batch per step, so shard loads come as often
         # as in a real run.
         make_hp = hparams_factory(recipe, modules[0], WORLD_SIZE, directory)
         spaces = [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cpu")) for mod in modules]
-        _set_toggle(spaces[2], "TRAIN_PREFETCH_QUEUE", queue_depth)  # a default patch has no such toggle: _with_depth
         args = recipe.arguments(spaces[0], 0, [getattr(make_hp(0), "train_seq_len", 1024)])
         binding = recipe.constructions[0].binding
         build = [
             lambda: recipe.build(recipe.constructions[0], spaces[0]),
             lambda: _with_depth(recipe.evaluate(patched_site, spaces[1], binding), queue_depth),
-            lambda: recipe.evaluate(tuned_site, spaces[2], binding),
         ]
-        yield BenchLoaders(build, args, spaces, variants)
-
-
-def _producer_variants(patched_site: str) -> dict:
-    """Toggle settings per producer variant the patched construction supports."""
-    variants = {"python": {"TRAIN_PREFETCH_NUMPY": 0}}
-    if "assembly=" in patched_site:
-        variants["numpy"] = {"TRAIN_PREFETCH_NUMPY": 1}
-    return variants
-
-
-def _producer_report(report: dict, rates: dict, variants: dict) -> None:
-    """Producer rate and ratio to the original's per variant."""
-    original = rates["original"]
-    report["assembly"] = "numpy" if "numpy" in variants else "python"
-    for name in ("python", "numpy"):
-        rate = rates.get(name)
-        report[f"producer_batches_per_s_{name}"] = None if rate is None else round(rate, 2)
-        report[f"producer_ratio_{name}"] = round(rate / original, 3) if rate and original else None
+        yield BenchLoaders(build, args, spaces)
 
 
 def _with_depth(loader, depth: int):
@@ -268,27 +220,6 @@ def _with_depth(loader, depth: int):
         if hasattr(loader, attr):
             setattr(loader, attr, depth)
     return loader
-
-
-def _set_toggles(namespace: dict, values: dict) -> None:
-    for env_name, value in values.items():
-        _set_toggle(namespace, env_name, value)
-
-
-def _set_toggle(namespace: dict, env_name: str, value) -> None:
-    """Set toggle `env_name` where the patched script reads it: a module constant, a
-    Hyperparameters class attribute, or the attribute of an instance that holds its own."""
-    attr = TOGGLES[env_name][0]
-    if env_name in namespace:
-        namespace[env_name] = value
-    for item in list(namespace.values()):
-        if isinstance(item, type) and attr in vars(item):
-            setattr(item, attr, value)
-        elif not isinstance(item, type) and attr in getattr(item, "__dict__", {}):
-            try:
-                setattr(item, attr, value)
-            except (AttributeError, TypeError):
-                object.__setattr__(item, attr, value)
 
 
 class _shard_dir:
@@ -603,9 +534,6 @@ def _print_table(report: dict, stream) -> None:
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f} {row[3]:10.1f}", file=stream)
     print(f"  total wait original / patched: {report['ratio']}x", file=stream)
     print(f"  producer: original {report['producer_batches_per_s_original']} batches/s, patched {report['producer_batches_per_s_patched']} batches/s ({report['producer_ratio']}x)", file=stream)
-    for name, label in (("python", "thread, script's next_batch"), ("numpy", "thread, numpy assembly")):
-        if report[f"producer_batches_per_s_{name}"] is not None:
-            print(f"    {label:34} {report[f'producer_batches_per_s_{name}']:>10} batches/s ({report[f'producer_ratio_{name}']}x original)", file=stream)
     if report["main_thread_slowdown_pct"] is not None:
         work = "op loop" if report["main_thread"] == "op-bound" else "Python work"
         print(f"  main thread's {work} slowed by {report['main_thread_slowdown_pct']} %", file=stream)

@@ -1,7 +1,7 @@
 """Cut a runtime template down to the code paths one script's patch uses.
 
 The templates (`templates/*.py`) are complete, tested modules: every option of the
-runtime (a per-step argument rolled back, numpy assembly, settling on attribute reads, ...) is a
+runtime (a per-step argument rolled back, settling on attribute reads, ...) is a
 keyword parameter of an entry function such as `_make_train_loader`, stored on the
 instance as `self._<option>` and tested where it matters. A script whose patch never
 passes an option gets the code without it:
@@ -11,7 +11,7 @@ passes an option gets the code without it:
    default of the entry function's parameter; `fold` replaces each read of it
    (`rollback`, `self._rollback`) with that constant. An option every call site passes
    as a literal other than None is `PASSED`: only its tests against None
-   (`self.assembly is not None`) are folded.
+   (`self._reshape_arg is not None`) are folded.
 2. **Folding.** `not`, `is None`, `and`/`or`, conditional expressions and `if`
    statements over constants are evaluated; the branch that cannot run is dropped,
    with parameters, keyword arguments and assignments of the option itself, and the

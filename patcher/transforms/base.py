@@ -93,8 +93,7 @@ class Context:
     templates: runtime templates the applied transforms need. toggles_used: toggle
     names referenced by the new code. keep: runtime names kept although the script
     does not use them (benchmarks).
-    producer_toggles: add the producer tuning toggles (`TRAIN_PREFETCH_QUEUE`; and
-    `TRAIN_PREFETCH_NUMPY` where the loader family has it).
+    producer_toggles: add the producer tuning toggle `TRAIN_PREFETCH_QUEUE`.
     What the new code uses of the runtime, for the renderer (`runtime_call`):
     runtime_calls: runtime function -> the options of each call written, {keyword:
     value}; runtime_reads: runtime names and attribute names the new code reads;

@@ -1,8 +1,7 @@
 """Transform `env_toggles`: run-time switches for everything injected, plus a log line.
 
-`TRAIN_PREFETCH` (1), `TRAIN_COPY_STREAM` (1), with the producer toggles
-`TRAIN_PREFETCH_QUEUE` (2) and, for the ShuffledSequenceLoader family,
-`TRAIN_PREFETCH_NUMPY` (1), and the validation and timing toggles (`VAL_BYTECOUNT_DEVICE` is a string, read
+`TRAIN_PREFETCH` (1), `TRAIN_COPY_STREAM` (1), `TRAIN_PREFETCH_QUEUE` (2) with the
+producer toggles, and the validation and timing toggles (`VAL_BYTECOUNT_DEVICE` is a string, read
 without `int()`), those the other transforms use, are
 added in the script's own Hyperparameters idiom, copied from one of its existing
 `name = int(os.environ.get("NAME", default))` lines (a `;`-joined one-liner in a

@@ -22,23 +22,19 @@ options (a `Plan`). This transform writes what the families decided:
   ahead on a thread, `train_loader = _prefetch_iterator(lambda: gen(...), ...)`
   (`templates/prefetch_iterator.py`).
 
-The loader class itself is not touched. With `producer_toggles` (`--producer-toggles`,
-and `bench`) the producer's tuning toggles come along where the family asks for them.
+The loader class itself is not touched. With `producer_toggles` (`--producer-toggles`)
+the prefetch depth comes along as the tuning toggle `TRAIN_PREFETCH_QUEUE`, whatever
+the family; the runtime is the one the families chose without it.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import libcst as cst
 
 from patcher.families import bestfit_packing
 from patcher.families.base import MAKE_TRAIN_LOADER, DataVariable
 from patcher.families.registry import BY_NAME
-from patcher.transforms.base import Code, Context, Feature, Note, Toggle, replace_nodes
-
-if TYPE_CHECKING:
-    from patcher.families.shuffled import Recognition
+from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
 THREAD_RUNTIME = "prefetch_loader"
@@ -79,7 +75,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     full = any(plan.thread for _, plan in wrapped) or any(THREAD_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
     for variable, plan in wrapped:
         for site in variable.sites:
-            replacements[site.call] = _wrapped_call(site, ctx, plan.reshape_arg, plan.rollback, module, plan.recognition, plan.attrs, full)
+            replacements[site.call] = _wrapped_call(site, ctx, plan.reshape_arg, plan.rollback, module, plan.attrs, full)
         notes.append(Note(FEATURE, True, plan.note if full else plan.forked_note, variable.line))
     if replacements:
         ctx.need(THREAD_RUNTIME if full else wrapped[0][0].family.runtime)
@@ -146,7 +142,7 @@ def _device_arg(call: cst.Call, cls) -> int | None:
     return None
 
 
-def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, recognition: Recognition | None = None, attrs: bool = False, full: bool = True) -> cst.Call:
+def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, attrs: bool = False, full: bool = True) -> cst.Call:
     cls = ctx.survey.loader_classes[site.class_name]
     index = _device_arg(site.call, cls)
     device_expr = module.code_for_node(site.call.args[index].value)
@@ -164,13 +160,6 @@ def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | N
         options["name"] = site.target
     if attrs:
         options.update(attrs=True, replay=True)
-    if recognition is not None and recognition.recognised:
-        ctx.need("shuffled_assembly")
-        assembly = recognition.getter
-        if ctx.producer_toggles:
-            numpy_on = ctx.toggle("TRAIN_PREFETCH_NUMPY")
-            assembly = Code(ctx.code(f"{assembly!r} if {numpy_on} else None", f"{assembly!r}if {numpy_on} else None"))
-        options["assembly"] = assembly
     lambda_ = ctx.code(f"lambda loader_device: {inner}", f"lambda loader_device:{inner}")
     return ctx.runtime_call("_make_train_loader", [lambda_, device_expr], options, holder=site.target)
 
@@ -202,7 +191,6 @@ def _runner_call(runner: str, site, ctx: Context, module: cst.Module) -> cst.Cal
 TOGGLES = (
     Toggle("TRAIN_PREFETCH", 1, "build training batches ahead in a forked child process (or a thread)", position=0),
     Toggle("TRAIN_PREFETCH_QUEUE", 2, "batches built ahead at most", position=1),
-    Toggle("TRAIN_PREFETCH_NUMPY", 1, "plan and gather ShuffledSequenceLoader batches in numpy", position=10),
     Toggle("TRAIN_PREFETCH_EVERY_SPLIT", 0, "spawn a data-loader module's producer for every split (val too), not only the training split", position=12),
 )
 RUNTIME = {
@@ -210,7 +198,6 @@ RUNTIME = {
     "prefetch_lean": ("copy_stream", "staging"),
     "prefetch_loader": ("copy_stream", "staging"),
     "prefetch_iterator": ("prefetch_loader",),
-    "shuffled_assembly": (),
     "spawn_generator": ("staging",),
 }
 # The options of `_make_train_loader` whose code a script gets only where a call site
@@ -218,6 +205,6 @@ RUNTIME = {
 # TRAIN_PREFETCH_QUEUE toggle comes with the producer toggles), so the depth is 2.
 OPTIONS = {
     "prefetch_lean": ("queue_depth",),
-    "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "assembly", "attrs", "replay"),
+    "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "attrs", "replay"),
 }
 UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected=(MAKE_TRAIN_LOADER, bestfit_packing.MODULE_RUNTIME))

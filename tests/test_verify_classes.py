@@ -165,3 +165,23 @@ def test_every_rank_reads_across_shard_boundaries_and_wraps(tmp_path):
     sizing = next(n for n in result.notes if n.startswith("4 shards x"))
     times = float(sizing.split("the shards read ")[1].split(" times")[0])
     assert times > 1.0, sizing  # every shard read, the stream wrapped around
+
+
+def test_a_loader_the_script_reads_beyond_next_batch_is_verified_without_settling_it(tmp_path):
+    # The script reads `train_loader.stream` after its rebuild: the loader is a
+    # `_SettlingLoader`, which settles (stops its worker) at any attribute read. verify's
+    # own looks at the producer (which one a rebuild kept, how far ahead it is) must not
+    # read it through getattr, or the loader it drives is no longer the script's (with a
+    # sequence length applied at hand-out, as in this curriculum, a settled loader's
+    # next batch then raises).
+    source = (FIXTURES.parent / "curriculum.py").read_text(encoding="utf-8")
+    rebuild = "        train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)\n"
+    assert source.count(rebuild) == 1
+    source = source.replace(rebuild, rebuild + '        log0(f"stream at token {train_loader.stream.pos}")\n')
+    original = tmp_path / "reads_the_stream.py"
+    original.write_text(source, encoding="utf-8")
+    out = tmp_path / "reads_the_stream_patched.py"
+    out.write_text(patch_source(source).source, encoding="utf-8")
+    assert "class _SettlingLoader" in out.read_text(encoding="utf-8")
+    result = verify(original, out, batches=16)
+    assert result.identical, result.difference

@@ -287,8 +287,11 @@ class ChildProcess:
 def reset_producer(loader) -> set:
     """The producer a rebuilt loader kept from the loader built before (templates/prefetch_lean.py
     resets its forked child or its thread at a rebuild instead of starting another): as
-    `script_threads` lists it, or empty for other runtimes and a producer started anew."""
-    pid, thread = getattr(loader, "pid", None), getattr(loader, "thread", None)
+    `script_threads` lists it, or empty for other runtimes and a producer started anew.
+    Reads the instance's own attributes only: a loader whose attribute reads settle it
+    (templates/prefetch_loader.py's `_SettlingLoader`) must not be read through `getattr`."""
+    own = vars(loader) if hasattr(loader, "__dict__") else {}
+    pid, thread = own.get("pid"), own.get("thread")
     if type(pid) is int and pid > 0:
         return {ChildProcess(pid)}
     return {thread} if pid is False and thread is not None else set()

@@ -170,7 +170,8 @@ def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
     free slot, at most `timeout_s` seconds: the slot of the batch handed out last is
     then rewritten, so a batch that still views its slot shows it when compared again
     (deterministically, not by the child's timing). Other runtimes: returns at once."""
-    filled, pid = getattr(loader, "filled", None), getattr(loader, "pid", None)
+    own = vars(loader) if hasattr(loader, "__dict__") else {}  # not getattr: a `_SettlingLoader` settles on attribute reads
+    filled, pid = own.get("filled"), own.get("pid")
     if filled is None or not pid:
         return
     child = ChildProcess(pid)

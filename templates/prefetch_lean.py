@@ -53,7 +53,10 @@ has left its compile pool running) does not fork again: the producer builds the
 loader again itself, from the rebuild's own expression and the values it reads now
 (`_PrefetchLoader.reset`), and the batches it had built ahead from the old loader are
 dropped. The fork happens at the first batch, before the warm-up compiles the model
-and, in most scripts, before any thread of the script's own runs.
+and, in most scripts, before any thread of the script's own runs. The rebuilt loader's
+constructor runs in the producer, not in the training process: what a construction
+changes outside the loader (a global it sets, an argument it mutates) stays in the
+training process as the first construction left it.
 
 What real scripts do around it. The child is started with `os.fork()`, not as a
 `multiprocessing.Process`: a script's own raw fork whose child exits through

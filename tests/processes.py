@@ -7,7 +7,10 @@ worker that has run hundreds of tests can hold that many.
 from __future__ import annotations
 
 import os
+import queue
 import select
+import subprocess
+import threading
 from pathlib import Path
 from typing import IO, Union
 
@@ -44,16 +47,48 @@ def open_files() -> set[str]:
     return out
 
 
-def children(pid: int) -> list[int]:
-    """The pids whose parent is `pid`, zombies included (from /proc)."""
+def _with_stat_field(index: int, value: int) -> list[int]:
+    """The pids, zombies included, whose /proc stat field `index` (counted after the
+    command's closing parenthesis: 1 the parent, 3 the session) is `value`."""
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[index]) == value:
                 found.append(int(entry))
         except OSError:  # gone meanwhile
             pass
     return found
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid`, zombies included (from /proc)."""
+    return _with_stat_field(1, pid)
+
+
+def session(sid: int) -> list[int]:
+    """The pids of the processes, zombies included, of session `sid` (from /proc)."""
+    return _with_stat_field(3, sid)
+
+
+def read_lines(proc: subprocess.Popen, queued: str) -> tuple[list[str], list[str], queue.Queue, list[threading.Thread]]:
+    """Read `proc`'s stdout and stderr line by line on daemon threads of the test.
+    Returns (stdout lines, stderr lines, a queue that gets each line of the `queued`
+    stream, "stdout" or "stderr", as it comes, the reader threads, started)."""
+    lines: queue.Queue = queue.Queue()
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=_read, args=(stream, into, lines if name == queued else None), daemon=True)
+               for name, stream, into in (("stdout", proc.stdout, out), ("stderr", proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    return out, err, lines, readers
+
+
+def _read(stream, into: list, lines) -> None:
+    for line in stream:
+        into.append(line.rstrip("\n"))
+        if lines is not None:
+            lines.put(into[-1])
 
 
 def descendants(pid: int) -> list[int]:

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 
+import processes
 from processes import exits_within
 from patcher.render import render
 from templates import prefetch_lean
@@ -89,14 +90,7 @@ def same(got, want) -> bool:
 
 def children() -> set[int]:
     """The pids of this process's children, zombies included."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                found.add(int(entry))
-        except OSError:  # gone meanwhile
-            pass
-    return found
+    return set(processes.children(os.getpid()))
 
 
 def reaped(pid: int) -> bool:

@@ -20,14 +20,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from patcher.patch import patch_source
-from processes import children
+from processes import children, read_lines, session
 from patcher.proof.shards import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,18 +72,6 @@ def scripts(tmp_path: Path, *edits: tuple[str, str], unseen: tuple = ()) -> tupl
     return original, patched
 
 
-def session(sid: int) -> list[int]:
-    """The pids of the processes, zombies included, of session `sid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
-                found.append(int(entry))
-        except OSError:  # gone meanwhile
-            pass
-    return found
-
-
 class Script:
     """A command run in a session of its own; its stdout and stderr are read line by
     line on threads of the test, so that a test can wait for a line."""
@@ -92,20 +79,7 @@ class Script:
     def __init__(self, command: list[str], env: dict, cwd: Path):
         self.started = time.monotonic()
         self.proc = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout, self.lines), daemon=True),
-                        threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr, None), daemon=True)]
-        for reader in self.readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, into: list, lines):
-        for line in stream:
-            into.append(line.rstrip("\n"))
-            if lines is not None:
-                lines.put(into[-1])
+        self.stdout, self.stderr, self.lines, self.readers = read_lines(self.proc, "stdout")
 
     def wait_for(self, text: str) -> None:
         """Return once the script has printed the line `text`; fail after RUN_S."""

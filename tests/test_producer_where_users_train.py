@@ -16,14 +16,13 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from patcher.patch import patch_source
-from processes import children, descendants
+from processes import children, descendants, read_lines
 from patcher.proof.shards import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,21 +103,8 @@ class Run:
     def __init__(self, command: list[str], env: dict, cwd: Path):
         self.proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         STARTED.append(self.proc)
-        self.lines: queue.Queue = queue.Queue()
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self.readers = [threading.Thread(target=self._read, args=(stream, into, lines), daemon=True)
-                        for stream, into, lines in ((self.proc.stdout, self.stdout, None), (self.proc.stderr, self.stderr, self.lines))]
-        for reader in self.readers:
-            reader.start()
+        self.stdout, self.stderr, self.lines, self.readers = read_lines(self.proc, "stderr")
         self.deadline = time.monotonic() + RUN_S
-
-    @staticmethod
-    def _read(stream, into: list, lines):
-        for line in stream:
-            into.append(line.rstrip("\n"))
-            if lines is not None:
-                lines.put(into[-1])
 
     def observations(self, ranks: int) -> dict[int, tuple[int, list[str]]]:
         """Wait for `ranks` observe lines: {rank: (pid, forks so far, thread names)}."""

@@ -177,8 +177,8 @@ class _PrefetchLoader:
         be trusted (`_threads_a_fork_lacks`, or /dev/shm too small for the slots: a
         container's is 64 MB), with one line on stderr saying why. Both run `_produce`
         and hand out through the same slots, semaphores and pipes.
-        Returns the first batch to hand out (a copy: a thread's calls may rewrite a
-        buffer the loader reuses).
+        Returns the first batch to hand out (for a thread, a copy: its calls may rewrite
+        a buffer the loader reuses; a forked child writes only its own memory).
 
         The GIL is shared with the training loop, so a host-bound loop gains less from a
         thread than from a child process (bench `--main-thread op-bound`: 25-45 % of the
@@ -203,8 +203,9 @@ class _PrefetchLoader:
             self.slots = [_each_tensor(batch, torch.empty_like) for _ in range(self.depth)]
             self.filled, self.free = threading.Semaphore(0), threading.Semaphore(self.depth)
         (self.conn, self.sender), (self.value_conn, self.value_sender), (self.orders, self.order_sender) = (multiprocessing.Pipe(False) for _ in range(3))
-        self.parent, batch = os.getpid(), _each_tensor(batch, torch.clone)
+        self.parent = os.getpid()
         if cause:
+            batch = _each_tensor(batch, torch.clone)  # before the thread calls the loader again
             self.pid, self.thread = False, threading.Thread(target=self._produce, name=f"prefetch {self.name}", daemon=True)
             self.thread.start()
             return batch

@@ -11,7 +11,7 @@ step, on the same shards:
 - original: the script's generator, its `.to(device)` charged the host copy a pageable
   H2D makes on a GPU (`_stage_pageable`);
 - staged: the patched script's generator on the CUDA path driven with host memory
-  (`cuda_on_host`): each copy goes into its pinned ring buffer, as on a GPU;
+  (`cuda_on_host`): each copy goes into pinned memory, as on a GPU;
 - thread: the original generator run ahead by the thread producer
   (`templates/prefetch_iterator.py`), what a default patch gives generators without
   shard threads.

@@ -24,7 +24,7 @@ stage's first step and None otherwise (at least two stage changes). Each micro-s
 first queues the GPU load (bf16 matmuls calibrated once with CUDA events to about
 `--load-ms`) on the compute stream, then times on the host only the `send`: the time
 the host is blocked (a pageable `.to("cuda", non_blocking=True)` waits behind the
-queued load; the patched pinned ring on the copy stream should not). The two sides
+queued load; the patched pinned copy on the copy stream should not). The two sides
 alternate one optimizer step (`grad_accum_steps` micro-steps) at a time, with a
 `torch.cuda.synchronize()` between turns (untimed), so the host's load and the GPU's
 queue fall on both alike. The first step of each side (first shard read, allocator

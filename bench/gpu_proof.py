@@ -18,7 +18,7 @@ skipped and recorded as skipped; a failed stage never stops the others.
 1. premise: host milliseconds blocked by `.to("cuda", non_blocking=True)` from pageable
    and pinned memory, with the compute stream idle and busy (queued matmuls), at 64 KB,
    1 MB and 8 MB; then the same through the injected pieces (`_h2d` on the copy stream,
-   `_pinned_h2d`'s pinned ring). A profiler pass names, for each H2D memcpy, pageable or
+   `_pinned_h2d`'s pinned copy, the staging every producer shares). A profiler pass names, for each H2D memcpy, pageable or
    pinned, its stream, and how much of it overlapped compute.
 2. sanitizer: the CUDA-only tests (skipped on a CPU), then PyTorch's CUDA stream
    sanitizer: a planted race must be reported (the positive control), the injected
@@ -291,8 +291,8 @@ def stage_probe(inputs: Path, work: Path, dry_run: bool) -> dict:
 
 def stage_premise(inputs: Path, work: Path, dry_run: bool) -> dict:
     """Host ms blocked per H2D copy call: pageable vs pinned, compute stream idle vs busy,
-    at 64 KB, 1 MB and 8 MB; then through `_h2d` (copy stream) and `_pinned_h2d` (pinned
-    ring). Then a profiler pass over the same calls. On a CPU (dry run) the same loops
+    at 64 KB, 1 MB and 8 MB; then through `_h2d` (copy stream) and `_pinned_h2d` (a pinned
+    copy, then `_h2d`). Then a profiler pass over the same calls. On a CPU (dry run) the same loops
     run against host memory and the figures mean nothing: they only exercise the code."""
     import torch
 
@@ -308,7 +308,7 @@ def stage_premise(inputs: Path, work: Path, dry_run: bool) -> dict:
         "to_pageable": lambda host, pinned: host.to(device, non_blocking=True),
         "to_pinned": lambda host, pinned: pinned.to(device, non_blocking=True),
         "h2d_copy_stream_pinned": lambda host, pinned: _h2d(pinned, device),
-        "pinned_h2d_ring_from_pageable": lambda host, pinned: _pinned_h2d(host, device, 0),
+        "pinned_h2d_from_pageable": lambda host, pinned: _pinned_h2d(host, device),
     }
     table = {}
     for size_name, nbytes in sizes.items():
@@ -331,7 +331,7 @@ def stage_premise(inputs: Path, work: Path, dry_run: bool) -> dict:
     figures = {"device": str(device), "load_ms": load.measured_ms, "reps": reps, "host_ms": table}
     figures["profile"] = _profile_copies(device, load, calls, sizes) if cuda else None
     key = "1MB" if "1MB" in sizes else next(iter(sizes))
-    pageable, staged = table[f"{key}/to_pageable/busy"]["median"], table[f"{key}/pinned_h2d_ring_from_pageable/busy"]["median"]
+    pageable, staged = table[f"{key}/to_pageable/busy"]["median"], table[f"{key}/pinned_h2d_from_pageable/busy"]["median"]
     figures["headline"] = f"{key} busy: host blocked {pageable:.3f} ms by a pageable .to(), {table[f'{key}/to_pinned/busy']['median']:.3f} ms pinned, {staged:.3f} ms through _pinned_h2d (load {load.measured_ms:.1f} ms queued)"
     return figures
 
@@ -396,7 +396,7 @@ def _profile_copies(device, load, calls, sizes) -> dict:
     pinned = host.pin_memory()
     summary = {}
     for name, call in calls.items():
-        for _ in range(2):  # first use makes streams and ring buffers
+        for _ in range(2):  # first use makes streams and pinned blocks
             load.queue()
             call(host, pinned)
         torch.cuda.synchronize()
@@ -511,8 +511,8 @@ def sanitize_case(case: str) -> int:
     return 0
 
 
-# The injected pieces run under the sanitizer: the copy stream, the pinned ring, a staged batch.
-SANITIZED_PIECES = ("copy_stream", "pinned_ring", "staged_batch")
+# The injected pieces run under the sanitizer: the copy stream, pinned staging, a staged batch.
+SANITIZED_PIECES = ("copy_stream", "pinned_staging", "staged_batch")
 
 
 def _sanitized_piece(case: str, device) -> None:
@@ -528,10 +528,10 @@ def _sanitized_piece(case: str, device) -> None:
             host = torch.full((1 << 18,), step, dtype=torch.int64).pin_memory()
             x = _h2d(host, device)
             (x * 2).sum().item()
-    elif case == "pinned_ring":
+    elif case == "pinned_staging":
         for step in range(8):
             host = torch.full((1 << 18,), step, dtype=torch.int32)
-            x = _pinned_h2d(host, device, 0)
+            x = _pinned_h2d(host, device)
             assert int((x - step).abs().sum()) == 0
     elif case == "staged_batch":
         for step in range(6):

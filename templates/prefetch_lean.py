@@ -17,9 +17,9 @@ The script's loader is built with `device=cpu`. The first `next_batch` runs it i
 training process, as the original does; then a child process, forked with the loader
 in that state, keeps calling its `next_batch` with the same arguments and writes batch
 n into shared-memory slot `n % queue_depth`. Two semaphores count the filled slots and
-the free ones. `next_batch` takes the next filled slot, copies it into fresh memory
-(pinned when the batch goes to CUDA), frees the slot and does the H2D copy (`_h2d`: on
-the copy stream when enabled). Only the child advances the loader, with exactly the
+the free ones. `next_batch` takes the next filled slot, copies it out and frees the slot:
+on CUDA into pinned memory, the H2D copy queued from there on the copy stream
+(`_staged_h2d`, `templates/staging.py`); elsewhere a clone. Only the child advances the loader, with exactly the
 calls the original makes, so the batches are bit-identical.
 
 Why a process, and why no thread in the training process: a host-bound training loop
@@ -94,8 +94,7 @@ import types
 
 import torch
 
-from templates.copy_stream import _h2d
-from templates.staging import _each_leaf, _each_tensor, _rebuilt
+from templates.staging import _POLL_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
 
 # One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}
@@ -150,11 +149,13 @@ class _PrefetchLoader:
             batch = self.loader.next_batch(*args)  # the first batch here; the producer goes on from this state
             self.values = []  # the first batch's non-tensor leaves: none means no batch has any
             self.layout = _layout(batch, self.values)
-            batch = self._start(batch)
+            handed = self._hand_out(batch)  # before the producer (a thread) calls the loader again
+            self._start(batch)
+            return handed
         elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
         else:
-            while not self.filled.acquire(timeout=0.1):
+            while not self.filled.acquire(timeout=_POLL_S):
                 if self.conn.poll():  # the producer's error, or the end of the pipe: the child is gone
                     try:
                         error = self.conn.recv()
@@ -162,14 +163,20 @@ class _PrefetchLoader:
                         raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
                     self.shutdown()
                     raise _rebuilt(error[0]) from RuntimeError(error[1])  # (the exception, the producer's formatted traceback)
-            pin = self.device.type == "cuda" and torch.cuda.is_available()
             # Each batch's own non-tensor values (a counter, a state dict's ints, a
             # string) come through a pipe, in order, beside its tensors in the slot.
-            values = iter(self.value_conn.recv() if self.values else ())
-            batch = _each_leaf(self.slots[self.taken % self.depth], lambda v: (v.pin_memory() if pin else v.clone()) if isinstance(v, torch.Tensor) else next(values))
+            batch = self._hand_out(self.slots[self.taken % self.depth], iter(self.value_conn.recv() if self.values else ()))
             self.taken += 1
             self.free.release()
-        return _each_tensor(batch, lambda t: _h2d(t, self.device, self.copy_stream))
+            return batch
+
+    def _hand_out(self, batch, values=None):
+        """`batch` on `self.device`, each tensor a copy that the producer cannot
+        rewrite: on CUDA a pinned copy and its H2D (`_staged_h2d`, the staging every
+        producer shares), elsewhere a clone. values: the batch's non-tensor leaves, in
+        order, where `batch` is a slot (a slot holds the first batch's)."""
+        pin = self.device.type == "cuda" and torch.cuda.is_available()  # pinned: a copy already
+        return _each_leaf(batch, lambda v: _staged_h2d(v if pin else v.clone(), self.device, self.copy_stream) if isinstance(v, torch.Tensor) else v if values is None else next(values))
 
     def _start(self, batch):
         """Allocate the slots and start the producer that fills them, after the first
@@ -177,8 +184,6 @@ class _PrefetchLoader:
         be trusted (`_threads_a_fork_lacks`, or /dev/shm too small for the slots: a
         container's is 64 MB), with one line on stderr saying why. Both run `_produce`
         and hand out through the same slots, semaphores and pipes.
-        Returns the first batch to hand out (for a thread, a copy: its calls may rewrite
-        a buffer the loader reuses; a forked child writes only its own memory).
 
         The GIL is shared with the training loop, so a host-bound loop gains less from a
         thread than from a child process (bench `--main-thread op-bound`: 25-45 % of the
@@ -205,27 +210,18 @@ class _PrefetchLoader:
         (self.conn, self.sender), (self.value_conn, self.value_sender), (self.orders, self.order_sender) = (multiprocessing.Pipe(False) for _ in range(3))
         self.parent = os.getpid()
         if cause:
-            batch = _each_tensor(batch, torch.clone)  # before the thread calls the loader again
             self.pid, self.thread = False, threading.Thread(target=self._produce, name=f"prefetch {self.name}", daemon=True)
-            self.thread.start()
-            return batch
+            return self.thread.start()
         sys.stdout.flush()  # what is buffered here must not be written by the child too (stderr is line-buffered)
         self.pid = os.fork()
         if not self.pid:  # the child: never returns into the script, runs none of its exit hooks
             try:
-                # The script's handlers must not run here (one that ignores SIGTERM would keep the
-                # child alive). SIGINT too: Ctrl-C reaches the whole foreground process group, and
-                # the training process handles its own; Python's default would raise
-                # KeyboardInterrupt inside the loader, to come back as the loader's error.
-                for signum in signal.SIGTERM, signal.SIGINT, signal.SIGHUP:
-                    signal.signal(signum, signal.SIG_DFL)
-                torch.set_num_threads(1)  # the parent's OpenMP team does not exist in a forked child
+                _producer_setup()  # default signal handlers, one torch thread
                 self._produce()
             finally:
                 os._exit(0)
         self.sender.close()  # the child's ends: closed here, so the child's exit is an end of file
         self.value_sender.close()
-        return batch
 
     def _produce(self):
         """The producer (the child process, or the thread): `next_batch(*self.args)` into
@@ -242,8 +238,8 @@ class _PrefetchLoader:
             while True:
                 polls = 0
                 # 5 ms of polling (a release then wakes no sleeper), then sleeps on the
-                # semaphore, waking every 50 ms to see whether the training process is there.
-                while not self.free.acquire(timeout=0.05 if polls > 9 else 0):
+                # semaphore, waking every `_POLL_S` to see whether the training process is there.
+                while not self.free.acquire(timeout=_POLL_S if polls > 9 else 0):
                     if self.pid is not False if on_thread else os.getppid() != self.parent:
                         return
                     polls += 1
@@ -267,19 +263,8 @@ class _PrefetchLoader:
                 self.filled.release()
                 if self.values:  # after the release: the caller reads it then (a value larger than the pipe's buffer cannot block the producer)
                     self.value_sender.send(values)
-        except BaseException as error:  # re-raised in the training process
-            # As torch.utils.data's ExceptionWrapper: the exception travels with its
-            # formatted traceback, which becomes its cause there; it travels as its
-            # class, args and attributes, rebuilt there without its `__init__`
-            # (`_rebuilt`), so a class whose `__init__` takes other arguments arrives as
-            # itself. One whose parts do not pickle (a local class, a lock among its
-            # attributes) travels as a RuntimeError naming its type and args.
-            error = type(error), error.args, error.__dict__
-            try:
-                pickle.dumps(error)
-            except Exception:
-                error = RuntimeError, (f"prefetch: {error[0].__qualname__} in the producer: {' '.join(map(str, error[1]))}",), {}
-            self.sender.send((error, traceback.format_exc()))  # the exception this block handles
+        except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause
+            self.sender.send((_producer_error(error), traceback.format_exc()))
 
     def reset(self, make_loader):
         """The warm-up rebuild without a new producer: the producer builds the loader
@@ -303,7 +288,7 @@ class _PrefetchLoader:
         self.order_sender.send_bytes(order)
         self.free.release()  # a producer waiting for a free slot wakes; it keeps this one back
         read = 0  # values of old batches read while waiting: a producer blocked on a full value pipe would never see the order
-        while not self.conn.poll(0.01):
+        while not self.conn.poll(_POLL_S):
             while self.values and self.value_conn.poll():
                 self.value_conn.recv()
                 read += 1
@@ -332,7 +317,7 @@ class _PrefetchLoader:
             for conn in self.value_conn, self.conn:  # a thread blocked writing a value or an error larger than the pipe's buffer ends once it is read
                 while conn.poll():
                     conn.recv()
-            self.thread.join(0.01)
+            self.thread.join(_POLL_S)
         if pid and os.getpid() == self.parent:
             os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])

@@ -65,14 +65,12 @@ import warnings
 import torch
 
 from templates.copy_stream import _h2d
-from templates.staging import _each_tensor, _stage
+from templates.staging import _POLL_S, _each_tensor, _stage
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
 # Every running worker, stopped at interpreter exit.
 _running_workers = set()
-# How often a blocked caller or worker looks at the stop event (s).
-_POLL_S = 0.1
 
 
 def _stop_workers(stopping, wait):

@@ -30,12 +30,14 @@ without a core to spare, a woken child that has slept preempts the training proc
 loop and takes what the loop leaves. Where cores are free, niceness changes nothing.
 
 Lifetime: the original yields views of one reused device buffer (valid until the next
-`next()`); here each batch has its own pinned staging buffer and device buffer out of a
-ring of two, so a batch stays valid for one more `next()` than the original promises.
-A pinned buffer is rewritten only after the CUDA event recorded behind its last H2D has
-completed (the original refills its one pinned buffer without waiting for the previous
-non-blocking copy, a possible race this removes by construction). On the CPU the batch
-is a fresh tensor per batch.
+`next()`); here each batch is a fresh device tensor, copied from the slot into pinned
+memory and from there to the device (`_staged_h2d`, the staging every producer shares,
+`templates/staging.py`), so a batch stays valid as long as it is held. torch's caching
+host allocator hands a pinned block out again only after the CUDA event recorded behind
+its last H2D has completed (the original refills its one pinned buffer without waiting
+for the previous non-blocking copy, a possible race this removes by construction). The
+H2D is queued on the current stream, as the original's. On the CPU the batch is a fresh
+tensor per batch.
 
 Where the child cannot be used (the module runs as `__main__`, the arguments do not
 pickle, the child cannot import the module or find the function), the original runs in
@@ -50,8 +52,8 @@ every split. The child's exception is raised here
 at the batch where it happened, with the child's formatted traceback as its cause
 (an exception that does not pickle arrives as RuntimeError naming its type). The
 child is a daemon: `multiprocessing` terminates it at exit; closing the generator
-(or dropping it) terminates it at once; the child ignores SIGINT (Ctrl-C reaches the
-parent, whose exit ends it) and leaves by itself when the parent has gone.
+(or dropping it) terminates it at once; the child has default signal handlers, as every
+producer process (`_producer_setup`), and leaves by itself when the parent has gone.
 """
 
 import importlib
@@ -59,16 +61,14 @@ import mmap
 import multiprocessing
 import multiprocessing.reduction
 import os
-import pickle
 import select
-import signal
 import sys
 import traceback
 import types
 
 import torch
 
-from templates.staging import _each_leaf, _rebuilt
+from templates.staging import _POLL_S, _each_leaf, _producer_error, _producer_setup, _rebuilt, _staged_h2d
 
 # The producer's niceness: it yields the CPU to the training loop (the module docstring says why).
 _PRODUCER_NICE = 10
@@ -158,8 +158,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         sender.close()  # the child's end: closed here, so that the child's exit is an end of file
     device = torch.device(arguments[device_param])
     pin = device.type == "cuda" and torch.cuda.is_available()
-    ring = [[None, None, None], [None, None, None]]  # per batch in turn: pinned buffers, device buffers, the event after their H2D
-    slots, taken = None, 0
+    slots = None
     readable = select.poll()  # one poll object: a `Connection.poll` builds a selector per call
     readable.register(receiver, select.POLLIN)
     try:
@@ -179,13 +178,8 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
             leaves = []
             _each_leaf(message[1], lambda v: leaves.append(v) if isinstance(v, _HostTensor) else None)
             host = [leaf.tensor(shared) for leaf in leaves]
-            staged = ring[taken % 2]
-            taken += 1
-            if pin:  # out of the shared slot straight into this ring slot's pinned buffers, then the H2D
-                staged[0:2] = _to_device(host, device, staged)
-                staged[2] = torch.cuda.Event()
-                staged[2].record()
-                handed = iter(list(staged[1]))
+            if pin:  # out of the shared slot straight into pinned memory, then the H2D, on the current stream as the original's
+                handed = iter([_staged_h2d(t, device, copy_stream=False) for t in host])
             elif device.type == "cpu":  # fresh memory per batch: a view of the shared slot is copied out
                 handed = iter([t.clone() if leaf.data is None else t for leaf, t in zip(leaves, host)])
             else:
@@ -201,29 +195,11 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         receiver.close()
 
 
-def _to_device(host, device, staged):
-    """Issue the H2D copies of the tensors `host` through the pinned buffers of `staged`.
-
-    Waits first for the event of this ring slot's previous H2D: its pinned buffers are not
-    rewritten before that copy has read them. Returns (pinned, device) buffer lists.
-    """
-    if staged[2] is not None:
-        staged[2].synchronize()
-    pinned, on_device = staged[0] or [], staged[1] or []
-    for index, tensor in enumerate(host):
-        if index >= len(pinned) or pinned[index].shape != tensor.shape or pinned[index].dtype != tensor.dtype:
-            pinned[index:] = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)]
-            on_device[index:] = [torch.empty(tensor.shape, dtype=tensor.dtype, device=device)]
-        pinned[index].copy_(tensor)
-        on_device[index].copy_(pinned[index], non_blocking=True)
-    return pinned, on_device[: len(host)]
-
-
 def _receive(receiver, readable, child):
     """The child's next message; RuntimeError when the child has died without one.
 
     readable: a `select.poll` object with `receiver` registered."""
-    while not readable.poll(500):
+    while not readable.poll(_POLL_S * 1000):
         if not child.is_alive() and not receiver.poll():
             break
     try:
@@ -253,9 +229,8 @@ def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
     generator cannot be built; ("error", exception, traceback text) at the batch where
     the generator raised; ("end",) when it returns. Leaves when the parent has gone.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _producer_setup()  # default signal handlers, one torch thread
     os.nice(_PRODUCER_NICE)  # before the loader starts its threads: they inherit it
-    torch.set_num_threads(1)  # as torchrun gives each rank: the loader's tensor work is small copies, and idle OpenMP threads spin
     parent = multiprocessing.parent_process()
     try:
         batches = getattr(importlib.import_module(module_name), function_name)(**arguments)
@@ -264,7 +239,7 @@ def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
     slots, size, n = None, 0, 0
     try:
         while True:
-            while not free.acquire(timeout=0.05):
+            while not free.acquire(timeout=_POLL_S):
                 if parent is not None and not parent.is_alive():
                     os._exit(0)
             batch = next(batches, _END)
@@ -286,17 +261,8 @@ def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
 
             _send(sender, ("batch", _each_leaf(batch, host), n % depth))
             n += 1
-    except BaseException as error:
-        text = traceback.format_exc()
-        # Its class, args and attributes, rebuilt in the parent without its __init__
-        # (`_rebuilt`): the script's own exception arrives as itself. One whose parts do
-        # not pickle arrives as a RuntimeError naming its type.
-        error = type(error), error.args, error.__dict__
-        try:
-            pickle.dumps(error)
-        except Exception:
-            error = RuntimeError, (f"{error[0].__name__}: {' '.join(map(str, error[1]))}",), {}
-        _send(sender, ("error", error, text))
+    except BaseException as error:  # re-raised in the parent, as itself, its traceback its cause
+        _send(sender, ("error", _producer_error(error), traceback.format_exc()))
     else:
         _send(sender, ("end",))
 

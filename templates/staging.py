@@ -1,15 +1,31 @@
-"""Injected runtime: host staging of one batch (features `train_prefetch`), shared by
-`templates/prefetch_lean.py` and `templates/prefetch_loader.py`; and the rebuild of an
-exception that a producer process sent (`_rebuilt`), shared by the process producers.
+"""Injected runtime: the staging piece every producer shares (features `train_prefetch`,
+`pinned_staging`): the process producer and the thread producer
+(`templates/prefetch_lean.py`), the per-step-argument thread
+(`templates/prefetch_loader.py`, `templates/prefetch_iterator.py`), pinned staging of
+generators (`templates/pinned_staging.py`) and the spawned generator
+(`templates/spawn_generator.py`).
 
-A batch built ahead is copied into fresh host memory, pinned when it goes to CUDA, so
-that its H2D copy can run asynchronously on the copy stream and a loader that reuses
-its buffers cannot change a batch already queued.
+- The structure walk (`_each_leaf`, `_each_tensor`): a batch of any structure.
+- The H2D of a host tensor (`_staged_h2d`): copied into pinned memory that torch's
+  caching host allocator reuses only once the CUDA event behind its last copy has
+  completed, then queued on the copy stream (`wait_stream`, `record_stream`); `_stage`:
+  a fresh (pinned) host copy for a batch queued on a thread.
+- A producer's life: its signal handlers and threads (`_producer_setup`), how its
+  exception travels (`_producer_error` there, `_rebuilt` here), and how often a waiter
+  wakes to see whether the other side is still there (`_POLL_S`).
 """
 
 import dataclasses
+import pickle
+import signal
 
 import torch
+
+from templates.copy_stream import _h2d
+
+# Every producer and its caller: a wait for a batch, or for room, wakes this often (s)
+# to see whether the other side is still there (an idle producer wakes 20 times a second).
+_POLL_S = 0.05
 
 
 def _each_leaf(item, fn):
@@ -45,6 +61,56 @@ def _stage(item, pin, host_copy=True):
     if not (pin or host_copy):
         return item
     return _each_tensor(item, lambda t: t if t.device.type != "cpu" else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t))
+
+
+def _staged_h2d(tensor, device, copy_stream=True):
+    """`tensor.to(device, non_blocking=True)` for a CPU tensor and a CUDA `device`, made
+    asynchronous: a new device tensor, equal to `tensor`.
+
+    The tensor is copied (on the host) into a new block of pinned memory from torch's
+    caching host allocator (`pin_memory=True`: a copy even of a tensor that is pinned
+    already, which its loader may rewrite), and the H2D copy is queued from there (`_h2d`: on the
+    copy stream when `copy_stream`, which the compute stream `wait_stream`s on, with
+    `record_stream` keeping the result from early reuse); the host does not wait. The
+    allocator records an event behind each copy from one of its blocks and hands the
+    block out again only once that event has completed: a pinned buffer is never
+    rewritten while its copy may still read it, and the source may change right after
+    the call (a shared-memory slot the producer refills, a buffer the loader reuses).
+    Anything else (not a CPU tensor, not CUDA, CUDA not available): `tensor.to(device,
+    non_blocking=True)`, the original call.
+    Pattern: torch.utils.data's pin-memory thread, with the copy on a side stream as in
+    NVIDIA Apex's data_prefetcher.
+    """
+    if tensor.device.type != "cpu" or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return tensor.to(device, non_blocking=True)
+    return _h2d(torch.empty_like(tensor, pin_memory=True).copy_(tensor), device, copy_stream)
+
+
+def _producer_setup():
+    """First thing in a producer process (forked or spawned): the script's signal
+    handlers must not run there (one that ignores SIGTERM would keep the child alive),
+    and torch runs on one thread (a forked OpenMP team does not exist in the child; the
+    loader's tensor work is small copies). SIGINT too: Ctrl-C reaches the whole
+    foreground process group, and the training process handles its own; Python's
+    default would raise KeyboardInterrupt inside the loader, to come back as the
+    loader's error. The training process ends its producer at exit."""
+    for signum in signal.SIGTERM, signal.SIGINT, signal.SIGHUP:
+        signal.signal(signum, signal.SIG_DFL)
+    torch.set_num_threads(1)
+
+
+def _producer_error(error):
+    """The exception `error`, as a producer process sends it: (class, args, __dict__),
+    rebuilt in the training process without its `__init__` (`_rebuilt`). As
+    torch.utils.data's ExceptionWrapper, its formatted traceback travels beside it. One
+    whose parts do not pickle (a local class, a lock among its attributes) travels as a
+    RuntimeError naming its type and args."""
+    sent = type(error), error.args, error.__dict__
+    try:
+        pickle.dumps(sent)
+    except Exception:
+        sent = RuntimeError, (f"prefetch: {sent[0].__qualname__} in the producer: {' '.join(map(str, sent[1]))}",), {}
+    return sent
 
 
 def _rebuilt(error):

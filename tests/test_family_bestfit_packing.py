@@ -141,9 +141,10 @@ def test_verify_catches_a_val_build_that_spawns(tmp_path):
 
 
 def test_a_patched_module_is_already_patched():
-    # the spawned producer's entry point marks train_prefetch as present, like _make_train_loader
+    # the spawned producer's entry point marks train_prefetch as present, like
+    # _make_train_loader; its H2D through the shared pinned ring brings copy_stream's `_h2d`
     patched = patch_source(SOURCE).source
     again = patch_source(patched)
     assert again.source == patched
     [note] = again.notes
-    assert (note.feature, note.applied, note.reason) == ("all", False, "already patched (train_prefetch present); nothing to do")
+    assert (note.feature, note.applied, note.reason) == ("all", False, "already patched (copy_stream, train_prefetch present); nothing to do")

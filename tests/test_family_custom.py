@@ -789,9 +789,9 @@ def test_structured_batches_verify_identical_and_a_frozen_value_is_caught(tmp_pa
     result = verify(original, patched, batches=12)
     assert result.identical, result.difference
     # A runtime that handed out the first batch's values again would be caught, at the value's path.
-    frozen = "values = iter(self.value_conn.recv() if self.values else ())"
+    frozen = "iter(self.value_conn.recv() if self.values else ())"
     assert text.count(frozen) == 1
-    patched.write_text(text.replace(frozen, "values = iter(self.values)"))
+    patched.write_text(text.replace(frozen, "iter(self.values)"))
     result = verify(original, patched, batches=12)
     assert not result.identical
     assert result.difference.field == {"tuple-with-counter": 2, "dict-with-state": "['state']['shard']"}[name], result.difference

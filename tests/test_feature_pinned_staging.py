@@ -2,10 +2,10 @@
 
 A data generator whose threads load only shards (modded-nanogpt's 2026
 `distributed_data_generator`) is not run ahead; its own `.to(device, non_blocking=True)`
-copies go through reused pinned buffers on the copy stream. The template as plain
-Python on CPU (pass-through) and on the CUDA path driven with host memory (rings,
-fences, re-made buffers), the rewrite as a before -> after table, and verify on the
-fixture across two stage changes, catching a ring that hands a buffer out again too early.
+copies go through pinned memory on the copy stream. The template as plain
+Python on CPU (pass-through) and on the CUDA path driven with host memory (a pinned
+copy of each tensor, structures, dtypes), the rewrite as a before -> after table, and
+verify on the fixture across two stage changes, catching a pinned buffer reused too early.
 """
 
 from __future__ import annotations
@@ -27,108 +27,49 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 STAGE_SENDS = ["(STAGES[1].batch_size, STAGES[1].max_seq_len, grad_accum_steps)", "(STAGES[2].batch_size, STAGES[2].max_seq_len, grad_accum_steps)"]
 
 
-@pytest.fixture(autouse=True)
-def fresh_rings():
-    staging._staging_rings.clear()
-    yield
-    staging._staging_rings.clear()
-
-
 def test_without_cuda_it_is_the_original_call():
     # CPU only (no CUDA): every value comes back as `.to(device=..., non_blocking=True)` gives it.
     t = torch.arange(10, dtype=torch.int32)
-    out = staging._pinned_h2d(t, "cpu", 0)
+    out = staging._pinned_h2d(t, "cpu")
     assert out is t  # .to() of a tensor already there is the tensor itself
     batch = (t, {"n": np.arange(3), "k": 7}, [t.view(2, 5), "name"])
-    staged = staging._pinned_h2d(batch, "cpu", 1)
+    staged = staging._pinned_h2d(batch, "cpu")
     assert staged[0] is t and staged[1]["n"] is batch[1]["n"] and staged[1]["k"] == 7 and staged[2][1] == "name"
-    assert not staging._staging_rings
 
 
 def test_staging_off_is_the_original_call_on_cuda():
     with cuda_on_host():
         t = torch.arange(6)
-        assert staging._pinned_h2d(t, "cuda", 0, staging=False) is t
-        assert not staging._staging_rings
+        assert staging._pinned_h2d(t, "cuda", staging=False) is t
 
 
-def test_buffers_are_reused_in_turn_and_hold_the_values():
+def test_each_tensor_is_copied_to_pinned_memory_before_its_copy():
+    # The stand-in's H2D keeps viewing its source (the worst case of a copy in flight):
+    # the source rewritten right after the call must not change what was handed out.
     with cuda_on_host():
-        outs = [staging._pinned_h2d(torch.full((4,), i, dtype=torch.int32), "cuda", 0) for i in range(staging._RING + 1)]
-    ring = staging._staging_rings[(0, 0)]
-    # on the host stand-in an H2D copy keeps viewing its buffer: the first buffer was written again
-    assert outs[staging._RING].data_ptr() == outs[0].data_ptr()
-    assert len({o.data_ptr() for o in outs}) == staging._RING
-    assert [o.tolist() for o in outs[1:]] == [[i] * 4 for i in range(1, staging._RING + 1)]
-    assert len(ring) == staging._RING + 1
+        sources = [torch.full((4,), i, dtype=torch.int32) for i in range(3)]
+        outs = [staging._pinned_h2d(t, "cuda") for t in sources]
+    for t in sources:
+        t.fill_(-1)
+    assert [o.tolist() for o in outs] == [[i] * 4 for i in range(3)]
 
 
-def test_a_buffer_is_remade_on_a_new_shape_or_dtype():
+def test_a_tensor_pinned_already_is_copied_too(monkeypatch):
+    # A loader may rewrite the pinned buffer it hands out; `pin_memory()` would return it itself.
     with cuda_on_host():
-        first = staging._pinned_h2d(torch.arange(4), "cuda", 0)
-        for _ in range(staging._RING - 1):
-            staging._pinned_h2d(torch.arange(4), "cuda", 0)
-        wider = staging._pinned_h2d(torch.arange(8), "cuda", 0)
-        assert wider.tolist() == list(range(8)) and wider.data_ptr() != first.data_ptr()
-        other = staging._pinned_h2d(torch.arange(8, dtype=torch.int16), "cuda", 0)
-        assert other.dtype == torch.int16 and other.tolist() == list(range(8))
+        t = torch.arange(5)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+        out = staging._pinned_h2d(t, "cuda")
+    assert out.data_ptr() != t.data_ptr() and out.tolist() == list(range(5))
 
 
-def test_each_leaf_has_its_own_ring_and_other_leaves_pass_through():
+def test_other_leaves_pass_through_and_every_tensor_keeps_its_dtype_and_shape():
     with cuda_on_host():
         array = np.arange(3)
-        a, b = torch.arange(5), torch.arange(5) * 2
-        out = staging._pinned_h2d((a, array, {"b": b, "step": 3}), "cuda", 7)
-    assert out[0].tolist() == a.tolist() and out[2]["b"].tolist() == b.tolist()
+        a, b = torch.arange(5), (torch.arange(12, dtype=torch.int16).view(3, 4).t())  # b: not contiguous
+        out = staging._pinned_h2d((a, array, {"b": b, "step": 3}), "cuda")
+    assert out[0].tolist() == a.tolist() and torch.equal(out[2]["b"], b) and out[2]["b"].dtype == torch.int16
     assert out[1] is array and out[2]["step"] == 3
-    assert set(staging._staging_rings) == {(7, 0), (7, 1)}
-
-
-def test_a_non_contiguous_tensor_takes_the_original_call():
-    with cuda_on_host():
-        t = torch.arange(12).view(3, 4).t()
-        out = staging._pinned_h2d(t, "cuda", 0)
-    assert torch.equal(out, t) and not staging._staging_rings
-
-
-class _Recorder:
-    """Stands in for torch.cuda.Event: records when each fence is recorded and waited on."""
-
-    log: list = []
-
-    def __init__(self):
-        self.id = len([e for e in _Recorder.log if e[0] == "new"])
-        _Recorder.log.append(("new", self.id))
-
-    def record(self, stream=None):
-        _Recorder.log.append(("record", self.id))
-
-    def synchronize(self):
-        _Recorder.log.append(("synchronize", self.id))
-
-
-def test_a_buffer_is_written_again_only_after_its_fence(monkeypatch):
-    _Recorder.log = []
-    writes = []
-    with cuda_on_host():
-        monkeypatch.setattr(torch.cuda, "Event", _Recorder)
-        original_copy = torch.Tensor.copy_
-
-        def copy_(self, src, *args, **kwargs):
-            writes.append(self.data_ptr())
-            _Recorder.log.append(("write", self.data_ptr()))
-            return original_copy(self, src, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
-        for i in range(2 * staging._RING):
-            staging._pinned_h2d(torch.full((3,), i), "cuda", 0)
-    log = _Recorder.log
-    # every write after the first round follows the synchronize of the fence of the copy from that buffer
-    for turn in range(staging._RING, 2 * staging._RING):
-        write_at = [k for k, e in enumerate(log) if e[0] == "write"][turn]
-        fence = turn % staging._RING
-        assert ("synchronize", fence) in log[:write_at]
-        assert log.index(("record", fence)) < log.index(("synchronize", fence))
 
 
 STAGED_GENERATOR = """\
@@ -165,7 +106,7 @@ def batches(pattern, num_tokens):
     tokens = torch.arange(100_000)
     while True:
         buf = tokens[:num_tokens]
-        new = yield _pinned_h2d(buf, "cuda", 0, staging=TRAIN_PINNED_STAGING, copy_stream=TRAIN_COPY_STREAM), buf.to(device="cuda", dtype=torch.int64, non_blocking=True), buf.numpy()
+        new = yield _pinned_h2d(buf, "cuda", staging=TRAIN_PINNED_STAGING, copy_stream=TRAIN_COPY_STREAM), buf.to(device="cuda", dtype=torch.int64, non_blocking=True), buf.numpy()
         if new is not None:
             num_tokens = new
 
@@ -264,12 +205,14 @@ def test_verify_says_partial_where_no_boundary_is_crossed(tmp_path, capsys):
 
 
 def test_verify_catches_a_buffer_reused_before_the_batch_is_done(tmp_path):
-    # One buffer per call site: the next batch overwrites the one just handed out.
-    original, out = patched_fixture(tmp_path, ("_RING = 3", "_RING = 1"))
+    # One pinned buffer per shape, kept on the function, instead of a block the allocator
+    # hands out again only once its copy has finished: the next copy of that shape (the
+    # batch's targets, after its inputs) overwrites a tensor already handed out.
+    original, out = patched_fixture(tmp_path, ("torch.empty_like(tensor, pin_memory=True)", "_staged_h2d.__dict__.setdefault(tensor.shape, torch.empty_like(tensor))"))
     result = verify(original, out, batches=24, world_size=2, sends=STAGE_SENDS)
     assert not result.identical
-    assert "changed after the next item was drawn" in result.difference.what
-    assert result.difference.batch == 0
+    assert (result.difference.batch, result.difference.field) == (0, 0) and "bytes differ" in result.difference.what
+    assert result.difference.configuration == "the staged copies on the CUDA path (host memory)"
 
 
 def test_verify_catches_a_send_that_takes_effect_late(tmp_path):

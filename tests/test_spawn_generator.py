@@ -51,6 +51,21 @@ SOURCE = textwrap.dedent(
         yield torch.zeros(2)
         raise ShardError("shard_00003.parquet", 5)
 
+    class HoldsALock(Exception):
+        def __init__(self, message):
+            super().__init__(message)
+            import threading
+            self.lock = threading.Lock()  # does not pickle
+
+    def gen_lock(device="cpu"):
+        yield torch.zeros(2)
+        raise HoldsALock("no lock at batch 1")
+
+    def gen_count(device="cpu"):
+        # the number of tensors in a batch shrinks, then grows
+        for k, n in enumerate((2, 2, 1, 1, 2, 2)):
+            yield tuple(torch.full((2, 3), k * 10 + i) for i in range(n))
+
     def gen_nice(device="cpu"):
         import os
         yield torch.zeros(1, device=device), os.nice(0)
@@ -86,13 +101,23 @@ def test_same_batches_and_states_each_valid_after_the_next(module, capsys):
     assert not multiprocessing.active_children()
 
 
-def test_cuda_path_through_the_pinned_ring(module, capsys):
+def test_cuda_path_through_pinned_staging(module, capsys):
     arguments = {"n": 5, "device": "cuda", "fail_at": None, "stop": None}
     with cuda_on_host():
         got = [(x.cpu().clone(), y.cpu().clone(), s) for x, y, s in _spawn_generator(module.gen, arguments, "device")]
     want = expected(module, n=5)
     assert all(torch.equal(a, x) and torch.equal(b, y) and s == t for (a, b, s), (x, y, t) in zip(want, got)) and len(got) == 5
     assert "runs in the training process" not in capsys.readouterr().err
+
+
+def test_cuda_path_when_the_number_of_tensors_shrinks_then_grows(module):
+    # one ring per leaf (templates/staging.py, `_ring_h2d`): a leaf that comes back gets its ring
+    with cuda_on_host():
+        got = [tuple(t.cpu().clone() for t in batch) for batch in _spawn_generator(module.gen_count, {"device": "cuda"}, "device")]
+    want = list(module.gen_count())
+    assert [len(b) for b in got] == [2, 2, 1, 1, 2, 2]
+    assert all(torch.equal(g, w) for gb, wb in zip(got, want) for g, w in zip(gb, wb))
+    assert not multiprocessing.active_children()
 
 
 def test_error_reaches_the_caller_at_its_batch_with_the_traceback(module):
@@ -116,6 +141,16 @@ def test_the_scripts_own_exception_arrives_as_itself(module):
     assert type(raised.value) is module.ShardError and raised.value.path == "shard_00003.parquet"
     assert str(raised.value) == "shard_00003.parquet: row group 5 is corrupt"
     assert "in gen_corrupt" in str(raised.value.__cause__)  # the producer's traceback
+    assert not multiprocessing.active_children()
+
+
+def test_an_exception_that_does_not_pickle_arrives_as_a_runtime_error_naming_it(module):
+    # the error transport every producer process shares (templates/staging.py, `_producer_error`)
+    batches = _spawn_generator(module.gen_lock, {"device": "cpu"}, "device")
+    assert torch.equal(next(batches), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="^prefetch: HoldsALock in the producer: no lock at batch 1$") as raised:
+        next(batches)
+    assert "in gen_lock" in str(raised.value.__cause__)
     assert not multiprocessing.active_children()
 
 

@@ -117,7 +117,7 @@ def _split_after(line: cst.SimpleStatementLine, index: int, inserted: list[cst.B
 
 # A batch taken from the hand-off: `batch = _each_leaf(self.slots[...], ...)` (the lean
 # runtime's copy out of a filled slot, with the batch's own non-tensor values), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
-SLOT_COPY = m.Call(func=m.Name("_each_tensor") | m.Name("_each_leaf"), args=[m.Arg(m.Subscript(value=m.Attribute(attr=m.Name("slots")))), m.ZeroOrMore()])
+SLOT_COPY = m.Call(func=m.Name("_each_tensor") | m.Name("_each_leaf") | m.Attribute(attr=m.Name("_hand_out")), args=[m.Arg(m.Subscript(value=m.Attribute(attr=m.Name("slots")))), m.ZeroOrMore()])
 TAKE = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name("_next_built")) | SLOT_COPY)
 
 
@@ -184,14 +184,14 @@ class WorkerDropsABatch(_InInjected):
 
 
 class HandOutTheSlot(_InInjected):
-    """The lean runtime hands out its shared-memory slot instead of a (pinned) copy of
-    it (`t.pin_memory() if pin else t.clone()` -> `t`): the child then rewrites a batch
-    the caller still holds."""
+    """The lean runtime hands out its shared-memory slot instead of a copy of it
+    (`_h2d(v.clone(), ...)` -> `_h2d(v, ...)`): the child then rewrites a batch the
+    caller still holds."""
 
-    def leave_IfExp(self, original, updated):
-        if self.inside("next_batch") and m.matches(updated.orelse, m.Call(func=m.Attribute(attr=m.Name("clone")))):
+    def leave_Call(self, original, updated):
+        if self.inside("_hand_out") and m.matches(updated, m.Call(func=m.Attribute(attr=m.Name("clone")), args=[])):
             self.edits += 1
-            return updated.orelse.func.value
+            return updated.func.value
         return updated
 
 

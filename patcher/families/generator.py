@@ -22,7 +22,7 @@ shards, not batches: it is not run ahead either (a forked child would not have i
 threads and must not touch the memory it pins; a thread producer takes GIL time from
 a host-bound training loop, and every changed `.send(value)` would rebuild and replay
 the shard threads), but its site is `staged`: its `.to(device, non_blocking=True)`
-copies go through reused pinned buffers on the copy stream (feature `pinned_staging`),
+copies go through pinned memory on the copy stream (feature `pinned_staging`),
 exact because the generator still runs where and when the original does.
 """
 

@@ -1,12 +1,11 @@
-"""Transform `pinned_staging`: a data generator's own H2D copies through reused pinned buffers.
+"""Transform `pinned_staging`: a data generator's own H2D copies made asynchronous through pinned memory.
 
 For a training data generator that is not run ahead because its threads load only
 shards (`IteratorSite.staged`, see `patcher/families/generator.py`; modded-nanogpt's
 current `distributed_data_generator`), each `x.to(device, non_blocking=True)` in the
 generator (the device and non_blocking only: `families.generator.staged_copies`)
-becomes `_pinned_h2d(x, device, slot, staging=<TRAIN_PINNED_STAGING>,
-copy_stream=<TRAIN_COPY_STREAM>)` (runtime: `templates/pinned_staging.py`), `slot`
-numbering the call sites. The generator itself, its shard threads and the training
+becomes `_pinned_h2d(x, device, staging=<TRAIN_PINNED_STAGING>,
+copy_stream=<TRAIN_COPY_STREAM>)` (runtime: `templates/pinned_staging.py`). The generator itself, its shard threads and the training
 loop's `.send(...)` stay as they are, so the batches are the original's and a new
 batch size takes effect at the batch the original gives it to. On a machine without
 CUDA, or with the toggle at 0, the call is the original `.to(...)`.
@@ -33,7 +32,6 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         return module, _pinned_already(survey) or [Note(FEATURE, False, "no data generator that builds its batches on the training thread while its threads load shards")]
     functions = {f.name.value: f for f in survey.module.body if isinstance(f, cst.FunctionDef)}
     notes, replacements = [], {}
-    slot = 0
     for name in sorted({i.function for i in staged}, key=lambda n: survey.line_of(functions[n])):
         calls = staged_copies(functions[name])
         staging = ctx.toggle_value("TRAIN_PINNED_STAGING")
@@ -41,11 +39,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         for call in calls:
             tensor = module.code_for_node(call.func.value)
             device = module.code_for_node(call.args[0].value)
-            replacements[call] = ctx.runtime_call("_pinned_h2d", [tensor, device, str(slot)], {"staging": staging, "copy_stream": copy_stream})
-            slot += 1
+            replacements[call] = ctx.runtime_call("_pinned_h2d", [tensor, device], {"staging": staging, "copy_stream": copy_stream})
         lines = ", ".join(str(survey.line_of(c)) for c in calls)
         targets = ", ".join(sorted({f"`{i.target}`" for i in survey.iterators if i.function == name}))
-        notes.append(Note(FEATURE, True, f"generator {name} ({targets}): H2D copies at line {lines} through reused pinned buffers on the copy stream, on the training thread (no producer: see train_prefetch)", survey.line_of(functions[name])))
+        notes.append(Note(FEATURE, True, f"generator {name} ({targets}): H2D copies at line {lines} through pinned memory on the copy stream, on the training thread (no producer: see train_prefetch)", survey.line_of(functions[name])))
     ctx.need("pinned_staging")
     return replace_nodes(module, replacements, ctx), notes
 
@@ -65,5 +62,5 @@ def _pinned_already(survey) -> list[Note]:
     return notes
 
 
-TOGGLES = (Toggle("TRAIN_PINNED_STAGING", 1, "a data generator's own H2D copies through reused pinned buffers on the copy stream", position=11),)
+TOGGLES = (Toggle("TRAIN_PINNED_STAGING", 1, "a data generator's own H2D copies through pinned memory on the copy stream", position=11),)
 UNIT = Feature(FEATURE, apply, order=25, toggles=TOGGLES, runtime={"pinned_staging": ("copy_stream", "staging")}, injected="_pinned_h2d")

@@ -194,11 +194,11 @@ TOGGLES = (
     Toggle("TRAIN_PREFETCH_EVERY_SPLIT", 0, "spawn a data-loader module's producer for every split (val too), not only the training split", position=12),
 )
 RUNTIME = {
-    "staging": (),
+    "staging": ("copy_stream",),
     "prefetch_lean": ("copy_stream", "staging"),
     "prefetch_loader": ("copy_stream", "staging"),
     "prefetch_iterator": ("prefetch_loader",),
-    "spawn_generator": ("staging",),
+    "spawn_generator": ("copy_stream", "staging"),
 }
 # The options of `_make_train_loader` whose code a script gets only where a call site
 # chooses them. The lean runtime's depth is one: a default patch passes none (the

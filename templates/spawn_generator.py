@@ -65,6 +65,7 @@ import select
 import sys
 import traceback
 import types
+import weakref
 
 import torch
 
@@ -74,6 +75,13 @@ from templates.staging import _POLL_S, _each_leaf, _producer_error, _producer_se
 _PRODUCER_NICE = 10
 # Tensors start at multiples of this in a slot: any dtype's view of the slot's bytes is aligned.
 _SLOT_ALIGN = 64
+# The producers this process spawned. A process the script forks from the training
+# process inherits multiprocessing's list of children; its exit (`sys.exit`) would
+# terminate them as its own daemons and then fail to join them ("can only join a child
+# process"). The fork forgets them: they are the training process's, as a forked
+# producer's child is (templates/prefetch_lean.py acts only where it forked).
+_spawned = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: multiprocessing.process._children.difference_update(_spawned))
 
 
 class _HostTensor:
@@ -156,6 +164,8 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     finally:
         sys.modules["__main__"] = main
         sender.close()  # the child's end: closed here, so that the child's exit is an end of file
+    _spawned.add(child)
+    owner = os.getpid()
     device = torch.device(arguments[device_param])
     pin = device.type == "cuda" and torch.cuda.is_available()
     slots = None
@@ -187,11 +197,12 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
             free.release()  # the slot is copied out: the child may refill it
             yield _each_leaf(message[1], lambda v: next(handed) if isinstance(v, _HostTensor) else v)
     finally:
-        child.terminate()
-        child.join(5)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
+        if os.getpid() == owner:  # not in a process the script forked (see `_spawned`)
+            child.terminate()
+            child.join(5)
+            if child.exitcode is None:
+                child.kill()
+                child.join()
         receiver.close()
 
 

@@ -8,14 +8,18 @@ refills one buffer it keeps and yields views of it with a state dict) and compar
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from patcher.proof.host_cuda import cuda_on_host
 from templates.spawn_generator import _spawn_generator
+
+REPO = Path(__file__).resolve().parents[1]
 
 SOURCE = textwrap.dedent(
     '''
@@ -152,6 +156,35 @@ def test_an_exception_that_does_not_pickle_arrives_as_a_runtime_error_naming_it(
         next(batches)
     assert "in gen_lock" in str(raised.value.__cause__)
     assert not multiprocessing.active_children()
+
+
+def test_a_process_the_script_forks_and_exits_leaves_the_producer_alone(module, tmp_path):
+    # A raw fork of the training process whose child leaves through sys.exit: Python's exit
+    # there runs multiprocessing's exit hook, which must not terminate (nor try to join)
+    # the training process's producer. Run in a process of its own: a fork of pytest would
+    # go on running tests.
+    script = tmp_path / "fork_and_exit.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        import torch
+        sys.path.insert(0, {str(tmp_path)!r})
+        from {module.__name__} import gen
+        from templates.spawn_generator import _spawn_generator
+        got = []
+        for k, batch in enumerate(_spawn_generator(gen, {{"n": 6, "device": "cpu", "fail_at": None, "stop": None}}, "device")):
+            got.append(batch)
+            if k == 1:
+                child = os.fork()
+                if child == 0:
+                    sys.exit(0)
+                print("fork exit", os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), flush=True)
+        want = [(a.clone(), b.clone(), s) for a, b, s in gen(6)]  # the original reuses its buffer
+        print("batches", len(got), all(torch.equal(a, x) and torch.equal(b, y) for (a, b, _), (x, y, _) in zip(got, want)))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["fork exit 0", "batches 6 True"], done.stdout + done.stderr
+    assert "Error" not in done.stderr and "runs in the training process" not in done.stderr, done.stderr
 
 
 def test_prefetch_off_is_the_original(module):

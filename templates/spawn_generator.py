@@ -65,7 +65,6 @@ import select
 import sys
 import traceback
 import types
-import weakref
 
 import torch
 
@@ -75,13 +74,20 @@ from templates.staging import _POLL_S, _each_leaf, _producer_error, _producer_se
 _PRODUCER_NICE = 10
 # Tensors start at multiples of this in a slot: any dtype's view of the slot's bytes is aligned.
 _SLOT_ALIGN = 64
-# The producers this process spawned. A process the script forks from the training
-# process inherits multiprocessing's list of children; its exit (`sys.exit`) would
-# terminate them as its own daemons and then fail to join them ("can only join a child
-# process"). The fork forgets them: they are the training process's, as a forked
-# producer's child is (templates/prefetch_lean.py acts only where it forked).
-_spawned = weakref.WeakSet()
-os.register_at_fork(after_in_child=lambda: multiprocessing.process._children.difference_update(_spawned))
+# The producers this process spawned, as keys (`_forget_spawned`), and whether the
+# fork hook that forgets them is registered (once a process).
+_spawned = {}
+_fork_hook = []
+
+
+def _forget_spawned():
+    """In a process the script forks from the training process: forget the producers
+    it spawned. The fork inherits multiprocessing's list of children; its exit
+    (`sys.exit`) would terminate them as its own daemons and then fail to join them ("can
+    only join a child process"). They are the training process's, as a forked producer
+    is (templates/prefetch_lean.py acts only in the process that forked it)."""
+    multiprocessing.process._children.difference_update(_spawned)
+    _spawned.clear()
 
 
 class _HostTensor:
@@ -164,8 +170,9 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     finally:
         sys.modules["__main__"] = main
         sender.close()  # the child's end: closed here, so that the child's exit is an end of file
-    _spawned.add(child)
-    owner = os.getpid()
+    if not _fork_hook:
+        _fork_hook.append(os.register_at_fork(after_in_child=_forget_spawned))
+    _spawned[child] = owner = os.getpid()
     device = torch.device(arguments[device_param])
     pin = device.type == "cuda" and torch.cuda.is_available()
     slots = None
@@ -197,7 +204,8 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
             free.release()  # the slot is copied out: the child may refill it
             yield _each_leaf(message[1], lambda v: next(handed) if isinstance(v, _HostTensor) else v)
     finally:
-        if os.getpid() == owner:  # not in a process the script forked (see `_spawned`)
+        if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
+            _spawned.pop(child, None)
             child.terminate()
             child.join(5)
             if child.exitcode is None:

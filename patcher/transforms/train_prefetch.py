@@ -92,7 +92,7 @@ def _module_mode(module: cst.Module, ctx: Context, loaders) -> tuple[cst.Module,
             notes.append(Note(FEATURE, False, loader.refusal, line))
         else:
             splits = f"; a build with `{loader.split[0]}` other than {loader.split[1]!r} runs the original in the training process (a child's start costs seconds; TRAIN_PREFETCH_EVERY_SPLIT=1 spawns for every split)" if loader.split else ""
-            notes.append(Note(FEATURE, True, f"{loader.name} (line {line}) runs ahead in a spawned producer process; the H2D copy stays here, through a ring of pinned buffers{splits}", line))
+            notes.append(Note(FEATURE, True, f"{loader.name} (line {line}) runs ahead in a spawned producer process; the H2D copy stays here, through pinned memory{splits}", line))
     if any(loader.refusal is None for loader in loaders):
         ctx.need(bestfit_packing.RUNTIME_TEMPLATE)
         module = bestfit_packing.rewrite(module, ctx, loaders)

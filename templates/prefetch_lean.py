@@ -175,7 +175,7 @@ class _PrefetchLoader:
         rewrite: on CUDA a pinned copy and its H2D (`_staged_h2d`, the staging every
         producer shares), elsewhere a clone. values: the batch's non-tensor leaves, in
         order, where `batch` is a slot (a slot holds the first batch's)."""
-        pin = self.device.type == "cuda" and torch.cuda.is_available()  # pinned: a copy already
+        pin = self.device.type == "cuda" and torch.cuda.is_available()  # then `_staged_h2d`'s pinned copy is the copy
         return _each_leaf(batch, lambda v: _staged_h2d(v if pin else v.clone(), self.device, self.copy_stream) if isinstance(v, torch.Tensor) else v if values is None else next(values))
 
     def _start(self, batch):
@@ -211,7 +211,7 @@ class _PrefetchLoader:
         self.parent = os.getpid()
         if cause:
             self.pid, self.thread = False, threading.Thread(target=self._produce, name=f"prefetch {self.name}", daemon=True)
-            return self.thread.start()
+            return self.thread.start()  # (None: the first batch is handed out by the caller)
         sys.stdout.flush()  # what is buffered here must not be written by the child too (stderr is line-buffered)
         self.pid = os.fork()
         if not self.pid:  # the child: never returns into the script, runs none of its exit hooks

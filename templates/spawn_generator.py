@@ -172,7 +172,8 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         sender.close()  # the child's end: closed here, so that the child's exit is an end of file
     if not _fork_hook:
         _fork_hook.append(os.register_at_fork(after_in_child=_forget_spawned))
-    _spawned[child] = owner = os.getpid()
+    owner = os.getpid()
+    _spawned[child] = owner
     device = torch.device(arguments[device_param])
     pin = device.type == "cuda" and torch.cuda.is_available()
     slots = None

@@ -54,11 +54,14 @@ def test_each_tensor_is_copied_to_pinned_memory_before_its_copy():
     assert [o.tolist() for o in outs] == [[i] * 4 for i in range(3)]
 
 
-def test_a_tensor_pinned_already_is_copied_too(monkeypatch):
-    # A loader may rewrite the pinned buffer it hands out; `pin_memory()` would return it itself.
+def test_a_tensor_pinned_already_is_copied_too():
+    # A loader may rewrite the pinned buffer it hands out; `pin_memory()` returns a pinned
+    # tensor itself, as torch does (the stand-in's own `pin_memory` copies). Set inside
+    # the stand-in, which restores both methods as it leaves.
     with cuda_on_host():
         t = torch.arange(5)
-        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+        torch.Tensor.is_pinned = lambda self: True
+        torch.Tensor.pin_memory = lambda self: self
         out = staging._pinned_h2d(t, "cuda")
     assert out.data_ptr() != t.data_ptr() and out.tolist() == list(range(5))
 

@@ -63,4 +63,4 @@ def _pinned_already(survey) -> list[Note]:
 
 
 TOGGLES = (Toggle("TRAIN_PINNED_STAGING", 1, "a data generator's own H2D copies through pinned memory on the copy stream", position=11),)
-UNIT = Feature(FEATURE, apply, order=25, toggles=TOGGLES, runtime={"pinned_staging": ("copy_stream", "staging")}, injected="_pinned_h2d")
+UNIT = Feature(FEATURE, apply, order=25, toggles=TOGGLES, runtime={"pinned_staging": ("staging",)}, injected="_pinned_h2d")

@@ -195,10 +195,10 @@ TOGGLES = (
 )
 RUNTIME = {
     "staging": ("copy_stream",),
-    "prefetch_lean": ("copy_stream", "staging"),
+    "prefetch_lean": ("staging",),
     "prefetch_loader": ("copy_stream", "staging"),
     "prefetch_iterator": ("prefetch_loader",),
-    "spawn_generator": ("copy_stream", "staging"),
+    "spawn_generator": ("staging",),
 }
 # The options of `_make_train_loader` whose code a script gets only where a call site
 # chooses them. The lean runtime's depth is one: a default patch passes none (the

@@ -81,8 +81,6 @@ def keep_loss(method):
         return loss
     return wrapped
 trainer_mod.Train._train = keep_loss(trainer_mod.Train._train)
-if hasattr(trainer_mod.Train, "_round_overlap_train"):
-    trainer_mod.Train._round_overlap_train = keep_loss(trainer_mod.Train._round_overlap_train)
 
 if __name__ == "__main__":
     torch.manual_seed(0)

@@ -25,10 +25,13 @@ runtime differs where that one was timing-dependent or lossy:
   is wasted and nothing is waited for at the end.
 - The end-update of a round runs in the update step that trains on it, so its
   summary is keyed to that round's first iteration, as in the original.
-- An exception on the collection thread, or a child process that was alive at
-  dispatch and exited with a non-zero code, raises `RoundCollectionError` in the
-  training thread at the next training iteration (`check`) or while it waits
-  (`receive`), with the collection's traceback.
+- A failed collection ends the run as the original's does: the round being trained
+  trains to its end and is saved, and the collection's own exception (the same object,
+  the collection thread's traceback on it) is raised when the failed round's data is
+  needed (`receive`), where the original's collection raised it; the script's own
+  `except` clauses see it unchanged. A child process that was alive at dispatch and
+  exits with a non-zero code while `receive` waits raises `RoundCollectionError`
+  there (the original would wait for its data for ever).
 - `close` (on any exception in the update step, and at exit) stops the collection
   thread (it is woken by `unblock`, which puts a sentinel on the data queue) and
   publishes a staged target copy, so no thread is left behind.
@@ -44,14 +47,12 @@ import shutil
 import sys
 import threading
 import time
-import traceback
 import weakref
 
 
 class RoundCollectionError(RuntimeError):
-    """The round collected in the background failed: an exception on the collection
-    thread (chained as `__cause__`, its traceback in the message) or a data worker
-    that died (its pid and exit code in the message)."""
+    """A data worker died while the round collected in the background was waited for
+    (its pid and exit code in the message)."""
 
 
 class _RoundCancelled(Exception):
@@ -67,9 +68,9 @@ class _RoundOverlap:
 
     Attributes: thread (the collection thread of the round in flight, or None), buffer
     (what it fills), spare (the buffer not in use, reused by the next dispatch), error
-    (the thread's exception), children (child processes alive at dispatch), staged
-    ((staged file, target file) of a deferred target copy, or None), dispatched (rounds
-    dispatched so far).
+    (the exception the collection raised, re-raised by `receive`), children (child
+    processes alive at dispatch), staged ((staged file, target file) of a deferred
+    target copy, or None), dispatched (rounds dispatched so far).
     """
 
     def __init__(self):
@@ -78,13 +79,11 @@ class _RoundOverlap:
         self.spare = None
         self.times = None
         self.error = None
-        self.error_text = ""
         self.children = []
         self.stopping = threading.Event()
         self.staged = None
         self.unblock = None
         self.dispatched = 0
-        self.polled = 0.0
         _ROUND_OVERLAP_LIVE.add(self)
 
     @property
@@ -106,10 +105,12 @@ class _RoundOverlap:
 
         Cold (nothing in flight): calls `collect()` (the original blocking collection
         into `db`) and returns `db`. Warm: waits for the collection thread, checking for
-        errors and dead workers while it waits, and returns the buffer it filled; `db`
+        dead workers every 0.2 s while it waits, and returns the buffer it filled; `db`
         becomes the spare; the wait (s) goes to `times.record_time("up_wait", s)` when a
         timing object is given, so the round's time line shows what the overlap did not
-        hide. Raises RoundCollectionError.
+        hide. Raises what the collection raised (the same exception object, once its
+        thread has ended: nothing is left running), or RoundCollectionError when a
+        worker alive at dispatch exits with a non-zero code while the thread still waits.
         """
         if self.thread is None:
             collect()
@@ -117,12 +118,15 @@ class _RoundOverlap:
         waited = time.time()
         while self.thread.is_alive():
             self.thread.join(_ROUND_OVERLAP_POLL_S)
-            self.check(force=True)
-        self.check(force=True)
+            for child in self.children:
+                if self.thread.is_alive() and child.exitcode not in (None, 0):
+                    raise RoundCollectionError(f"worker {child.name} (pid {child.pid}) exited with code {child.exitcode} while round {self.dispatched} was being collected")
         if times is not None:
             times.record_time("up_wait", time.time() - waited)
-        self.thread, received, self.buffer, self.spare = None, self.buffer, None, db
-        self.children = []
+        error, self.error, self.thread, received, self.buffer, self.children = self.error, None, None, self.buffer, None, []
+        if error is not None:
+            raise error  # the original raises it from its collection, here
+        self.spare = db
         return received
 
     def dispatch(self, db, start_update, collect, unblock, times, more):
@@ -144,7 +148,7 @@ class _RoundOverlap:
         start_update()
         self.children = [p for p in multiprocessing.active_children() if p.exitcode is None]
         _warn_if_training_takes_every_core()
-        self.buffer, self.times, self.unblock, self.error, self.error_text = buffer, type(times)(), unblock, None, ""
+        self.buffer, self.times, self.unblock, self.error = buffer, type(times)(), unblock, None
         self.stopping.clear()
         self.dispatched += 1
         self.thread = threading.Thread(target=self._collect, args=(collect, buffer, self.times), name=f"round_overlap_collect_{self.dispatched}", daemon=True)
@@ -156,32 +160,13 @@ class _RoundOverlap:
             collect(buffer, times)
         except _RoundCancelled:
             pass
-        except BaseException as exc:  # reported to the training thread by check/receive
-            self.error, self.error_text = exc, traceback.format_exc()
+        except BaseException as exc:  # raised in the training thread by receive
+            self.error = exc
 
     def stop_point(self):
         """Called at the top of each collection step on the thread: raises _RoundCancelled after `close`."""
         if self.stopping.is_set():
             raise _RoundCancelled()
-
-    def check(self, force=False):
-        """Raise RoundCollectionError if the round in flight failed or a worker died.
-
-        Called every training iteration; the child processes are polled at most every
-        0.2 s (`force`: now).
-        """
-        if self.thread is None:
-            return
-        if self.error is not None:
-            raise RoundCollectionError(f"collection of round {self.dispatched} (dispatched in the background) failed:\n{self.error_text}") from self.error
-        now = time.monotonic()
-        if not force and now - self.polled < _ROUND_OVERLAP_POLL_S:
-            return
-        self.polled = now
-        for child in self.children:
-            code = child.exitcode
-            if code not in (None, 0):
-                raise RoundCollectionError(f"worker {child.name} (pid {child.pid}) exited with code {code} while round {self.dispatched} was being collected")
 
     def copy_target(self, source, target):
         """The trainer's `shutil.copy(source, target)`, deferred while a round is in flight.
@@ -256,13 +241,6 @@ def _round_overlap_of(owner):
     if state is None:
         state = owner.__dict__["_round_overlap"] = _RoundOverlap()
     return state
-
-
-def _round_overlap_check(owner):
-    """Per training iteration: raise RoundCollectionError if the round in flight failed."""
-    state = owner.__dict__.get("_round_overlap")
-    if state is not None:
-        state.check()
 
 
 def _round_overlap_close_all():

@@ -23,10 +23,10 @@ The update step gets one guard at its top: with `ROUND_OVERLAP` on and not
 `sync_main`, it returns `self._round_overlap_update_step(...)`, a copy of itself in
 which the collection is received from the round dispatched in the background, the
 next round is dispatched after the end-update (only when the loop will run it), the
-training runs through `self._round_overlap_train` (a copy of `<train>` that checks the
-round in flight every iteration) and the target copy is staged until the round in
-flight has ended. `_round_overlap_collect` is a copy of `<collect>` that fills the
-buffer it is given. The original methods are unchanged, so `ROUND_OVERLAP=0` runs the
+training runs `<train>` unchanged (a failed collection is raised when its round is
+received, after this round is trained and saved, as in the original) and the target
+copy is staged until the round in flight has ended. `_round_overlap_collect` is a copy
+of `<collect>` that fills the buffer it is given. The original methods are unchanged, so `ROUND_OVERLAP=0` runs the
 original code call for call. Runtime: `templates/round_overlap.py`. Idea: DeepXube
 pull request #11 (timing-dependent there; see the runtime's docstring).
 Refused, with the reason and line, where any part is missing or shaped otherwise.
@@ -89,7 +89,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     if loop is None:
         return module, [Note(FEATURE, False, reason, line)]
     toggle = ctx.toggle("ROUND_OVERLAP")
-    new_methods = [_overlapped_step(loop, survey.module), _collect_copy(loop), _train_copy(loop)]
+    new_methods = [_overlapped_step(loop, survey.module), _collect_copy(loop)]
     guarded = _guarded_step(loop, toggle, survey.module)
     body = []
     for stmt in loop.cls.body.body:
@@ -100,7 +100,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     new_cls = loop.cls.with_changes(body=loop.cls.body.with_changes(body=body))
     module = replace_nodes(module, {loop.cls: new_cls}, ctx)
     ctx.need("round_overlap")
-    ctx.uses_runtime("_round_overlap_of", "_round_overlap_check", "_round_overlap_close_all", "start", "clear", "receive", "publish", "dispatch", "copy_target", "close", "stop_point", "check")
+    ctx.uses_runtime("_round_overlap_of", "_round_overlap_close_all", "start", "clear", "receive", "publish", "dispatch", "copy_target", "close", "stop_point")
     name = loop.step.name.value
     lines = f"start line {survey.line_of(loop.start)}, collection line {survey.line_of(loop.collect)}, end line {survey.line_of(loop.end)}, training line {survey.line_of(loop.train)}, target copy line {survey.line_of(loop.copy)}"
     return module, [Note(FEATURE, True, f"round loop in {loop.cls.name.value}.{name} at line {survey.line_of(loop.step)} ({lines}): the next round is collected while this one trains, one round stale (switch: ROUND_OVERLAP); the sync_main path is unchanged; {loop.bound_note}", survey.line_of(loop.step))]
@@ -256,7 +256,7 @@ def _overlapped_step(loop: RoundLoop, module: cst.Module) -> cst.FunctionDef:
             f"_ro.dispatch(self.{loop.db}, lambda: {start_call}, lambda db, t: self._round_overlap_collect(db, {thread_args}), "
             f"lambda: self.updater.from_q.put(None), {times}, {loop.more})\n"
         ),
-        loop.train.with_changes(body=[loop.train.body[0].with_changes(value=loop.train.body[0].value.with_changes(func=cst.parse_expression("self._round_overlap_train")))]),
+        loop.train,
     ]
     replacements = {
         loop.clear: cst.Expr(cst.parse_expression(f"_ro.clear(self.{loop.db}.clear)")),
@@ -286,12 +286,6 @@ def _collect_copy(loop: RoundLoop) -> cst.FunctionDef:
     return fn.with_changes(name=cst.Name("_round_overlap_collect"), params=params, leading_lines=[cst.EmptyLine(indent=False)], decorators=[])
 
 
-def _train_copy(loop: RoundLoop) -> cst.FunctionDef:
-    """`_round_overlap_train`: the training method, checking the round in flight every iteration."""
-    fn = loop.train_fn.visit(_PrependToLoops(cst.For, "_round_overlap_check(self)", first_only=True))
-    return fn.with_changes(name=cst.Name("_round_overlap_train"), leading_lines=[cst.EmptyLine(indent=False)], decorators=[])
-
-
 class _Replace(cst.CSTTransformer):
     """Replace nodes by identity (statements by a FlattenSentinel too)."""
 
@@ -318,14 +312,13 @@ class _RenameAttribute(cst.CSTTransformer):
 
 
 class _PrependToLoops(cst.CSTTransformer):
-    """Put a statement first in the body of each loop of one kind (the first only)."""
+    """Put a statement first in the body of each loop of one kind."""
 
-    def __init__(self, kind, code, first_only=False):
+    def __init__(self, kind, code):
         super().__init__()
-        self.kind, self.statement, self.first_only, self.done = kind, cst.parse_statement(code + "\n"), first_only, False
+        self.kind, self.statement = kind, cst.parse_statement(code + "\n")
 
     def on_leave(self, original_node, updated_node):
-        if isinstance(original_node, self.kind) and not (self.first_only and self.done) and isinstance(updated_node.body, cst.IndentedBlock):
-            self.done = True
+        if isinstance(original_node, self.kind) and isinstance(updated_node.body, cst.IndentedBlock):
             return updated_node.with_changes(body=updated_node.body.with_changes(body=[self.statement, *updated_node.body.body]))
         return updated_node

@@ -8,7 +8,9 @@ threads, batches built inline), each
 
 becomes
 
-    _pinned_h2d(_inputs, "cuda", staging=..., copy_stream=...)
+    _pinned_h2d(_inputs, device="cuda", staging=..., copy_stream=...)
+
+(the target passed as the original passes it: positionally or as `device=`).
 
 Why: a `.to("cuda", non_blocking=True)` from pageable memory is not asynchronous: the
 host stages the bytes through a driver buffer and waits for the copy, which waits
@@ -25,26 +27,33 @@ is never rewritten while its copy may still read it, whatever the batch size aft
 `.send(...)`.
 
 Exact: the generator runs where and when the original does, in the same order; the
-values copied are the tensor's. Anything that is not a CPU tensor, a device other than
-CUDA, CUDA not available, or `staging=False`: the original
-`value.to(device=device, non_blocking=True)`.
+values copied are the tensor's. Anything else is the original
+`value.to(*args, non_blocking=True, **kwargs)`, with the call's own arguments: a
+receiver that is not a plain `torch.Tensor` (a batch object with its own `.to()`, a
+tensor subclass), a target that is not a device (a dtype or a tensor, where the rewrite
+could not tell), `staging=False`; and, inside `_staged_h2d`, a tensor not on the CPU,
+a device other than CUDA, or CUDA not available.
 """
 
 import torch
 
-from templates.staging import _each_leaf, _staged_h2d
+from templates.staging import _staged_h2d
 
 
-def _pinned_h2d(value, device, staging=True, copy_stream=True):
-    """`value.to(device=device, non_blocking=True)`, through pinned memory on CUDA.
+def _pinned_h2d(value, *args, staging=True, copy_stream=True, **kwargs):
+    """`value.to(*args, non_blocking=True, **kwargs)`, through pinned memory on CUDA.
 
-    Takes: value: a tensor (or a batch of any structure, see `_each_leaf`: its tensors
-    are copied, other leaves returned as they are); device: what `.to(device=...)`
-    takes; staging: bool (`TRAIN_PINNED_STAGING`); copy_stream: bool
-    (`TRAIN_COPY_STREAM`), the copy on the dedicated copy stream, else on the current
-    stream.
-    Returns: the same structure, each tensor on `device` with the same dtype, shape and
-    values. On a host without CUDA, for another device or with staging off: exactly
-    the original call.
+    Takes: value: what the original `.to(...)` was called on; args, kwargs: that call's
+    arguments other than non_blocking, its target alone (positional, or `device=`);
+    staging: bool (`TRAIN_PINNED_STAGING`); copy_stream: bool (`TRAIN_COPY_STREAM`),
+    the copy on the dedicated copy stream, else on the current stream.
+    Returns: for a plain tensor and a device (a str or a `torch.device`), a tensor on
+    it with the same dtype, shape and values; for anything else, with staging off, or
+    on a host without CUDA, whatever the original call returns (it raises what that
+    call raises).
     """
-    return _each_leaf(value, lambda t: (_staged_h2d(t, device, copy_stream) if staging else t.to(device=device, non_blocking=True)) if isinstance(t, torch.Tensor) else t)
+    # One target, whichever way it was passed (the rewrite passes no other).
+    device, = args or kwargs.values()
+    if staging and type(value) is torch.Tensor and isinstance(device, (str, torch.device)):
+        return _staged_h2d(value, device, copy_stream)
+    return value.to(*args, non_blocking=True, **kwargs)

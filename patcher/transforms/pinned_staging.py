@@ -4,11 +4,16 @@ For a training data generator that is not run ahead because its threads load onl
 shards (`IteratorSite.staged`, see `patcher/families/generator.py`; modded-nanogpt's
 current `distributed_data_generator`), each `x.to(device, non_blocking=True)` in the
 generator (the device and non_blocking only: `families.generator.staged_copies`)
-becomes `_pinned_h2d(x, device, staging=<TRAIN_PINNED_STAGING>,
-copy_stream=<TRAIN_COPY_STREAM>)` (runtime: `templates/pinned_staging.py`). The generator itself, its shard threads and the training
-loop's `.send(...)` stay as they are, so the batches are the original's and a new
-batch size takes effect at the batch the original gives it to. On a machine without
-CUDA, or with the toggle at 0, the call is the original `.to(...)`.
+whose target is a device (`DEVICE_TARGET`) becomes `_pinned_h2d(x, device,
+staging=<TRAIN_PINNED_STAGING>, copy_stream=<TRAIN_COPY_STREAM>)`, the target passed
+as the original passes it (positionally or as `device=`; runtime:
+`templates/pinned_staging.py`). A positional target that is not a device literal
+(`torch.float16`, another tensor, a name the tool cannot tell) makes the call a cast:
+it is left as it is, and a note says so. The generator itself, its shard threads and
+the training loop's `.send(...)` stay as they are, so the batches are the original's
+and a new batch size takes effect at the batch the original gives it to. On a machine
+without CUDA, with the toggle at 0, or for a receiver that is not a plain tensor (a
+batch object with its own `.to()`), the call is the original `.to(...)`.
 """
 
 from __future__ import annotations
@@ -33,18 +38,37 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     functions = {f.name.value: f for f in survey.module.body if isinstance(f, cst.FunctionDef)}
     notes, replacements = [], {}
     for name in sorted({i.function for i in staged}, key=lambda n: survey.line_of(functions[n])):
-        calls = staged_copies(functions[name])
-        staging = ctx.toggle_value("TRAIN_PINNED_STAGING")
-        copy_stream = ctx.toggle_value("TRAIN_COPY_STREAM") if "copy_stream" in ctx.enabled else False
-        for call in calls:
-            tensor = module.code_for_node(call.func.value)
-            device = module.code_for_node(call.args[0].value)
-            replacements[call] = ctx.runtime_call("_pinned_h2d", [tensor, device], {"staging": staging, "copy_stream": copy_stream})
-        lines = ", ".join(str(survey.line_of(c)) for c in calls)
-        targets = ", ".join(sorted({f"`{i.target}`" for i in survey.iterators if i.function == name}))
-        notes.append(Note(FEATURE, True, f"generator {name} ({targets}): H2D copies at line {lines} through pinned memory on the copy stream, on the training thread (no producer: see train_prefetch)", survey.line_of(functions[name])))
+        rewritten, casts = [], []
+        for call in staged_copies(functions[name]):
+            target = call.args[0]
+            if not m.matches(target, DEVICE_TARGET):
+                casts.append(Note(FEATURE, False, f"generator {name}: `{module.code_for_node(call)}` left as it is: its target `{module.code_for_node(target.value)}` "
+                                  "is not a device literal (a string, torch.device(...) or device=), and a dtype or a tensor there makes it a cast", survey.line_of(call)))
+                continue
+            device = module.code_for_node(target.value)
+            options = {"staging": ctx.toggle_value("TRAIN_PINNED_STAGING"), "copy_stream": ctx.toggle_value("TRAIN_COPY_STREAM") if "copy_stream" in ctx.enabled else False}
+            arguments = [module.code_for_node(call.func.value), device if target.keyword is None else f"device={device}"]
+            replacements[call] = ctx.runtime_call("_pinned_h2d", arguments, options)
+            rewritten.append(call)
+        if rewritten:
+            lines = ", ".join(str(survey.line_of(c)) for c in rewritten)
+            targets = ", ".join(sorted({f"`{i.target}`" for i in survey.iterators if i.function == name}))
+            notes.append(Note(FEATURE, True, f"generator {name} ({targets}): H2D copies at line {lines} through pinned memory on the copy stream, on the training thread (no producer: see train_prefetch)", survey.line_of(functions[name])))
+        notes += casts
+    if not replacements:
+        return module, notes
     ctx.need("pinned_staging")
     return replace_nodes(module, replacements, ctx), notes
+
+
+# The target of a `.to(..., non_blocking=True)` that is a device, whatever it is called
+# on: `device=` (torch's keyword for it; a value that is no device raises in the
+# original and in `_pinned_h2d` alike), or positionally a string ("cuda", f"cuda:{rank}")
+# or `torch.device(...)`. A positional name or attribute may hold a dtype or a tensor
+# (`x.to(torch.float16)`, `x.to(other)`: a cast): not proven, not rewritten.
+DEVICE_TARGET = m.Arg(keyword=m.Name("device")) | m.Arg(
+    keyword=None, value=m.SimpleString() | m.ConcatenatedString() | m.FormattedString() | m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("device")))
+)
 
 
 # `t.pin_memory()` or a factory's `pin_memory=True`-style argument.

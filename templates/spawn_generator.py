@@ -12,11 +12,16 @@ would inherit neither the tokenizer's nor pyarrow's threads. A spawned child
 generator with the same arguments (its own resume state among them) but
 `device="cpu"`, and hands each batch over `queue_depth` batches ahead, as the lean
 runtime (`prefetch_lean.py`) does for a forked loader: its tensors are written into
-shared-memory slot `n % queue_depth`, a semaphore counts the free slots, and a small
-message on a pipe carries the batch's structure, its non-tensor values (the state dict
-of THAT batch) and the slot's number. The parent copies the slot out (into its pinned
-buffer on CUDA: the H2D source) and frees it; it does the H2D itself, on the current
-stream, as the original does.
+shared-memory slot `n % queue_depth`, and a small message on a socket pair carries the
+batch's structure, its non-tensor values (the state dict of THAT batch) and the slot's
+number. The parent copies the slot out (into its pinned buffer on CUDA: the H2D source)
+and frees it with one byte back on the same socket pair (one byte a free slot, as many
+as `queue_depth` written before the start); it does the H2D itself, on the current
+stream, as the original does. Nothing has a name in /dev/shm: the slots are an anonymous
+file (memfd), and the free slots are counted by bytes on the socket, not by a named
+semaphore (`sem_open`, /dev/shm/sem.mp-*), which a full /dev/shm refuses, and which
+outlives a run killed with SIGKILL together with the resource tracker that unlinks it
+(killed alone, that tracker warns of it at its exit).
 
 The hand-out. Sent whole through a `multiprocessing.Queue`, a batch of nanochat's
 default packing sizes (two int64 [8, 512] tensors, 64 KiB) was larger than a pipe's
@@ -40,8 +45,9 @@ H2D is queued on the current stream, as the original's. On the CPU the batch is 
 tensor per batch.
 
 Where the child cannot be used (the module runs as `__main__`, the arguments do not
-pickle, the child cannot import the module or find the function), the original runs in
-this process, exactly, with one line on stderr saying why. `TRAIN_PREFETCH=0` (the
+pickle, no descriptors or processes to spare, the child cannot import the module or find
+the function, an argument does not unpickle there, the child dies before its first
+batch), the original runs in this process, exactly, with one line on stderr saying why. `TRAIN_PREFETCH=0` (the
 `prefetch` argument) restores the original path. Only the training split's loader
 spawns (`split_param` / `train_split`, where the loader names its splits): a loader of
 another split, such as the val loader a training script rebuilds at every evaluation,
@@ -61,6 +67,7 @@ import mmap
 import multiprocessing
 import multiprocessing.reduction
 import os
+import pickle
 import select
 import sys
 import traceback
@@ -138,7 +145,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     Yields: each batch of the original, equal bit for bit, in order, with the same
     structure; tensors on `arguments[device_param]`.
     Raises: the child's exception at its batch (cause: the child's traceback);
-    RuntimeError when the child dies without a word.
+    RuntimeError when the child dies without a word after the first batch.
     """
     if not prefetch or (split_param is not None and not every_split and arguments.get(split_param) != train_split):
         # Another split's loader (nanochat rebuilds the val loader at every evaluation and
@@ -153,35 +160,41 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         return
     spawn = multiprocessing.get_context("spawn")
     depth = max(1, int(queue_depth))
-    receiver, sender = spawn.Pipe(True)  # a socket pair: it carries the slots' file descriptor too
-    free = spawn.Semaphore(depth)  # slots the child may fill: released here once a slot's batch is copied out
-    child_arguments = dict(arguments, **{device_param: "cpu"})
-    child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, child_arguments, sender, free, depth), daemon=True, name=f"prefetch {function.__name__}")
-    main = sys.modules["__main__"]
+    main, sender, refused = sys.modules["__main__"], None, None
     # Spawn re-runs the main script in the child unless it is guarded; a training script
     # that trains at top level would train there. The child needs only this module.
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
+        # Each argument pickled here and unpickled by the child itself, which can then say
+        # which one fails there (unpickled by multiprocessing, it would end the child first).
+        pickled = {name: pickle.dumps(value) for name, value in dict(arguments, **{device_param: "cpu"}).items()}
+        receiver, sender = spawn.Pipe(True)  # a socket pair: it carries the slots' file descriptor too
+        os.write(receiver.fileno(), bytes(depth))  # the free slots: one byte each, the child takes one a batch
+        child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, pickled, sender, depth), daemon=True, name=f"prefetch {function.__name__}")
         child.start()
-    except Exception as error:  # the arguments do not pickle, no processes to spare
-        receiver.close()
-        yield from _run_here(function, arguments, f"no spawned producer ({type(error).__name__}: {error})")
-        return
+    except Exception as error:  # an argument does not pickle, no descriptors or processes to spare
+        refused = f"no spawned producer ({type(error).__name__}: {error})"
+        if sender:
+            receiver.close()
     finally:
-        sys.modules["__main__"] = main
-        sender.close()  # the child's end: closed here, so that the child's exit is an end of file
+        sys.modules["__main__"] = main  # before any batch: the fallback runs with the script's own
+        if sender:
+            sender.close()  # the child's end: closed here, so that the child's exit is an end of file
+    if refused:
+        yield from _run_here(function, arguments, refused)
+        return
     if not _fork_hook:
         _fork_hook.append(os.register_at_fork(after_in_child=_forget_spawned))
     owner = os.getpid()
     _spawned[child] = owner
     device = torch.device(arguments[device_param])
     pin = device.type == "cuda" and torch.cuda.is_available()
-    slots = None
+    slots, first = None, True  # first: no batch received yet
     readable = select.poll()  # one poll object: a `Connection.poll` builds a selector per call
     readable.register(receiver, select.POLLIN)
     try:
         while True:
-            message = _receive(receiver, readable, child)
+            message = _receive(receiver, readable, child, first)
             if message[0] == "slots":  # once, before the first batch: the size of a slot (0: no slots)
                 slots = _map_slots(multiprocessing.reduction.recv_handle(receiver), message[1], depth) if message[1] else None
                 continue
@@ -192,6 +205,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
                 return
             if message[0] == "error":
                 raise _rebuilt(message[1]) from RuntimeError(message[2])
+            first = False
             shared = slots[message[2]] if slots is not None else None
             leaves = []
             _each_leaf(message[1], lambda v: leaves.append(v) if isinstance(v, _HostTensor) else None)
@@ -202,7 +216,10 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
                 handed = iter([t.clone() if leaf.data is None else t for leaf, t in zip(leaves, host)])
             else:
                 handed = iter([t.to(device) for t in host])
-            free.release()  # the slot is copied out: the child may refill it
+            try:
+                os.write(receiver.fileno(), b"\0")  # the slot is copied out: the child may refill it
+            except OSError:  # the child has ended after its last batch: its last messages are still to read
+                pass
             yield _each_leaf(message[1], lambda v: next(handed) if isinstance(v, _HostTensor) else v)
     finally:
         if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
@@ -215,8 +232,9 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         receiver.close()
 
 
-def _receive(receiver, readable, child):
-    """The child's next message; RuntimeError when the child has died without one.
+def _receive(receiver, readable, child, first):
+    """The child's next message; when the child has died without one, a "setup" message
+    saying so before the `first` batch (the original runs here), else RuntimeError.
 
     readable: a `select.poll` object with `receiver` registered."""
     while not readable.poll(_POLL_S * 1000):
@@ -224,8 +242,10 @@ def _receive(receiver, readable, child):
             break
     try:
         return receiver.recv()
-    except EOFError:  # every copy of the sending end is closed: the child is gone
+    except (EOFError, ConnectionResetError):  # the child is gone (reset: it left bytes of free slots unread)
         child.join(1)
+        if first:  # it died unpickling its own start (its traceback is on stderr), or killed
+            return "setup", f"its spawned producer died before its first batch (exit code {child.exitcode})"
         raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None
 
 
@@ -235,33 +255,41 @@ def _run_here(function, arguments, reason):
     yield from function(**arguments)
 
 
-def _spawn_producer(module_name, function_name, arguments, sender, free, depth):
+def _spawn_producer(module_name, function_name, pickled, sender, depth):
     """The spawned child: run `module.function(**arguments)` and hand every batch over, in order.
 
-    Batch n's tensors are written into shared-memory slot `n % depth` (`_make_slots`:
-    allocated after the first batch, sized by it), after a `free` slot is acquired; the
+    pickled: the arguments by name, each pickled. Batch n's tensors are written into
+    shared-memory slot `n % depth` (`_make_slots`: allocated after the first batch, sized
+    by it), after the byte of a free slot is read from `sender`; the
     message that follows carries the batch's structure, its non-tensor values (the state
     dict of THAT batch) and the slot's number, a few hundred bytes that one write of the
     pipe delivers (a batch of 64 KiB pickled filled the pipe, and each hand-out then
     waited for the child to be scheduled to write the rest). A tensor the slot has no
     room for (a batch larger than the first) travels in the message. Messages: ("slots", slot bytes) once, then the descriptor;
-    ("batch", batch with tensors as `_HostTensor`s, slot); ("setup", reason) when the
-    generator cannot be built; ("error", exception, traceback text) at the batch where
+    ("batch", batch with tensors as `_HostTensor`s, slot); ("setup", reason) when an
+    argument does not unpickle here or the generator cannot be built; ("error", exception, traceback text) at the batch where
     the generator raised; ("end",) when it returns. Leaves when the parent has gone.
     """
     _producer_setup()  # default signal handlers, one torch thread
     os.nice(_PRODUCER_NICE)  # before the loader starts its threads: they inherit it
     parent = multiprocessing.parent_process()
+    arguments = {}
     try:
+        for name, value in pickled.items():  # one by one, to name the one that fails
+            reason = f"its argument {name} does not unpickle in a spawned producer"
+            arguments[name] = pickle.loads(value)
+        reason = "a spawned producer cannot build it"
         batches = getattr(importlib.import_module(module_name), function_name)(**arguments)
     except Exception as error:
-        return _send(sender, ("setup", f"a spawned producer cannot build it ({type(error).__name__}: {error})"))
+        return _send(sender, ("setup", f"{reason} ({type(error).__name__}: {error})"))
     slots, size, n = None, 0, 0
     try:
         while True:
-            while not free.acquire(timeout=_POLL_S):
+            while not sender.poll(_POLL_S):  # a free slot: a byte from the parent
                 if parent is not None and not parent.is_alive():
                     os._exit(0)
+            if not os.read(sender.fileno(), 1):  # an end of file: the parent has gone (a reset raises, and so ends too)
+                os._exit(0)
             batch = next(batches, _END)
             if batch is _END:
                 break

@@ -38,7 +38,7 @@ from patcher.patch import features_from
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
 from patcher.colour import CHOICES as COLOUR_CHOICES, GREEN, RED, YELLOW, paint, use_colour
 from patcher.progress import coloured_diff, running_clock, wanted
-from patcher.read.source import SourceError, output_problem, read_script, write_atomic
+from patcher.read.source import SourceError, is_symlink_loop, output_problem, read_script, write_atomic
 from patcher.review import patch_diff
 from patcher.tree import NoFiles
 
@@ -381,8 +381,11 @@ def _run_tree(args) -> int:
         raise UsageError(f"{what} give --out-dir for tree mode (or --diff to see the patches without writing them)")
     if args.output is not None or args.in_place:
         raise UsageError("tree mode (a directory or several INPUTs) takes --out-dir, not -o or --in-place")
+    if args.out_dir is not None and os.path.lexists(args.out_dir) and not os.path.isdir(args.out_dir):
+        what = "a symlink loop" if is_symlink_loop(args.out_dir) else "not a directory"
+        raise SourceError(args.out_dir, f"--out-dir is {what}; nothing written")
     for name in args.inputs if args.out_dir is not None else ():
-        if Path(name).is_dir() and Path(name).resolve() == Path(args.out_dir).resolve():
+        if Path(name).is_dir() and _same_path(name, args.out_dir):
             raise UsageError(f"{args.out_dir}: --out-dir is the input directory; nothing overwritten")
     options = replace(_file_options(args), byte_breakdown=False)
     args.colour = use_colour(args.color, sys.stderr if args.diff else sys.stdout)
@@ -437,7 +440,7 @@ def _run_unwrap(args) -> int:
         sys.stdout.write(script.source)
         return EXIT_OK
     out = Path(args.output)
-    if args.file != STDIN and out.resolve() == Path(args.file).resolve():
+    if args.file != STDIN and _same_path(out, args.file):
         raise UsageError(f"{out}: output path is the input path; nothing written")
     problem = output_problem(out)
     if problem is not None:
@@ -588,16 +591,19 @@ def _output_path(args, in_path: Path):
     if os.path.abspath(args.output) == DEVNULL:
         return None
     out = Path(args.output)
-    try:
-        same = out.resolve() == in_path.resolve()
-    except OSError:
-        same = False
-    if same:
+    if _same_path(out, in_path):
         raise UsageError(f"{out}: output path is the input path; use --in-place to overwrite it (a .orig backup is kept)")
     problem = output_problem(out)
     if problem is not None:
         raise SourceError(out, f"cannot write output: {problem}; nothing written")
     return out
+
+
+def _same_path(a, b) -> bool:
+    """Whether paths `a` and `b` lead to the same place. Never raises: a symlink loop is
+    compared as far as it resolves (Path.resolve raises RuntimeError on one before Python
+    3.13), and reading it is refused later with its own error."""
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _print_report(report: dict, result, stream, colour: bool = False) -> None:

@@ -12,6 +12,7 @@ import gc
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,8 @@ from patcher.survey.survey import index_of, survey
 from patcher.read.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
 
 WRITTEN, ALREADY_PATCHED, NOTHING_TO_PATCH, CHECK_FAILED = "written", "already patched", "nothing to patch", "check failed"
+# A check's verdict as reports show it.
+VERDICTS = {"ok": "ok", "partial": "partial", "failed": "FAILED"}
 
 
 class UsageError(Exception):
@@ -78,9 +81,31 @@ class FileResult:
     over_cap: str | None = field(default=None)
 
 
-def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions) -> FileResult:
+@dataclass(frozen=True)
+class Staging:
+    """How an output reaches its path, for a caller that may kill this process meanwhile
+    and must then know whether the output was written (tree mode's workers).
+
+    temp: the temporary file the output is written to before it is renamed into place
+    (beside the output; the output's directory is created if needed). tell: called
+    with ("checking", None) when the check of the output starts, and with ("staged",
+    verdict) once `temp` holds the whole output, just before the rename (verdict: "ok",
+    "partial", "FAILED", or None when not checked). Whoever kills this process before
+    the rename finds `temp` still there (and removes it); after it, `temp` is gone.
+    """
+
+    temp: Path
+    tell: Callable[[str, str | None], None]
+
+
+def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions, staging: Staging | None = None) -> FileResult:
     """Patch the script at `in_path` into `out_path` ("-": stdout; None: nowhere, as for
     a diff alone, and then nothing is checked). Returns a `FileResult`.
+
+    The output is checked before it is written, and written (renamed into place whole)
+    only once everything else is done: a Ctrl-C or an error before that leaves nothing
+    of it on disk, and `report["written"]` is True exactly when it was written.
+    staging: where the output waits for its rename, and whom to tell (`Staging`).
 
     Raises SourceError for bad input or an output that cannot be written (nothing is
     written then) and for a site the tool cannot rewrite for the target Python.
@@ -92,13 +117,13 @@ def patch_file(in_path: Path, out_path: Path | str | None, options: FileOptions)
 
         import_smoke.prewarm()  # the check's import child starts (and imports torch) while the script is patched
         try:
-            return _patch_file(in_path, out_path, options, started)
+            return _patch_file(in_path, out_path, options, started, staging)
         finally:
             import_smoke.discard_warm()  # not taken: nothing written, or nothing imported
-    return _patch_file(in_path, out_path, options, started)
+    return _patch_file(in_path, out_path, options, started, staging)
 
 
-def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -> FileResult:
+def _patch_file(in_path: Path, out_path, options: FileOptions, started: float, staging: Staging | None = None) -> FileResult:
     launched: list[MinifyWorker | None] = []  # `early_worker`'s answer, given while the script is parsed
     try:
         with _gc_paused():
@@ -119,10 +144,10 @@ def _patch_file(in_path: Path, out_path, options: FileOptions, started: float) -
     # One worker counts the input while the script is surveyed and patched, then the
     # patched code, reusing what it minified of the input.
     with counting.session(worker) as session:
-        return _patch_parsed(in_path, out_path, options, started, script, module, index, counting, session)
+        return _patch_parsed(in_path, out_path, options, started, script, module, index, counting, session, staging)
 
 
-def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float, script: Script, module: cst.Module, index, counting: Counting, session: CountSession) -> FileResult:
+def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float, script: Script, module: cst.Module, index, counting: Counting, session: CountSession, staging: Staging | None = None) -> FileResult:
     minified = counting.how == "minified"
     before = session.start(script.raw, script.source) if minified else None
     with _gc_paused():
@@ -133,7 +158,6 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
             if script.wrapped:
                 raise SourceError(in_path, f"payload line {note.line}: {note.reason}; nothing written")
             raise SourceError(in_path, f"{note.reason}; nothing written", note.line)
-    wrote = False
     text = script.raw
     patched = keep_style(script, result.source)  # the input's line endings and BOM
     # The patched code's count runs in a worker beside what remains (compile, write, check).
@@ -143,12 +167,12 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         text = render(script, patched, rewrap=options.rewrap)
     elif result.already_patched and not options.rewrap:
         text = script.source
-    if out_path is not None and (result.changed or (result.already_patched and not options.in_place)):
-        wrote = _write(text, out_path, options.in_place)
+    # Written last, once checked and counted: an output on disk is one whose check is done.
+    writes = out_path is not None and (result.changed or (result.already_patched and not options.in_place))
     report = {
         "input": str(in_path),
         "output": None if out_path is None else ("-" if out_path == "-" else str(out_path)),
-        "written": wrote,
+        "written": False,
         "already_patched": result.already_patched,
         "applied": result.applied,
         "skipped": [n.as_dict() for n in result.skipped],
@@ -157,13 +181,15 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         "wrapped": script.wrapped,
     }
     check = None
-    if wrote and options.check and _forks_smoke():
+    if writes and options.check and _forks_smoke():
         # the import smoke forks this process (tree mode): no thread of ours may be running then
         for pending in (before, after):
             if pending is not None:
                 _done(pending)
         session.close()
-    if wrote and options.check:  # the minifier's worker, if any, runs meanwhile
+    if writes and options.check:  # the minifier's worker, if any, runs meanwhile
+        if staging is not None:
+            staging.tell("checking", None)
         check_started = time.perf_counter()
         check = _check_written(text, _written_script(script, result, text, patched), out_path, in_path, options, script)
         started += time.perf_counter() - check_started
@@ -184,6 +210,8 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         status = ALREADY_PATCHED
     else:
         status = WRITTEN if result.changed else NOTHING_TO_PATCH
+    if writes:
+        report["written"] = _write(text, out_path, options.in_place, staging, None if check is None else VERDICTS[check.verdict])
     return FileResult(status, report, result, script.source, patched, check, budget, over_cap)
 
 
@@ -230,8 +258,9 @@ def _written_script(script: Script, result, text: str, patched: str) -> Script:
 
 
 def _check_written(text: str, written: Script, out_path, in_path: Path, options: FileOptions, original: Script):
-    """Run `check` on what was written (a temporary copy for stdout); when it fails, on
-    `original` (the input as read) too."""
+    """Run `check` on what is to be written (`written`, whose text is `text`, named as
+    `out_path`: the check reads nothing from there; a temporary copy for stdout); when
+    it fails, on `original` (the input as read) too."""
     from patcher.check.check import check_file, compare_with_original
 
     # the output is meant to stand where the input stands: imported with the input's `__file__`
@@ -265,12 +294,19 @@ def _compile_like_input(script, patched: str) -> None:
     raise RuntimeError(f"patched source does not compile: line {failure.lineno}: {failure.msg}") from failure
 
 
-def _write(text: str, out_path, in_place: bool) -> bool:
+def _write(text: str, out_path, in_place: bool, staging: Staging | None = None, verdict: str | None = None) -> bool:
+    """Write `text` to `out_path` ("-": stdout), renamed into place whole (`write_atomic`),
+    through `staging.temp` when given. Returns True; raises SourceError (nothing written)."""
     if out_path == "-":
         sys.stdout.write(text)
         return True
+    temp = on_staged = None
+    if staging is not None:
+        temp, on_staged = staging.temp, lambda: staging.tell("staged", verdict)
     try:
-        write_atomic(out_path, text, backup_suffix=".orig" if in_place else None)
+        if staging is not None:
+            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out_path, text, backup_suffix=".orig" if in_place else None, temp=temp, on_staged=on_staged)
     except FileExistsError:
         backup = f"{out_path}.orig"
         raise SourceError(out_path, f"backup {backup} already exists; not overwritten (move it away to patch in place again); nothing written") from None
@@ -286,7 +322,7 @@ def _counted_bytes(script: Script, result, enabled: set[str], counting: Counting
     try:
         return count_patch(script, result, enabled, counting, options.byte_breakdown, before, rewrap=options.rewrap, after=after, session=session)
     except CountError as error:
-        raise SourceError(script.path, f"cannot count code bytes: {error}") from None
+        raise SourceError(script.path, f"cannot count code bytes: {error}; nothing written") from None
 
 
 def _budget(in_path: Path, counted: dict) -> Budget | None:

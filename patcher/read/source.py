@@ -188,13 +188,23 @@ def output_problem(path: str | Path) -> str | None:
             return f"directory {target.parent} does not exist"
         return None
     except OSError as e:
-        return f"cannot stat ({e.strerror or e})"
+        return "is a symlink loop" if e.errno == errno.ELOOP else f"cannot stat ({e.strerror or e})"
     kind = _file_kind(st.st_mode)
     if kind != "regular file":
         return f"is a {kind}, not a regular file"
     if not st.st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(target, os.W_OK):
         return "is read-only"
     return None
+
+
+def is_symlink_loop(path: str | Path) -> bool:
+    """Whether resolving `path` never ends: it, or a symlink on the way to it, leads
+    back to itself (ELOOP). Touches nothing."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _file_kind(mode: int) -> str:
@@ -212,7 +222,7 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
-def write_atomic(path: str | Path, text: str, backup_suffix: str | None = None) -> None:
+def write_atomic(path: str | Path, text: str, backup_suffix: str | None = None, temp: str | Path | None = None, on_staged=None) -> None:
     """Write `text` (UTF-8, line endings as given) to `path` atomically.
 
     The text goes to a temporary file in the same directory, which then replaces
@@ -224,6 +234,12 @@ def write_atomic(path: str | Path, text: str, backup_suffix: str | None = None) 
     (FileExistsError). The target's mode bits are kept; a new file gets the usual
     umask-based mode. A symlink is written through to its target. Raises OSError on
     I/O failure (the temporary file is removed).
+
+    temp: the temporary file's path (in the directory of the file `path` leads to,
+    symlinks resolved, for `os.replace`; one left there by a process that was killed is
+    replaced), for a caller that must find it if this process is killed; default a
+    fresh name. on_staged: called once the temporary
+    file holds the whole text, just before it replaces `path`.
     """
     target = Path(os.path.realpath(path))
     problem = output_problem(target)
@@ -236,13 +252,21 @@ def write_atomic(path: str | Path, text: str, backup_suffix: str | None = None) 
             shutil.copyfileobj(src, dst)
         shutil.copystat(target, backup)
     mode = stat.S_IMODE(target.stat().st_mode) if exists else _default_mode()
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    if temp is None:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    else:
+        tmp = str(temp)
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)  # mkstemp creates 0600
+        if on_staged is not None:
+            on_staged()
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
@@ -300,6 +324,8 @@ def _read_text(p: Path) -> str:
     except PermissionError:
         raise SourceError(p, "cannot read file (permission denied)") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SourceError(p, "is a symlink loop; not read") from None
         raise SourceError(p, f"cannot read file ({e.strerror or e})") from None
     if not data.strip():
         raise SourceError(p, "empty file")

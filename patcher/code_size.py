@@ -23,9 +23,12 @@ from __future__ import annotations
 import collections
 import json
 import queue
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +44,25 @@ ARTIFACT_CAP = 16_000_000
 _WORKER = Path(__file__).with_name("minify_worker.py")
 # The flags of the records' own code-size function, when a script names none we can read.
 DEFAULT_MINIFY_FLAGS = ("--no-rename-locals", "--no-hoist-literals", "--remove-literal-statements")
+# How long a count waits for the worker's next answer (seconds) before it gives up on it:
+# counted from the worker's last answer, or from the request when it had nothing to do.
+# Measured on 2 cores: the largest record (161 KB) is answered in 1.0-1.4 s from a cold
+# start (interpreter, minifier import, every unit minified) and in 0.2-1.3 s when warm;
+# the largest fixture (15 KB) in under 0.5 s. 120 s is over 80 times that: enough for a
+# machine ten times slower under a load that takes most of its cores, short enough that
+# a worker that will never answer does not hold the command for long.
+ANSWER_BOUND_S = 120.0
+# How often a waiting count looks at the worker (seconds): whether it is stopped.
+_LOOK_EVERY_S = 0.5
+# How long the worker may take to end once it has closed its output or been killed (seconds).
+_END_BOUND_S = 5.0
 # Keys of submission.json whose values are whole-artifact sizes in bytes.
 _ARTIFACT_KEYS = ("artifact_bytes", "artifact_bytes_max", "artifact_size_bytes", "bytes_total", "total_bytes")
 
 
 class CountError(Exception):
-    """The minifier could not process the source (one line)."""
+    """The minifier could not process the source, or its worker ended or stopped answering
+    before it counted it (one line)."""
 
 
 @dataclass(frozen=True)
@@ -99,14 +115,15 @@ class PendingCount:
     """A count started by `CountSession.start`; `result()` waits for it and returns the bytes.
 
     counting: the `Counting` it counts with. For "minified" the count runs in the
-    session's worker process; a command that fails before it asks for the result does
-    not wait for the minifier at exit. `how`, once the result is in: how the worker
-    minified ({"units": [minified, reused]} or {"whole": reason}; {} when not minified).
+    session's worker process (`worker`); a command that fails before it asks for the
+    result does not wait for the minifier at exit. `how`, once the result is in: how the
+    worker minified ({"units": [minified, reused]} or {"whole": reason}; {} when not minified).
     """
 
-    def __init__(self, counting: Counting):
+    def __init__(self, counting: Counting, worker: "MinifyWorker | None" = None):
         self.counting = counting
         self.how: dict = {}
+        self._worker = worker
         self._value: int | None = None
         self._error: Exception | None = None
         self._done = threading.Event()
@@ -116,8 +133,12 @@ class PendingCount:
         self._done.set()
 
     def result(self) -> int:
-        """The counted bytes. Raises CountError when the minifier failed."""
-        self._done.wait()
+        """The counted bytes. Raises CountError when the minifier failed, when its worker
+        ended before answering, or when it gave no answer for `ANSWER_BOUND_S` seconds
+        (the worker is then killed; a stopped worker is said on stderr meanwhile)."""
+        if self._worker is not None and not self._worker._wait(self._done.wait):
+            self._worker._give_up()
+        self._done.wait()  # set by now: answered, or failed by `_give_up`
         if self._error is not None:
             raise self._error
         return self._value
@@ -135,9 +156,16 @@ class MinifyWorker:
 
     def __init__(self):
         command = [sys.executable, str(_WORKER), "--serve"]
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # Its stderr goes to a file, not a pipe: a pipe nobody reads while it works fills
+        # at 64 KB (warnings on the script's code, one per line) and blocks it for good.
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
         self._requests: queue.Queue = queue.Queue()
         self._waiting: collections.deque = collections.deque()
+        self._lock = threading.Lock()  # `_waiting`, `_ended` and `_since`, between callers and the reader
+        self._ended: str | None = None  # why the process answers no more, once it does not
+        self._since = time.monotonic()  # its last answer, or the request it got when it had nothing to do
+        self._said_stopped = False
         self._threads = [
             threading.Thread(target=self._write, name="count-minified-in", daemon=True),
             threading.Thread(target=self._read, name="count-minified-out", daemon=True),
@@ -146,9 +174,16 @@ class MinifyWorker:
             thread.start()
 
     def count(self, counting: Counting, source: str) -> PendingCount:
-        """The minified count of `source` with `counting`'s flags and compressor, under way."""
-        pending = PendingCount(counting)
-        self._waiting.append(pending)
+        """The minified count of `source` with `counting`'s flags and compressor, under way.
+        Asked of a worker that has ended, it fails at once (`result` raises CountError)."""
+        pending = PendingCount(counting, self)
+        with self._lock:
+            if self._ended is not None:
+                pending._finish(error=CountError(self._ended))
+                return pending
+            if not self._waiting:
+                self._since = time.monotonic()
+            self._waiting.append(pending)
         request = {"source": source, "compressor": counting.compressor, "flags": list(counting.minify_flags)}
         self._requests.put(json.dumps(request) + "\n")
         return pending
@@ -160,20 +195,65 @@ class MinifyWorker:
 
     def close(self, wait: bool = True) -> None:
         """No more counts: the process ends when it has answered those asked. With `wait`,
-        return only once it has (and the threads have ended)."""
+        return only once it has and the threads have ended: its answers are waited for
+        as `PendingCount.result` waits (given up after `ANSWER_BOUND_S` seconds without
+        one, the counts owed then failing), its end for `_END_BOUND_S` seconds (then it is
+        killed: nothing is lost, it owes nothing)."""
         self._requests.put(None)
-        if wait:
-            for thread in self._threads:
-                thread.join()
+        if not wait:
+            return
+        with self._lock:
+            last = self._waiting[-1] if self._waiting else None  # answered in order: the last is answered last
+        if last is not None and not self._wait(last._done.wait):
+            self._give_up()
+        if not self._threads_ended(_END_BOUND_S):
+            self._proc.kill()
+            self._threads_ended(_END_BOUND_S)
 
     def abandon(self) -> None:
         """End the process now, its counts unanswered (a command that failed, or a script
         that turned out not to be counted minified, does not wait for the minifier). Its
         threads end with it (a tree-mode worker may fork next, which wants none running)."""
+        self._end(f"the minifier's worker (pid {self._proc.pid}) was ended: its counts were no longer wanted")
         self._requests.put(None)
         self._proc.kill()
+        self._threads_ended(_END_BOUND_S)
+
+    def _threads_ended(self, seconds: float) -> bool:
+        """Whether both threads end within `seconds` (each within it, in turn)."""
         for thread in self._threads:
-            thread.join()
+            thread.join(seconds)
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def _wait(self, done) -> bool:
+        """Call `done(seconds)` (a wait that returns whether what it waits for happened)
+        until it returns True, or until the worker has given no answer for
+        `ANSWER_BOUND_S` seconds: False then. Says once on stderr that the worker is
+        stopped (SIGSTOP), when it is: it answers nothing until it is continued."""
+        while not done(_LOOK_EVERY_S):
+            if not self._said_stopped and _stopped(self._proc.pid):
+                self._said_stopped = True
+                print(f"patch-prefetch: the minifier's worker (pid {self._proc.pid}) is stopped; waiting up to {ANSWER_BOUND_S:g} s for its count of the code bytes (kill -CONT {self._proc.pid} lets it go on)", file=sys.stderr, flush=True)
+            if time.monotonic() - self._since > ANSWER_BOUND_S:
+                return False
+        return True
+
+    def _give_up(self) -> None:
+        """Kill the process: it gave no answer for `ANSWER_BOUND_S` seconds. The counts it
+        owes, and any asked later, fail with one line saying so."""
+        how = "it is stopped" if _stopped(self._proc.pid) else "it runs but does not answer"
+        self._end(f"no answer from the minifier's worker (pid {self._proc.pid}) in {ANSWER_BOUND_S:g} s ({how}; a 160 KB script takes it about 2 s); ended it")
+        self._proc.kill()
+
+    def _end(self, why: str) -> None:
+        """No more answers: each count still waiting, and any asked later, fails with `why`
+        (the first reason given stands)."""
+        with self._lock:
+            if self._ended is None:
+                self._ended = why
+            waiting, self._waiting = self._waiting, collections.deque()
+        for pending in waiting:
+            pending._finish(error=CountError(self._ended))
 
     def _write(self) -> None:
         stdin = self._proc.stdin
@@ -190,21 +270,71 @@ class MinifyWorker:
                 pass
 
     def _read(self) -> None:
-        for line in self._proc.stdout:
+        try:
+            for line in self._proc.stdout:
+                try:
+                    reply = json.loads(line)
+                except ValueError:
+                    continue  # not the worker's: something the minifier printed
+                with self._lock:  # taken and finished at once: a count given up finds none half-answered
+                    if not self._waiting or not isinstance(reply, dict):
+                        continue  # not an answer of ours (a JSON line the minifier printed)
+                    pending = self._waiting.popleft()
+                    self._since = time.monotonic()
+                    if "error" in reply:
+                        pending._finish(error=CountError(f"pyminify failed: {reply['error']}"))
+                    else:
+                        pending.how = {k: v for k, v in reply.items() if k in ("units", "whole")}
+                        pending._finish(reply["bytes"])
+        finally:  # at the end of its output, or a reply this reader could not take
             try:
-                reply = json.loads(line)
-            except ValueError:
-                continue  # not the worker's: something the minifier printed
-            pending = self._waiting.popleft()
-            if "error" in reply:
-                pending._finish(error=CountError(f"pyminify failed: {reply['error']}"))
-            else:
-                pending.how = {k: v for k, v in reply.items() if k in ("units", "whole")}
-                pending._finish(reply["bytes"])
-        last = (self._proc.stderr.read().decode("utf-8", "replace").strip().splitlines() or ["no message"])[-1]
-        self._proc.wait()
-        while self._waiting:  # the process ended before answering these
-            self._waiting.popleft()._finish(error=CountError(f"pyminify failed: {last}"))
+                self._end(self._ending())
+            finally:
+                self._stderr.close()
+
+    def _ending(self) -> str:
+        """How the process ended, once its output has: one line for the counts it did not answer."""
+        who = f"the minifier's worker (pid {self._proc.pid})"
+        try:
+            code = self._proc.wait(_END_BOUND_S)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            return f"{who} closed its output without ending; killed it"
+        if code < 0:
+            name = _signal_name(-code)
+            why = " (out of memory, or killed by another process)" if -code == signal.SIGKILL else ""
+            return f"{who} was killed by {name}{why} before it answered"
+        if code:
+            return f"pyminify failed: {who} exited with code {code}: {_last_line(self._stderr)}"
+        return f"{who} ended before it answered"
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (by SIGSTOP, Ctrl-Z or a debugger). Linux: reads
+    /proc; False elsewhere or when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last_line(file) -> str:
+    """The last non-empty line of `file` (the worker's stderr), read from its last 4 KB."""
+    try:
+        size = file.seek(0, 2)
+        file.seek(max(0, size - 4096))
+        lines = file.read().decode("utf-8", "replace").strip().splitlines()
+    except (OSError, ValueError):
+        lines = []
+    return lines[-1] if lines else "no message"
 
 
 def early_worker(text: str) -> MinifyWorker | None:

@@ -42,6 +42,7 @@ import sys
 import threading
 import tokenize
 import traceback
+import warnings
 
 # The wrapper a minifying record builds around its compressed code (its own bytes count).
 WRAPPER = {
@@ -392,9 +393,11 @@ def _answer_in_order(answers: queue.Queue) -> None:
 
 
 def _read_requests(requests: queue.Queue) -> None:
-    for line in sys.stdin:
-        requests.put(json.loads(line))
-    requests.put(None)
+    try:
+        for line in sys.stdin:
+            requests.put(json.loads(line))
+    finally:  # a line it cannot read ends the worker (its caller says so) rather than leaving it waiting
+        requests.put(None)
 
 
 def speculate(source: bytes, default_flags: list[str], memos: dict, requests: queue.Queue) -> int:
@@ -463,6 +466,9 @@ def _preorder(node: ast.AST):
 
 
 def main(argv: list[str]) -> None:
+    # Warnings on the script's code (invalid escape sequences, ...) are not the count's;
+    # a large script can have thousands.
+    warnings.simplefilter("ignore")
     if argv[:1] == ["--serve"]:
         serve()
         return

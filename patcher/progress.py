@@ -57,8 +57,13 @@ def running_clock(label: str, enabled: bool, every_s: float = 0.5) -> Iterator[N
         yield
     finally:
         stop.set()
-        ticker.join()
-        bar.close()
+        # The ticker ends after at most one refresh; a refresh still running after a few
+        # ticks is a write to a terminal that takes no output (flow control, a stalled
+        # pseudo-terminal): nothing can be said there, so the bar is left as it stands
+        # (closing it would write, and wait for the ticker's lock).
+        ticker.join(max(1.0, 4 * every_s))
+        if not ticker.is_alive():
+            bar.close()
 
 
 def coloured_diff(lines: Iterable[str]) -> Iterator[str]:

@@ -61,10 +61,10 @@ def refuse(site, function: cst.FunctionDef, index) -> str | None:
 def stages(site, function: cst.FunctionDef, index) -> bool:
     """Whether the refused site `site` (built from `function`) gets pinned staging: its
     only obstacle is background loading of shards or files (`background_kind`), and it
-    has a `.to(device, non_blocking=True)` copy to stage."""
+    has a `.to(device, non_blocking=True)` copy whose target is a device (`DEVICE_TARGET`) to stage; a generator whose copies are all casts gets none."""
     if not site.reason or not site.reason.startswith(f"{function.name.value} loads shards"):
         return False
-    return bool(staged_copies(function))
+    return bool(device_copies(function))
 
 
 def background_kind(function: cst.FunctionDef) -> str | None:
@@ -104,9 +104,24 @@ H2D_COPY = m.Call(
 )
 
 
+# The target of a `.to(..., non_blocking=True)` that is a device, whatever it is called
+# on: `device=` (torch's keyword for it; a value that is no device raises in the
+# original and in `_pinned_h2d` alike), or positionally a string ("cuda", f"cuda:{rank}")
+# or `torch.device(...)`. A positional name or attribute may hold a dtype or a tensor
+# (`x.to(torch.float16)`, `x.to(other)`: a cast): not proven a device.
+DEVICE_TARGET = m.Arg(keyword=m.Name("device")) | m.Arg(
+    keyword=None, value=m.SimpleString() | m.ConcatenatedString() | m.FormattedString() | m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("device")))
+)
+
+
 def staged_copies(function: cst.FunctionDef) -> list[cst.Call]:
     """The `.to(device, non_blocking=True)` calls in `function`, in source order."""
     return [node for node in walk(function) if isinstance(node, cst.Call) and m.matches(node, H2D_COPY)]
+
+
+def device_copies(function: cst.FunctionDef) -> list[cst.Call]:
+    """The `staged_copies` of `function` whose target is a device (`DEVICE_TARGET`): what pinned staging rewrites."""
+    return [call for call in staged_copies(function) if m.matches(call.args[0], DEVICE_TARGET)]
 
 
 def _generator_unsafe(function: cst.FunctionDef) -> str | None:
@@ -121,7 +136,8 @@ def _generator_unsafe(function: cst.FunctionDef) -> str | None:
             if background_kind(function) == "shards":
                 return (f"{name} loads shards in the background ({called}) and builds each batch on the caller's thread: "
                         "not run ahead (a fork would not copy its threads, a producer thread would take GIL time from the training loop); "
-                        "its H2D copies get pinned staging")
+                        + ("its H2D copies get pinned staging" if device_copies(function)
+                           else "it has no `.to(device, non_blocking=True)` to a device to stage (its casts stay as written)"))
             return f"{name} already loads data in the background ({called}); not wrapped again"
         rng = global_rng(called)
         if rng is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.families.generator import staged_copies
+from patcher.families.generator import DEVICE_TARGET, staged_copies
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "pinned_staging"
@@ -59,16 +59,6 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         return module, notes
     ctx.need("pinned_staging")
     return replace_nodes(module, replacements, ctx), notes
-
-
-# The target of a `.to(..., non_blocking=True)` that is a device, whatever it is called
-# on: `device=` (torch's keyword for it; a value that is no device raises in the
-# original and in `_pinned_h2d` alike), or positionally a string ("cuda", f"cuda:{rank}")
-# or `torch.device(...)`. A positional name or attribute may hold a dtype or a tensor
-# (`x.to(torch.float16)`, `x.to(other)`: a cast): not proven, not rewritten.
-DEVICE_TARGET = m.Arg(keyword=m.Name("device")) | m.Arg(
-    keyword=None, value=m.SimpleString() | m.ConcatenatedString() | m.FormattedString() | m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("device")))
-)
 
 
 # `t.pin_memory()` or a factory's `pin_memory=True`-style argument.

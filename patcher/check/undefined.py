@@ -37,7 +37,8 @@ class UndefinedName:
 def undefined_names(source: str, filename: str = "<script>") -> list[UndefinedName] | None:
     """Every use of an undefined name in `source` (the payload for a wrapped script),
     in line order; None when the running Python cannot parse it (not even with its
-    Python 3.12-only f-strings requoted, which keeps the same AST)."""
+    Python 3.12-only f-strings requoted, which keeps the same AST), or parses what only
+    its compiler rejects and pyflakes asserts on (`from __future__` inside a function)."""
     code = source.removeprefix("\ufeff")
     tree = _parse(code, filename)
     if tree is None:
@@ -45,7 +46,10 @@ def undefined_names(source: str, filename: str = "<script>") -> list[UndefinedNa
         tree = _parse(requoted, filename) if requoted is not None else None
     if tree is None:
         return None
-    found = checker.Checker(tree, filename=filename).messages
+    try:
+        found = checker.Checker(tree, filename=filename).messages
+    except AssertionError:  # pyflakes asserts on what only the compiler rejects (`from __future__` in a function)
+        return None
     out = {UndefinedName(m.message_args[0], m.lineno, m.col + 1) for m in found if isinstance(m, _UNDEFINED)}
     return sorted(out, key=lambda u: (u.line, u.col, u.name))
 

@@ -605,10 +605,16 @@ def render_module(w: Wrapper, literal: cst.BaseExpression) -> str:
         return bom + w.module.visit(_Swap({id(w.literal_node): literal})).code
     # N = file bytes - delta, but N's digit count changes the file size: iterate.
     n = int(w.size_node.evaluated_value)
+    delta = w.wrapper_size_delta
     for _ in range(16):
         size = w.size_node.with_changes(value=str(n))
         text = bom + w.module.visit(_Swap({id(w.literal_node): literal, id(w.size_node): size})).code
-        want = code_bytes(text) - w.wrapper_size_delta
+        want = code_bytes(text) - delta
+        if want < 0:
+            # A value below the distance (a placeholder 0 in a file that shrank when
+            # re-packed): no size is negative, so the file's own size, as records carry it.
+            delta = 0
+            want = code_bytes(text)
         if want == n:
             return text
         n = want

@@ -207,4 +207,7 @@ OPTIONS = {
     "prefetch_lean": ("queue_depth",),
     "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "attrs", "replay"),
 }
-UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected=(MAKE_TRAIN_LOADER, bestfit_packing.MODULE_RUNTIME))
+# Every producer a family's plan calls marks a patched script, the thread runners of
+# generators and self-prefetching loaders included: patching it again changes nothing.
+PRODUCERS = sorted({u.producer for u in BY_NAME.values() if u.producer} - {MAKE_TRAIN_LOADER})
+UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected=(MAKE_TRAIN_LOADER, bestfit_packing.MODULE_RUNTIME, *PRODUCERS))

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import random
 import signal
 import threading
 import time
@@ -127,6 +128,49 @@ def copy_batch(batch):
     return _each_leaf(batch, lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
 
 
+class GlobalRng:
+    """The global random state of each side of a comparison, kept apart: Python's
+    `random`, numpy's global generator and torch's CPU generator. The original and the
+    patched script each start from the same state (seeded with `seed`), as each would in
+    a process of its own, and the draws of one never move the other's: a loader that
+    draws from them (`random.shuffle`, where the patch leaves it on the training thread)
+    hands out the same batches on both sides. The caller's state is restored at exit.
+
+    Use: `with GlobalRng() as rng:`, then each side's work in `with rng.side(0 or 1):`."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def __enter__(self) -> "GlobalRng":
+        self.saved = _rng_state()
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        self.sides = [_rng_state(), _rng_state()]
+        return self
+
+    @contextlib.contextmanager
+    def side(self, index: int):
+        _set_rng_state(self.sides[index])
+        try:
+            yield
+        finally:
+            self.sides[index] = _rng_state()
+
+    def __exit__(self, *exc) -> None:
+        _set_rng_state(self.saved)
+
+
+def _rng_state() -> tuple:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_rng_state(state: tuple) -> None:
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
 def compare_phases(rank: int, phases, build, draw, what: str, timeout_s: float) -> Difference | None:
     """Build both sides for each (phase, construction index, count) and compare `count`
     draws in order; the first difference, or None. build(side, index) -> source;
@@ -134,17 +178,23 @@ def compare_phases(rank: int, phases, build, draw, what: str, timeout_s: float) 
     A draw that takes longer than `timeout_s` seconds raises CannotVerify (the patched
     side hangs) or DrawTimeout (the original does)."""
     sources = [None, None]
+    with GlobalRng() as rng:
+        return _compare_phases(rank, phases, build, draw, what, timeout_s, sources, rng)
+
+
+def _compare_phases(rank, phases, build, draw, what, timeout_s, sources, rng: GlobalRng) -> Difference | None:
     try:
         for phase, index, count in phases:
             for side in (0, 1):
                 close(sources[side])
-                sources[side] = harness_step(lambda: build(side, index), f"building the {'original' if side == 0 else 'patched'} {what} ({phase}) for rank {rank}")
+                with rng.side(side):
+                    sources[side] = harness_step(lambda: build(side, index), f"building the {'original' if side == 0 else 'patched'} {what} ({phase}) for rank {rank}")
             previous = None  # the last item of each side, checked again after the next is drawn
             for n in range(count):
-                with draw_deadline(timeout_s):
+                with draw_deadline(timeout_s), rng.side(0):
                     reference = harness_step(lambda: draw(sources[0], n), f"the original {what}'s item {n} ({phase}) on rank {rank}")
                 try:
-                    with draw_deadline(timeout_s):
+                    with draw_deadline(timeout_s), rng.side(1):
                         candidate = draw(sources[1], n)
                 except DrawTimeout as error:
                     raise CannotVerify(f"the patched {what} hangs here (rank {rank}, {phase} item {n}): {error}") from None

@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
 from patcher.proof.harness import SimulatedDist
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
@@ -72,7 +72,7 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
     from here (a module it needs is missing, the configuration breaks its rules), and
     DrawTimeout when a batch takes longer than `timeout_s` seconds."""
     batches, reuses, leaked = {}, {}, collections.Counter()
-    with cuda_on_host(notes):
+    with cuda_on_host(notes), GlobalRng():  # the same global random state as the patched side's
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(True))
         loader, started_with = None, script_threads()
         try:
@@ -114,6 +114,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     loader = None
     started_with = script_threads()
     with contextlib.ExitStack() as context:
+        context.enter_context(GlobalRng())  # the same global random state as the original's side
         if configuration.host_cuda:
             context.enter_context(cuda_on_host(notes))
         else:  # what a CPU-only run sees; a loader that calls .cuda() itself keeps its batches on the host

@@ -176,6 +176,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             result.notes[:0] = notes
             result.prefetched = prefetched
             return result
+        notes.append("global random state (random, numpy, torch's CPU generator): each side starts from seed 0 and keeps its own, as in a process of its own")
         staged = STAGING_RUNTIME in survey_of(sources[1]).module_names
         if not prefetched and staged:
             notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")

@@ -1,0 +1,24 @@
+"""The README's first screen says what the code does: its switch table is the features' own."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import patcher.transforms.features as features
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def _switch_rows() -> list[tuple[str, str, str]]:
+    section = README.split("## Switches", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("| ").split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    return [(name.strip("`"), default.strip("`"), doc.strip()) for name, default, doc in rows]
+
+
+def test_the_switch_table_lists_every_toggle_with_its_default_and_doc():
+    expected = [(t.name, str(t.default), t.doc) for t in sorted(features.TOGGLE_UNITS.values(), key=lambda t: t.position)]
+    assert _switch_rows() == expected
+
+
+def test_the_first_screen_gives_the_two_make_commands_first():
+    first_block = README.split("```", 2)[1]
+    assert [line.split("#")[0].strip() for line in first_block.strip().splitlines()] == ["make demo", "make test"]

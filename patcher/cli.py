@@ -23,27 +23,67 @@ Every command: 130 interrupted (Ctrl-C), 141 stdout closed (quietly).
 
 from __future__ import annotations
 
-import argparse
-import glob
-import json
 import os
+import signal
 import sys
-import tempfile
-import textwrap
-from dataclasses import replace
-from pathlib import Path
-
-from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
-from patcher.patch import features_from
-from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, patch_file
-from patcher.colour import CHOICES as COLOUR_CHOICES, GREEN, RED, YELLOW, paint, use_colour
-from patcher.progress import coloured_diff, running_clock, wanted
-from patcher.read.source import SourceError, is_symlink_loop, output_problem, read_script, write_atomic
-from patcher.review import patch_diff
-from patcher.tree import NoFiles
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED, EXIT_NO_FILES = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+INTERRUPTED_LINE = "patch-prefetch: interrupted"
+
+
+def _started_as_command() -> bool:
+    """Whether this process is the `patch-prefetch` command (its console script, or
+    `python -m patcher.cli`), not a program that imports the package."""
+    launcher = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return __name__ == "__main__" or launcher.startswith("patch-prefetch")
+
+
+def _end_at_ctrl_c(said: bool) -> None:
+    """From now on Ctrl-C ends the command at once: one line on stderr (unless `said`
+    already) and exit 130. For the interpreter's exit (joining threads, flushing), where a
+    KeyboardInterrupt can no longer be caught by the command and Python would print a
+    traceback of its shutdown."""
+
+    def leave(signum, frame) -> None:
+        try:
+            sys.stdout.flush()
+        except BaseException:  # a closed pipe, or a write this signal interrupted
+            pass
+        if not said:
+            os.write(2, (INTERRUPTED_LINE + "\n").encode())
+        os._exit(EXIT_INTERRUPTED)
+
+    signal.signal(signal.SIGINT, leave)
+
+
+# The command's imports take about half a second (libcst, the transforms): a Ctrl-C then
+# must give the line and the exit code of a Ctrl-C anywhere else, not an import's traceback.
+try:
+    import argparse
+    import difflib
+    import glob
+    import json
+    import tempfile
+    import textwrap
+    from dataclasses import replace
+    from pathlib import Path
+
+    from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES
+    from patcher.patch import features_from
+    from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, cap_note, patch_file
+    from patcher.colour import CHOICES as COLOUR_CHOICES, GREEN, RED, YELLOW, paint, use_colour
+    from patcher.progress import coloured_diff, running_clock, wanted
+    from patcher.read.source import SourceError, is_symlink_loop, output_problem, read_script, write_atomic
+    from patcher.review import patch_diff
+    from patcher.tree import NoFiles
+except KeyboardInterrupt:
+    if not _started_as_command():
+        raise
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the line short
+    print(INTERRUPTED_LINE, file=sys.stderr)
+    raise SystemExit(EXIT_INTERRUPTED) from None
+
 EXIT_HELP = """exit codes:
   0    written (or already patched, and said so); with --diff and no -o: the diff printed
   1    tree mode: some file failed (its row says why)
@@ -66,7 +106,7 @@ SUBCOMMANDS = ("check", "verify", "bench", "unwrap", "ab")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="patch-prefetch",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_wrapped(
@@ -127,7 +167,7 @@ def _version() -> str:
 
 
 def build_unwrap_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="patch-prefetch unwrap",
         description="Write a compressed exec wrapper's payload (a wrapped record's train_gpt.py) as plain source: the code the record runs, for reading, diffing or patching by hand.",
         epilog="Exit codes: 0 written, 2 bad input (one line; nothing written), 3 not wrapped (nothing written).",
@@ -138,7 +178,7 @@ def build_unwrap_parser() -> argparse.ArgumentParser:
 
 
 def build_check_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.", epilog="Note: " + IMPORT_SMOKE_HELP + ". --no-import compiles only.")
+    parser = SuggestingParser(prog="patch-prefetch check", description="Pre-submission check: compile under a real target Python (payload of a wrapper included), import smoke with missing GPU-only modules stubbed, self-containedness, code bytes.", epilog="Note: " + IMPORT_SMOKE_HELP + ". --no-import compiles only.")
     parser.add_argument("files", nargs="+", help="training scripts (plain or wrapped); each is checked and reported, a bad one included")
     parser.add_argument("--python", default=None, help="target version or interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
@@ -149,7 +189,7 @@ def build_check_parser() -> argparse.ArgumentParser:
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.", epilog="Exit codes: 0 identical, 1 a batch differs, 2 cannot verify, 3 nothing to verify (PATCHED holds no runtime of patch-prefetch).")
+    parser = SuggestingParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.", epilog="Exit codes: 0 identical, 1 a batch differs, 2 cannot verify, 3 nothing to verify (PATCHED holds no runtime of patch-prefetch).")
     parser.add_argument("original")
     parser.add_argument("patched")
     parser.add_argument("--batches", type=int, default=None, help="batches per rank after the rebuild (default 96 for a loader class, 64 items for a data generator)")
@@ -164,7 +204,7 @@ def build_verify_parser() -> argparse.ArgumentParser:
 def build_ab_parser() -> argparse.ArgumentParser:
     from patcher import ab
 
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="patch-prefetch ab",
         usage="%(prog)s [options] ORIGINAL PATCHED [-- SCRIPT_ARG ...]",
         description=(
@@ -213,14 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     command quietly with 141, whatever it had done by then (a file already written
     stays written).
     """
+    said = False
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        print("patch-prefetch: interrupted", file=sys.stderr)
+        said = True
+        print(INTERRUPTED_LINE, file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+    finally:
+        if argv is None and _started_as_command():
+            _end_at_ctrl_c(said)  # what is left is the interpreter's exit
 
 
 def _silence_stdout() -> None:
@@ -236,6 +281,9 @@ def _silence_stdout() -> None:
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    meant = _mistyped_subcommand(argv[0]) if argv and command is None else None
+    if meant is not None:
+        return _usage_failed(UsageError(f"{argv[0]}: no such file, nor a subcommand; did you mean {meant}?"), "--json" in argv)
     if command == "bench":
         from patcher.proof import bench
 
@@ -257,11 +305,61 @@ def _main(argv: list[str] | None) -> int:
             args.python = _target_python(args)
         return run(args)
     except (SourceError, UsageError, NoFiles) as error:
-        code = EXIT_NO_FILES if isinstance(error, NoFiles) else EXIT_BAD_INPUT
-        print(f"patch-prefetch: error: {error}", file=sys.stderr)
-        if getattr(args, "json", False):
-            print(json.dumps({"error": str(error), "exit_code": code}))  # stdout stays one JSON document
-        return code
+        return _usage_failed(error, getattr(args, "json", False))
+
+
+def _usage_failed(error: Exception, as_json: bool) -> int:
+    """Say `error` (bad input or usage, or no input file) in one line on stderr, and with
+    `as_json` as the JSON document `{"error", "exit_code"}` on stdout. Returns the exit code."""
+    code = EXIT_NO_FILES if isinstance(error, NoFiles) else EXIT_BAD_INPUT
+    print(f"patch-prefetch: error: {error}", file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": str(error), "exit_code": code}))  # stdout stays one JSON document
+    return code
+
+
+def _close_to(word: str, candidates) -> str | None:
+    """The candidate `word` is most likely a typo of (difflib's ratio of at least 0.6), or None."""
+    found = difflib.get_close_matches(word, [str(c) for c in candidates], n=1)
+    return found[0] if found else None
+
+
+def _mistyped_subcommand(word: str) -> str | None:
+    """The subcommand that `word`, the first argument, was meant to be, or None. Only for a
+    bare word (no path separator, dot or pattern) that names no file: `verfy` is a
+    mistyped `verify`, while `check.py`, a missing script, is left to be reported as one."""
+    if word.startswith("-") or any(c in word for c in "./" + os.sep) or glob.has_magic(word) or os.path.lexists(word):
+        return None
+    return _close_to(word, SUBCOMMANDS)
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse's parser, with "did you mean" for a mistyped flag or choice (argparse's
+    own `suggest_on_error` exists from Python 3.14 on, and covers choices only)."""
+
+    def __init__(self, *args, **kwargs):
+        if sys.version_info >= (3, 14):
+            kwargs.setdefault("suggest_on_error", False)  # one suggestion, ours, on every version
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse's own parse_args, with a suggestion for the first mistyped flag
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+            hints = (_close_to(word.split("=", 1)[0], flags) for word in extras if word.startswith("--"))
+            hint = next((f"; did you mean {h}?" for h in hints if h is not None), "")
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
+
+    def _check_value(self, action, value):
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as error:
+            meant = _close_to(value, action.choices) if isinstance(value, str) and action.choices else None
+            if meant is None:
+                raise
+            raise argparse.ArgumentError(action, f"{error.message}; did you mean {meant}?") from None
 
 
 def _target_python(args) -> str:
@@ -295,6 +393,12 @@ def _run(args) -> int:
                 return _run_file(args, in_path, "<stdin>")
             except SourceError as error:  # name stdin, not the scratch copy
                 raise SourceError("<stdin>", error.message, error.line, error.col) from None
+    try:  # the input is named before anything about the output
+        os.stat(name)
+    except FileNotFoundError:
+        raise SourceError(name, "no such file") from None
+    except OSError:
+        pass  # said by the read, with the reason
     return _run_file(args, Path(name), name)
 
 
@@ -327,6 +431,8 @@ def _run_file(args, in_path: Path, shown: str) -> int:
     with running_clock(f"patching {shown}", clock):
         done = patch_file(in_path, out_path, _file_options(args))
     done.report["input"] = shown
+    if shown == "<stdin>" and done.report.get("cap_note"):
+        done.report["cap_note"] = cap_note(in_path, done.report["code_bytes"], stdin=True)
     if out_path is None:
         done.report["output"] = None
     diff = None
@@ -403,7 +509,10 @@ def _run_check(args) -> int:
             result = check_file(name, target=args.python, timeout=args.timeout, run_import=not args.no_import)
         except SourceError as error:
             code = EXIT_BAD_INPUT
-            print(f"patch-prefetch: error: {error}", file=sys.stderr)
+            # Said once where it is read: the report's row on stdout; the error line on
+            # stderr too where that is somewhere else (a file, a pipe), or stdout is JSON.
+            if args.json or not _same_destination(sys.stdout, sys.stderr):
+                print(f"patch-prefetch: error: {error}", file=sys.stderr)
             documents.append({"file": name, "ok": False, "error": str(error)})
             if not args.json:
                 where = f":{error.line}" if error.line is not None else ""
@@ -418,6 +527,18 @@ def _run_check(args) -> int:
     if args.json:
         print(json.dumps(documents[0] if len(documents) == 1 else {"files": documents, "exit_code": code}))
     return code
+
+
+def _same_destination(a, b) -> bool:
+    """Whether streams `a` and `b` end in the same place (one terminal, pipe or file, as
+    with `2>&1`). False when that cannot be told (a stream without a descriptor)."""
+    if a is b:
+        return True
+    try:
+        first, second = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
 
 
 def _run_unwrap(args) -> int:
@@ -628,6 +749,8 @@ def _print_report(report: dict, result, stream, colour: bool = False) -> None:
     if art is not None:
         state = f"{art['over']} over the cap" if art["over"] else f"{art['cap'] - art['after']} under the cap"
         print(f"  artifact (submission.json, largest): {art['before']} -> {art['after']} of {art['cap']} ({state})", file=stream)
+    if report.get("cap_note"):
+        print(f"  {paint(report['cap_note'], YELLOW, colour)}", file=stream)
 
 
 if __name__ == "__main__":

@@ -195,16 +195,21 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         started += time.perf_counter() - check_started
     report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, before, options, after, session)
     budget = _budget(in_path, report["code_bytes"])
-    if budget is not None and budget.over and not options.byte_breakdown and result.changed:
-        # over the cap: what each feature costs is what the user needs to choose, so count it
-        report["code_bytes"] = _counted_bytes(script, result, set(options.enabled), counting, before, replace(options, byte_breakdown=True), after, session)
+    savings: dict[str, int] = {}
+    if budget is not None and budget.over and result.changed and budget.before <= budget.cap:
+        # over the cap by the patch: what each --skip saves is what the user needs to choose, so count it
+        savings = _skip_savings(script, result, set(options.enabled), counting, before, options, session, report["code_bytes"]["after"])
+    report["cap_checked"] = budget is not None
+    report["cap_note"] = None if budget is not None else cap_note(in_path, report["code_bytes"])
     if budget is not None:
         report["artifact"] = budget.as_dict()
+        if budget.over:
+            report["artifact"].update(skip_saves=savings, fits_with_skip=_cheapest_fit(budget, savings))
     report["seconds"] = round(time.perf_counter() - started, 3)  # the check's own time is not the patch's
     if check is not None:
         report["check"] = check.as_dict()
-    over_cap = f"{in_path}: {_over_cap_line(budget, report['code_bytes'])}" if budget is not None and budget.over else None
-    if over_cap is not None or (check is not None and not check.ok):
+    over = budget is not None and budget.over
+    if over or (check is not None and not check.ok):
         status = CHECK_FAILED
     elif result.already_patched:
         status = ALREADY_PATCHED
@@ -212,6 +217,8 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         status = WRITTEN if result.changed else NOTHING_TO_PATCH
     if writes:
         report["written"] = _write(text, out_path, options.in_place, staging, None if check is None else VERDICTS[check.verdict])
+    # said once the output is on disk (or not), so that the line can say which
+    over_cap = f"{in_path}: {_over_cap_line(budget, report['code_bytes'], savings, _where_written(report, out_path))}" if over else None
     return FileResult(status, report, result, script.source, patched, check, budget, over_cap)
 
 
@@ -333,8 +340,73 @@ def _budget(in_path: Path, counted: dict) -> Budget | None:
     return Budget(ARTIFACT_CAP, reported, reported + counted["after"] - counted["before"])
 
 
-def _over_cap_line(budget: Budget, counted: dict) -> str:
-    costs = ", ".join(f"{name} {added:+d}" for name, added in counted["by_feature"].items())
-    costs = f": {costs}" if costs else ""
+def cap_note(in_path: Path, counted: dict, stdin: bool = False) -> str | None:
+    """The report's line for a script whose artifact size is unknown (no submission.json
+    beside it, or none that gives a size): the cap was not checked, and what the patch
+    adds to the code bytes (`counted`: the report's `code_bytes`). None when the patch
+    adds none. stdin: the script came on stdin (`in_path` is a scratch copy)."""
+    if counted["after"] <= counted["before"]:
+        return None
+    if stdin:
+        why = "the script came on stdin, with no submission.json to give the model artifact's size"
+    elif in_path.name != "train_gpt.py" and (in_path.parent / "train_gpt.py").is_file():
+        why = f"{in_path.name} is a companion of the train_gpt.py beside it, the file the record submits"
+    elif (in_path.parent / "submission.json").is_file():
+        why = "its submission.json gives no artifact size"
+    else:
+        why = f"no submission.json beside {in_path.name} to give the model artifact's size"
+    return (
+        f"cap not checked ({why}): a parameter-golf record's counted code plus its model artifact must stay under "
+        f"{ARTIFACT_CAP:,} bytes, and the patch adds {counted['after'] - counted['before']:+d} bytes of code "
+        f"({counted['before']} -> {counted['after']}, {counted['counted']})"
+    )
+
+
+def _skip_savings(script: Script, result: PatchResult, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions, session: CountSession, whole: int) -> dict[str, int]:
+    """Counted bytes that `--skip FEATURE` saves, for each applied feature: `whole` (the
+    count of the whole patch) minus the count of the patch without it. One more patch
+    and count per applied feature, about what the `--byte-breakdown` shares cost, whose
+    figures would not do here: a runtime piece two features share is charged there to
+    the first, while skipping either one keeps it. Raises SourceError when a count fails."""
+    options = replace(options, byte_breakdown=False)
+    savings = {}
+    for feature in result.applied:
+        without = patch_source(script.source, enabled - {feature}, module=result.survey.module, surveyed=result.survey, producer_toggles=result.producer_toggles)
+        savings[feature] = whole - _counted_bytes(script, without, enabled - {feature}, counting, before, options, None, session)["after"]
+    return savings
+
+
+def _cheapest_fit(budget: Budget, savings: dict[str, int]) -> str | None:
+    """The feature whose `--skip` brings the artifact under the cap while giving up the
+    fewest bytes of the patch, or None when no single one does."""
+    fits = [(saved, feature) for feature, saved in savings.items() if budget.after - saved <= budget.cap]
+    return min(fits)[1] if fits else None
+
+
+def _where_written(report: dict, out_path) -> str:
+    """Whether and where the output was written, in the words of the over-the-cap line."""
+    if not report["written"]:
+        return "nothing written"
+    return "written to stdout all the same" if out_path == "-" else f"written to {out_path} all the same"
+
+
+def _over_cap_line(budget: Budget, counted: dict, savings: dict[str, int], written: str) -> str:
+    """One line: by how much the artifact is over the cap, what each feature adds (what
+    its `--skip` saves, from `savings`), whether the output was `written`, and which
+    `--skip` fits, if any."""
+    costs = ", ".join(f"{name} {added:+d}" for name, added in savings.items())
+    costs = f"; what each feature adds, as its --skip would save it: {costs}" if costs else ""
     already = f", already {budget.before - budget.cap} over before the patch" if budget.before > budget.cap else ""
-    return f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}{already}; the patch adds {counted['after'] - counted['before']:+d}{costs})"
+    line = f"artifact {budget.after} bytes is {budget.over} over the {budget.cap}-byte cap (largest reported {budget.before}{already}; the patch adds {counted['after'] - counted['before']:+d}{costs})"
+    line += f"; {written}"
+    fit = _cheapest_fit(budget, savings)
+    if budget.before > budget.cap:
+        advice = "no --skip brings it under: the artifact is over the cap without the patch"
+    elif fit is not None:
+        advice = f"--skip {fit} ({-savings[fit]:+d} bytes) brings it under, {budget.cap - (budget.after - savings[fit])} bytes to spare"
+    elif savings:
+        most = max(savings, key=savings.get)
+        advice = f"no single --skip brings it under (the most, --skip {most}, saves {savings[most]} bytes): choose features with --only"
+    else:
+        advice = ""
+    return f"{line}; {advice}" if advice else line

@@ -524,33 +524,94 @@ CPU_FIGURE_NOTE = (
 )
 
 
+# Below this share of the original's mean step, its data time is too small to show as a
+# shorter step on a CPU: the step's own spread is about as large.
+SMALL_DATA_SHARE = 0.05
+
+
 def _print_table(report: dict, stream) -> None:
+    ops = f" ({report['ops_per_step']} torch ops a step, {report['op']} on {report['op_numel']} float32)" if report.get("ops_per_step") else ""
     print(f"{report['script']}: {report['steps']} steps ({report['warmup_steps_excluded']} warm-up steps left out), "
-          f"{report['compute_ms']} ms step, main thread {report['main_thread']}, queue depth {report['queue_depth']}, {report['torch_threads']} torch thread(s)"
+          f"{report['compute_ms']} ms step, main thread {report['main_thread']}{ops}, queue depth {report['queue_depth']}, {report['torch_threads']} torch thread(s)"
           + (", the original charged its pageable H2D's host copy" if report.get("pageable_h2d") else ""), file=stream)
     print(f"  {'wait per step (ms)':22} {'p50':>9} {'p99':>9} {'max':>9} {'total':>10}", file=stream)
     for name in ("original", "patched"):
         row = [report[f"wait_ms_{name}_{k}"] for k in ("p50", "p99", "max", "total")]
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f} {row[3]:10.1f}", file=stream)
-    print(f"  total wait original / patched: {report['ratio']}x", file=stream)
-    print(f"  producer: original {report['producer_batches_per_s_original']} batches/s, patched {report['producer_batches_per_s_patched']} batches/s ({report['producer_ratio']}x)", file=stream)
-    if report["main_thread_slowdown_pct"] is not None:
+    print(f"  total wait, patched / original: {_ratio(report['wait_ms_patched_total'], report['wait_ms_original_total'], 'waited')}", file=stream)
+    rates = report["producer_batches_per_s_original"], report["producer_batches_per_s_patched"]
+    print(f"  producer: original {rates[0]} batches/s, patched {rates[1]} batches/s; patched / original: {_ratio(rates[1], rates[0], 'built')}", file=stream)
+    slowdown = report["main_thread_slowdown_pct"]
+    if slowdown is not None:
         work = "op loop" if report["main_thread"] == "op-bound" else "Python work"
-        print(f"  main thread's {work} slowed by {report['main_thread_slowdown_pct']} %", file=stream)
+        how = "unchanged" if slowdown == 0 else f"{abs(slowdown)} % {'slower' if slowdown > 0 else 'faster'}"
+        print(f"  main thread's {work} beside the patched loader: {how}", file=stream)
     print(f"  {'step time (ms)':22} {'mean':>9} {'median':>9} {'p99':>9}   {'data mean':>9} {'median':>9} {'p99':>9}", file=stream)
     for name in ("original", "patched"):
         row = [report[f"{k}_{kind}_ms_{name}"] for kind in ("step", "data") for k in ("mean", "median", "p99")]
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f}   {row[3]:9.3f} {row[4]:9.3f} {row[5]:9.3f}", file=stream)
-    share = report["recovered_share"]
-    ops = f", {report['ops_per_step']} torch ops a step ({report['op']} on {report['op_numel']} float32)" if report.get("ops_per_step") else ""
-    print(f"  data time recovered as a shorter step: {'-' if share is None else f'{100 * share:.1f} %'} of the original's "
-          f"(goal {100 * STEP_GOAL_SHARE:.0f} % and a median step no longer: {'met' if report['step_goal_met'] else 'not met'}){ops}", file=stream)
+    verdict, advice = _verdict(report)
+    print(f"  verdict: {verdict}", file=stream)
+    if advice:
+        print(f"  advice: {advice}", file=stream)
     print(f"  {CPU_FIGURE_NOTE}", file=stream)
+
+
+def _ratio(patched: float, original: float, verb: str) -> str:
+    """`patched / original` as a number and in words: "1.33 (the patched side waited
+    longer)"; "-" when `original` is 0."""
+    if not original:
+        return "-"
+    ratio = patched / original
+    words = "as long" if verb == "waited" else "as many"
+    if round(ratio, 2) != 1.0:
+        words = ("longer" if ratio > 1 else "less") if verb == "waited" else ("more" if ratio > 1 else "fewer")
+    return f"{ratio:.3g} (the patched side {verb} {words})"
+
+
+def _verdict(report: dict) -> tuple[str, str | None]:
+    """The step goal's verdict in words, and one line of advice (None when the goal was
+    met on a data time large enough to tell). The goal: `step_report`'s `step_goal_met`."""
+    data = report["mean_data_ms_original"]
+    step = report["mean_step_ms_original"]
+    saved = step - report["mean_step_ms_patched"]
+    share = report["recovered_share"]
+    goal = f"(goal {100 * STEP_GOAL_SHARE:.0f} %, and a median step no longer)"
+    longer = f"the patched step is {abs(saved):.3f} ms {'shorter' if saved >= 0 else 'longer'} on average"
+    small = data < SMALL_DATA_SHARE * step
+    if share is None:
+        verdict = f"not measured: the original's next_batch took no measurable time, so no data time could be recovered as a shorter step {goal}; {longer}"
+    else:
+        met = "goal met" if report["step_goal_met"] else "goal not met"
+        verdict = f"{met}: data time recovered as a shorter step: {100 * share:.1f} % of the original's {data:.3f} ms {goal}; {longer}"
+        if report["step_goal_met"] and not small:
+            return verdict, None
+    if small:
+        return verdict, (
+            f"the original's next_batch takes {data:.3f} ms of its {step:.3f} ms step here, less than {100 * SMALL_DATA_SHARE:.0f} %: "
+            "the loader's work is too small to hide on this machine (the step's own spread is as large); on your GPU, "
+            "`patch-prefetch ab ORIGINAL PATCHED` measures what a run gains"
+        )
+    steps_per_s = 1e3 / report["mean_step_ms_patched"] if report["mean_step_ms_patched"] else 0.0
+    if report["producer_batches_per_s_patched"] < steps_per_s:
+        return verdict, (
+            f"the producer builds {report['producer_batches_per_s_patched']} batches/s, fewer than the {steps_per_s:.1f} steps/s "
+            "of the loop: it cannot stay ahead on this machine (a deeper --queue-depth only absorbs bursts)"
+        )
+    slowdown = report["main_thread_slowdown_pct"]
+    if slowdown is not None and slowdown > 2.0:
+        return verdict, (
+            f"the producer slows the main thread's work by {slowdown} %: it competes with the training loop for this machine's "
+            "cores and the GIL; measure where the run happens: `patch-prefetch ab ORIGINAL PATCHED` on your GPU"
+        )
+    return verdict, "the step did not shorten by the data time on this machine; `patch-prefetch ab ORIGINAL PATCHED` on your GPU measures what a run gains"
 
 
 def main(argv: list[str] | None = None) -> int:
     """`patch-prefetch bench`: exit 0, or 2 with one line when it cannot run."""
-    parser = argparse.ArgumentParser(prog="patch-prefetch bench", description=__doc__.splitlines()[0])
+    from patcher.cli import SuggestingParser  # "did you mean" for a mistyped flag, as every subcommand
+
+    parser = SuggestingParser(prog="patch-prefetch bench", description=__doc__.splitlines()[0])
     parser.add_argument("script")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step time in ms (default 20)")

@@ -285,9 +285,7 @@ def _main(argv: list[str] | None) -> int:
     if meant is not None:
         return _usage_failed(UsageError(f"{argv[0]}: no such file, nor a subcommand; did you mean {meant}?"), "--json" in argv)
     if command == "bench":
-        from patcher.proof import bench
-
-        return bench.main(argv[1:])
+        return bench_main(argv[1:])
     parser = {"check": build_check_parser, "verify": build_verify_parser, "unwrap": build_unwrap_parser, "ab": build_ab_parser}.get(command, build_parser)()
     script_args = None
     if command == "ab" and "--" in argv:  # `ab A B [options] -- ARGS`: ARGS go to both scripts
@@ -360,6 +358,51 @@ class SuggestingParser(argparse.ArgumentParser):
             if meant is None:
                 raise
             raise argparse.ArgumentError(action, f"{error.message}; did you mean {meant}?") from None
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """`patch-prefetch bench`: a data-loader module (nanochat) to `module_bench`, any other
+    script to `bench`. Exit 0, or 2 with one line when it cannot run."""
+    from patcher.proof import bench
+    from patcher.proof.bench import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS, BenchError, run_bench
+    from patcher.proof.module_bench import module_loader, print_module_report, run_module_bench
+
+    parser = SuggestingParser(prog="patch-prefetch bench", description=bench.__doc__.splitlines()[0])
+    parser.add_argument("script")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step time in ms (default 20)")
+    parser.add_argument("--main-thread", choices=list(MAIN_THREAD_MODES), default="gil-busy", help="simulated step: idle (sleeps), gil-busy (5 ms of Python, then sleeps) or op-bound (small torch ops for the whole step)")
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
+    parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node; 0: as torch starts, one per core)")
+    parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3; rank 0 of 8 reads every 8th in the ShuffledSequenceLoader family)")
+    parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
+    parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (the patched hand-out's copy is the pinning copy it makes there)")
+    parser.add_argument("--op", choices=list(OP_KINDS), default=DEFAULT_OP, help=f"op-bound: the op of the step's loop (default {DEFAULT_OP}: a new output tensor per op, as a CUDA op allocates; add-out writes into one output)")
+    parser.add_argument("--op-numel", type=int, default=DEFAULT_OP_NUMEL, help=f"op-bound: float32 elements of the op's tensors (default {DEFAULT_OP_NUMEL}: no host data, as a CUDA op's output has none)")
+    parser.add_argument("--ops-per-step", type=int, help="op-bound: a fixed op count a step instead of one calibrated to --compute-ms")
+    parser.add_argument("--alternate-every", type=int, default=1, help="steps a side runs before the other side's turn (default 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:
+        return 2 if exit.code else 0
+    try:
+        with running_clock(f"bench {args.script}: {args.steps} steps", wanted(args.json)):
+            if module_loader(read_script(args.script).source) is not None:  # a data-loader module (nanochat)
+                report = run_module_bench(args.script, args.steps, args.compute_ms, args.main_thread)
+                print(json.dumps(report)) if args.json else print_module_report(report, sys.stdout)
+                return 0
+            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads or None, pageable_h2d=args.pageable_h2d,
+                op=args.op, op_numel=args.op_numel, ops_per_step=args.ops_per_step, alternate_every=args.alternate_every)
+    except (BenchError, SourceError) as error:
+        print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        bench.print_table(report, sys.stdout)
+    return 0
 
 
 def _target_python(args) -> str:

@@ -12,7 +12,8 @@ import torch
 
 from processes import open_files
 from patcher.proof import bench
-from patcher.proof.bench import main, run_bench
+from patcher.cli import bench_main as main
+from patcher.proof.bench import run_bench
 from patcher.proof.harness import loaded_script_names
 from templates import prefetch_loader
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from patcher.proof import bench
-from patcher.proof.bench import BenchError, main, run_bench
+from patcher.cli import bench_main as main
+from patcher.proof.bench import BenchError, run_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"

@@ -174,7 +174,7 @@ def test_bench_says_not_met_with_advice_and_its_ratios_read_patched_over_origina
     report = _bench_report(20.0, 20.35, 0.2)
     assert report["step_goal_met"] is False and report["recovered_share"] < -1
     stream = io.StringIO()
-    bench._print_table(report, stream)
+    bench.print_table(report, stream)
     lines = stream.getvalue().splitlines()
     verdict = next(i for i, line in enumerate(lines) if line.strip().startswith("verdict:"))
     assert "not met" in lines[verdict] and "recovered as a shorter step" in lines[verdict]
@@ -188,7 +188,7 @@ def test_bench_says_met_only_where_its_figures_earn_it():
     from patcher.proof import bench
 
     stream = io.StringIO()
-    bench._print_table(_bench_report(24.0, 20.1, 4.0), stream)  # 3.9 of 4 ms recovered
+    bench.print_table(_bench_report(24.0, 20.1, 4.0), stream)  # 3.9 of 4 ms recovered
     verdict = [line for line in stream.getvalue().splitlines() if line.strip().startswith("verdict:")]
     assert len(verdict) == 1 and "goal met" in verdict[0] and "not met" not in verdict[0]
     assert "advice:" not in stream.getvalue()

@@ -54,11 +54,8 @@ and the step are measured with.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,9 +67,8 @@ from patcher.proof.harness import HarnessError, hparams_factory, load_module, sc
 from patcher.proof.host_cuda import host_only_pinning
 from patcher.proof.recipes import LoaderRecipe, patched_constructions
 from patcher.patch import patch_source
-from patcher.progress import running_clock, wanted
 from patcher.proof.shards import write_shards
-from patcher.read.source import SourceError, read_script
+from patcher.read.source import read_script
 from templates.staging import _each_tensor
 
 PYTHON_WORK_MS = 5.0
@@ -529,7 +525,7 @@ CPU_FIGURE_NOTE = (
 SMALL_DATA_SHARE = 0.05
 
 
-def _print_table(report: dict, stream) -> None:
+def print_table(report: dict, stream) -> None:
     ops = f" ({report['ops_per_step']} torch ops a step, {report['op']} on {report['op_numel']} float32)" if report.get("ops_per_step") else ""
     print(f"{report['script']}: {report['steps']} steps ({report['warmup_steps_excluded']} warm-up steps left out), "
           f"{report['compute_ms']} ms step, main thread {report['main_thread']}{ops}, queue depth {report['queue_depth']}, {report['torch_threads']} torch thread(s)"
@@ -605,51 +601,3 @@ def _verdict(report: dict) -> tuple[str, str | None]:
             "cores and the GIL; measure where the run happens: `patch-prefetch ab ORIGINAL PATCHED` on your GPU"
         )
     return verdict, "the step did not shorten by the data time on this machine; `patch-prefetch ab ORIGINAL PATCHED` on your GPU measures what a run gains"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`patch-prefetch bench`: exit 0, or 2 with one line when it cannot run."""
-    from patcher.cli import SuggestingParser  # "did you mean" for a mistyped flag, as every subcommand
-
-    parser = SuggestingParser(prog="patch-prefetch bench", description=__doc__.splitlines()[0])
-    parser.add_argument("script")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--compute-ms", type=float, default=20.0, help="simulated step time in ms (default 20)")
-    parser.add_argument("--main-thread", choices=list(MAIN_THREAD_MODES), default="gil-busy", help="simulated step: idle (sleeps), gil-busy (5 ms of Python, then sleeps) or op-bound (small torch ops for the whole step)")
-    parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per synthetic shard (default 100 M, the real size)")
-    parser.add_argument("--queue-depth", type=int, default=2, help="prefetch depth (TRAIN_PREFETCH_QUEUE)")
-    parser.add_argument("--torch-threads", type=int, default=1, help="torch CPU threads (default 1, what torchrun sets for 8 processes per node; 0: as torch starts, one per core)")
-    parser.add_argument("--shards", type=int, default=3, help="synthetic train shards (default 3; rank 0 of 8 reads every 8th in the ShuffledSequenceLoader family)")
-    parser.add_argument("--data-dir", help="keep the synthetic shards here and reuse them on later runs")
-    parser.add_argument("--pageable-h2d", action="store_true", help="charge the original's next_batch the host copy its pageable H2D makes on a GPU (the patched hand-out's copy is the pinning copy it makes there)")
-    parser.add_argument("--op", choices=list(OP_KINDS), default=DEFAULT_OP, help=f"op-bound: the op of the step's loop (default {DEFAULT_OP}: a new output tensor per op, as a CUDA op allocates; add-out writes into one output)")
-    parser.add_argument("--op-numel", type=int, default=DEFAULT_OP_NUMEL, help=f"op-bound: float32 elements of the op's tensors (default {DEFAULT_OP_NUMEL}: no host data, as a CUDA op's output has none)")
-    parser.add_argument("--ops-per-step", type=int, help="op-bound: a fixed op count a step instead of one calibrated to --compute-ms")
-    parser.add_argument("--alternate-every", type=int, default=1, help="steps a side runs before the other side's turn (default 1)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit:
-        return 2 if exit.code else 0
-    try:
-        with running_clock(f"bench {args.script}: {args.steps} steps", wanted(args.json)):
-            from patcher.proof.module_bench import module_loader, print_module_report, run_module_bench
-
-            if module_loader(read_script(args.script).source) is not None:  # a data-loader module (nanochat)
-                report = run_module_bench(args.script, args.steps, args.compute_ms, args.main_thread)
-                print(json.dumps(report)) if args.json else print_module_report(report, sys.stdout)
-                return 0
-            report = run_bench(args.script, args.steps, args.compute_ms, args.main_thread, args.shard_tokens, shards=args.shards, queue_depth=args.queue_depth, data_dir=args.data_dir, torch_threads=args.torch_threads or None, pageable_h2d=args.pageable_h2d,
-                op=args.op, op_numel=args.op_numel, ops_per_step=args.ops_per_step, alternate_every=args.alternate_every)
-    except (BenchError, SourceError) as error:
-        print(f"patch-prefetch bench: error: {error}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_table(report, sys.stdout)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

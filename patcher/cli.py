@@ -73,9 +73,9 @@ try:
     from patcher.patch import features_from
     from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, WRITTEN, FileOptions, UsageError, cap_note, patch_file
     from patcher.colour import CHOICES as COLOUR_CHOICES, GREEN, RED, YELLOW, paint, use_colour
-    from patcher.progress import coloured_diff, running_clock, wanted
+    from patcher.progress import running_clock, wanted
     from patcher.read.source import SourceError, is_symlink_loop, output_problem, read_script, write_atomic
-    from patcher.review import patch_diff
+    from patcher.review import coloured_review, patch_diff
     from patcher.tree import NoFiles
 except KeyboardInterrupt:
     if not _started_as_command():
@@ -486,7 +486,7 @@ def _run_file(args, in_path: Path, shown: str) -> int:
             done.report["diff"] = "".join(diff)
         print(json.dumps(done.report), file=report_stream)
     elif diff is not None:
-        diff_stream.writelines(coloured_diff(diff) if use_colour(args.color, diff_stream) else diff)
+        diff_stream.writelines(coloured_review(diff) if use_colour(args.color, diff_stream) else diff)
     if not args.json and not args.quiet:
         colour = use_colour(args.color, report_stream)
         _print_report(done.report, done.patch, report_stream, colour)
@@ -770,6 +770,18 @@ def _same_path(a, b) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def _said_once(notes) -> list[tuple[object, list[int]]]:
+    """`notes` with each (feature, applied or skipped, reason) once, in first-seen order,
+    with the lines of every site it was given for: a loader built twice (a warm-up
+    rebuild) gets its reason once, not once a site, word for word."""
+    grouped: dict[tuple, tuple[object, list[int]]] = {}
+    for note in notes:
+        _, lines = grouped.setdefault((note.feature, note.applied, note.reason), (note, []))
+        if note.line and note.line not in lines:
+            lines.append(note.line)
+    return list(grouped.values())
+
+
 def _print_report(report: dict, result, stream, colour: bool = False) -> None:
     out = report["output"]
     if result.already_patched:
@@ -780,9 +792,9 @@ def _print_report(report: dict, result, stream, colour: bool = False) -> None:
         print(f"{report['input']}: patched, nothing written (--diff without -o)  ({'wrapped' if report['wrapped'] else 'plain'}, {report['seconds']} s)", file=stream)
     else:
         print(f"{report['input']} -> {out}  ({'wrapped' if report['wrapped'] else 'plain'}, {report['seconds']} s)", file=stream)
-    for note in result.notes:
+    for note, lines in _said_once(result.notes):
         mark = paint(f"{'applied' if note.applied else 'skipped':8}", GREEN if note.applied else YELLOW, colour)
-        where = f" (line {note.line})" if note.line else ""
+        where = f" (line {lines[0]})" if len(lines) == 1 else f" (lines {', '.join(map(str, lines))})" if lines else ""
         print(f"  {mark} {note.feature:15} {note.reason}{where}", file=stream)
     cb = report["code_bytes"]
     print(f"  code bytes, {cb['counted']}: {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)

@@ -44,9 +44,9 @@ from pathlib import Path
 from patcher.check.import_smoke import use_forked_smoke
 from patcher.patch_file import ALREADY_PATCHED, CHECK_FAILED, NOTHING_TO_PATCH, VERDICTS, WRITTEN, FileOptions, Staging, UsageError, patch_file
 from patcher.colour import GREEN, RED, paint
-from patcher.progress import coloured_diff, file_bar, wanted
+from patcher.progress import file_bar, wanted
 from patcher.read.source import SourceError, is_symlink_loop
-from patcher.review import patch_diff
+from patcher.review import coloured_review, patch_diff
 
 # The single-file command's exit code for each status (a row keeps it).
 EXIT_CODES = {WRITTEN: 0, ALREADY_PATCHED: 0, NOTHING_TO_PATCH: 3, CHECK_FAILED: 4}
@@ -620,7 +620,7 @@ def run(args, options: FileOptions) -> int:
     if diff:  # the diffs on stdout (`| patch -p0`, `| less`), the summary beside them on stderr
         for r in rows:
             if r.diff:
-                sys.stdout.write("".join(coloured_diff(r.diff.splitlines(True))) if getattr(args, "diff_colour", False) else r.diff)
+                sys.stdout.write("".join(coloured_review(r.diff.splitlines(True))) if getattr(args, "diff_colour", False) else r.diff)
     if not getattr(args, "quiet", False):
         print_table(rows, sys.stderr if diff else sys.stdout, colour=getattr(args, "colour", False))
     return 1 if any(r.failed for r in rows) else 0

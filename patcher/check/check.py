@@ -38,7 +38,7 @@ import libcst as cst
 from patcher.check.compile_check import EMPTY, CompileResult, compile_source
 from patcher.check.import_smoke import ImportResult, import_smoke, kill_running, runnable_part
 from patcher.check.interpreters import DEFAULT_TARGET, find_python
-from patcher.check.self_contained import self_contained_warnings
+from patcher.check.self_contained import self_contained_findings, self_contained_warnings
 from patcher.check.undefined import UndefinedName, undefined_names
 from patcher.read.source import Script, code_bytes, read_script
 from patcher.transforms.py310_fstrings import requote
@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 _BOM = "\ufeff"
+WARNED_TOO = "(the original too)"
 
 
 # --------------------------------------------------------------------------- results
@@ -71,8 +72,10 @@ class CheckResult:
     import smoke test, None when not run. undefined: every use of an undefined name
     (pyflakes), None when the code could not be parsed for it. code_bytes: size of the
     file as written, in bytes (what counts toward the artifact cap). warnings: one line
-    each. original: for a patched script that failed, the same check of the script it
-    was patched from (`compare_with_original`), else None.
+    each, marked "(the original too)" where the script it was patched from has it too
+    (`compare_with_original`). original: for a patched script that failed, the same
+    check of the script it was patched from, else None. warning_keys: what each of
+    `warnings` is about, without its line (`self_contained_findings`).
     """
 
     file: str
@@ -83,6 +86,7 @@ class CheckResult:
     warnings: list[str] = field(default_factory=list)
     undefined: list[UndefinedName] | None = field(default_factory=list)
     original: "CheckResult | None" = None
+    warning_keys: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -181,7 +185,7 @@ def check_file(
             compiled = run(compile_source, script.source, name, target, known)
             wrapper = run(compile_source, script.raw, name, target) if script.wrapped else None
             imports = run(_import_if_compiles, script.source, name, timeout, known, path if as_path is None else as_path) if run_import else None
-            found = self_contained_warnings(script.source, script.path, script.wrapped, known)
+            found = self_contained_findings(script.source, script.path, script.wrapped, known)
             undefined = undefined_names(script.source, name)
             compiled, wrapper, imports = (None if job is None else job.result() for job in (compiled, wrapper, imports))
         except BaseException:
@@ -198,8 +202,9 @@ def check_file(
         wrapper_compile=wrapper,
         imports=imports,
         code_bytes=code_bytes(script.raw),
-        warnings=found,
+        warnings=[text for _, text in found],
         undefined=undefined,
+        warning_keys=[key for key, _ in found],
     )
 
 
@@ -222,9 +227,21 @@ def _now(function, *args) -> Future:
 def compare_with_original(result: CheckResult, original: Script, **check_options) -> CheckResult:
     """When the patched script's check `result` failed, check `original` (the script it
     was patched from, as read) the same way and keep that as `result.original`, so the
-    report says whether the patch introduced the failure. Returns `result`."""
+    report says whether the patch introduced the failure. Either way, each warning of
+    `result` that `original` has too (the same import or file, at whatever line) ends in
+    WARNED_TOO: the patch did not bring it. Returns `result`."""
     if not result.ok:
         result.original = check_file(original.path, script=original, **check_options)
+    if result.warnings and len(result.warning_keys) == len(result.warnings):
+        if result.original is not None:
+            before = set(result.original.warning_keys)
+        else:
+            known = {original.source: original.module} if original.module is not None else EMPTY
+            before = {key for key, _ in self_contained_findings(original.source, original.path, original.wrapped, known)}
+        result.warnings = [
+            f"{text} {WARNED_TOO}" if key in before and not text.endswith(WARNED_TOO) else text
+            for key, text in zip(result.warning_keys, result.warnings)
+        ]
     return result
 
 

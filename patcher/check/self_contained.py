@@ -31,7 +31,15 @@ _READ_METHODS = frozenset({"read", "read_text", "read_bytes", "readlines"})
 
 
 def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool = False, known: Mapping[str, cst.Module] = EMPTY) -> list[str]:
-    """One-line warnings for code the script needs from other files at run time.
+    """One-line warnings for code the script needs from other files at run time: the
+    texts of `self_contained_findings`."""
+    return [text for _, text in self_contained_findings(source, path, wrapped, known)]
+
+
+def self_contained_findings(source: str, path: str | os.PathLike, wrapped: bool = False, known: Mapping[str, cst.Module] = EMPTY) -> list[tuple[tuple[str, str], str]]:
+    """(key, one-line warning) for code the script needs from other files at run time.
+    The key, ("imports", module) or ("reads", file), names the finding without its line,
+    so that a patched script's warnings can be matched with its original's.
 
     source: the code (payload for a wrapped script). path: the script's file, whose
     folder is searched for sibling modules. Warns for an import (anywhere in the code)
@@ -55,18 +63,18 @@ def self_contained_warnings(source: str, path: str | os.PathLike, wrapped: bool 
     positions = meta.resolve(PositionProvider)
     parents = meta.resolve(ParentNodeProvider)
     where = "payload line" if wrapped else "line"
-    out: list[str] = []
+    out: list[tuple[tuple[str, str], str]] = []
     for node, name in imports:
         sibling = _sibling_module(script, name)
-        out.append(
+        out.append((("imports", name), (
             f"not self-contained: {where} {positions[node].start.line} imports {name}, "
             f"which is {sibling.name} beside the script; the submission must be one file"
-        )
+        )))
     for line, target in _file_built_paths(module, anchors, parents, positions, script.name):
-        out.append(
+        out.append((("reads", target), (
             f"not self-contained: {where} {line} reads {target} through a path built from the "
             f"script's own location; inline it"
-        )
+        )))
     return list(dict.fromkeys(out))
 
 

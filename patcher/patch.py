@@ -12,7 +12,8 @@ import libcst as cst
 
 from patcher.render import render
 from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
-from patcher.survey.survey import Survey, survey
+from patcher.families import registry
+from patcher.survey.survey import Survey
 from patcher.transforms.base import Context, Note
 
 
@@ -84,7 +85,7 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     """
     enabled = set(DEFAULT_FEATURES) if enabled is None else enabled
     module = module if module is not None else cst.parse_module(source)
-    surveyed = surveyed if surveyed is not None and surveyed.module is module else survey(module)
+    surveyed = surveyed if surveyed is not None and surveyed.module is module else registry.survey(module)
     already = {feature for feature, names in INJECTED_NAMES.items() if any(name in surveyed.module_names for name in names)}
     if already:
         names = ", ".join(sorted(already))

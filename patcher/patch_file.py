@@ -22,7 +22,8 @@ import libcst as cst
 from patcher.code_size import ARTIFACT_CAP, Budget, CountError, Counting, CountSession, MinifyWorker, PendingCount, early_worker, count_patch, counting_of, read_artifact_bytes
 from patcher.transforms.features import DEFAULT_FEATURES
 from patcher.patch import PatchResult, patch_source
-from patcher.survey.survey import index_of, survey
+from patcher.families import registry
+from patcher.survey.survey import index_of
 from patcher.read.source import Script, SourceError, keep_style, output_problem, read_script, render, write_atomic
 
 WRITTEN, ALREADY_PATCHED, NOTHING_TO_PATCH, CHECK_FAILED = "written", "already patched", "nothing to patch", "check failed"
@@ -151,7 +152,7 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
     minified = counting.how == "minified"
     before = session.start(script.raw, script.source) if minified else None
     with _gc_paused():
-        surveyed = survey(module, index)
+        surveyed = registry.survey(module, index)
         result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
     for note in result.skipped:
         if note.unfixable:

@@ -14,7 +14,7 @@ from patch_tables import assert_noop
 
 from patcher.families.bestfit_packing import loader_generators
 from patcher.patch import patch_source
-from patcher.survey.survey import survey
+from patcher.families.registry import survey
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "bestfit_packing.py"
 SOURCE = FIXTURE.read_text(encoding="utf-8")

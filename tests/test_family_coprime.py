@@ -16,7 +16,7 @@ import libcst as cst
 import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
-from patcher.survey.survey import survey
+from patcher.families.registry import survey
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

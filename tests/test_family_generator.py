@@ -17,7 +17,7 @@ import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
 from patcher.patch import patch_source
-from patcher.survey.survey import survey
+from patcher.families.registry import survey
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

@@ -16,7 +16,7 @@ import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch, shown
 
 from patcher.patch import features_from, patch_source
-from patcher.survey.survey import survey
+from patcher.families.registry import survey
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

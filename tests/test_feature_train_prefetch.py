@@ -17,7 +17,7 @@ from patch_tables import RUNTIME, assert_noop, assert_patch
 from patcher.families import registry
 from patcher.families.base import DataVariable, Family, Plan
 from patcher.patch import patch_source
-from patcher.survey.survey import survey
+from patcher.families.registry import survey
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -147,7 +147,7 @@ def test_the_early_worker_counts_a_minified_record_as_a_late_one_does(tmp_path, 
 def test_an_edit_rebuilds_only_the_ancestors_of_what_it_changes():
     import libcst as cst
 
-    from patcher.survey.survey import survey
+    from patcher.families.registry import survey
     from patcher.transforms.base import Context, ReplaceNodes, replace_nodes
 
     source = "def main():\n    a = 1\n    for i in range(3):\n        b = f(i)\n    c = 2\n"

@@ -283,7 +283,7 @@ def test_a_name_reassigned_in_the_loop_is_evaluated_from_its_top_level_assignmen
 
     from patcher.proof.harness import HarnessError
     from patcher.proof.script_eval import evaluate_script_code
-    from patcher.survey.survey import survey
+    from patcher.families.registry import survey
 
     source = (
         "schedule = (8, 16)\n"
@@ -311,7 +311,7 @@ def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assi
 
     from patcher.proof.harness import HarnessError
     from patcher.proof.script_eval import evaluate_script_code
-    from patcher.survey.survey import survey
+    from patcher.families.registry import survey
 
     source = (
         "def main():\n"

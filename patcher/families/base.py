@@ -12,7 +12,7 @@ family means adding its module, its fixture `fixtures/<name>*.py` and its test f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:
     import libcst as cst
@@ -20,13 +20,21 @@ if TYPE_CHECKING:
     from patcher.survey.index import ScriptIndex
     from patcher.survey.loaders import LoaderClass
     from patcher.survey.sites import IteratorSite
-    from patcher.transforms.base import Context
+    from patcher.survey.survey import Survey
 
 # The drivers `verify` has: how it builds and draws the original's and the patched
 # script's training data side by side.
 DRIVERS = ("loader_class", "generator")
 # The runtime functions a patched construction calls (`templates/`).
 MAKE_TRAIN_LOADER = "_make_train_loader"
+
+
+class Context(Protocol):
+    """What a family's `plan` reads of the transform that asks it
+    (`patcher.transforms.base.Context` is one): declared here so that the families
+    need nothing from the transforms, which come after them."""
+
+    survey: Survey
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ signature, a device parameter used for more than the final copy (then the packin
 itself would differ on the CPU), threads, a global RNG or a torch.distributed
 collective in the loader (`generator._generator_unsafe`).
 
-Rewrite (`rewrite`): the loader's `def name(` becomes `def _original_name(` (nothing else
+Rewrite (`train_prefetch`, module mode): the loader's `def name(` becomes `def _original_name(` (nothing else
 of it changes) and a new `def name(<the same parameters>)` follows it:
 `yield from _spawn_generator(_original_name, {every argument by name}, "<device param>",
 prefetch=TRAIN_PREFETCH, split_param="split", train_split="train",
@@ -54,7 +54,7 @@ from patcher.families.base import DataVariable, Family, Plan
 if TYPE_CHECKING:
     from patcher.survey.index import ScriptIndex
 
-# The runtime entry the rewrite calls, and what the original definition is renamed to.
+# The runtime entry the rewrite (`train_prefetch`) calls, and what the original definition is renamed to.
 MODULE_RUNTIME = "_spawn_generator"
 RUNTIME_TEMPLATE = "spawn_generator"
 ORIGINAL_PREFIX = "_original_"
@@ -246,34 +246,6 @@ def _device_misuse(nodes, device: str) -> str | None:
 
 def _is_param_name(name: cst.Name, nodes) -> bool:
     return any(isinstance(p, cst.Param) and p.name is name for p in nodes)
-
-
-def rewrite(module: cst.Module, ctx, loaders: list[LoaderGenerator]) -> cst.Module:
-    """`module` with each accepted loader renamed `_original_<name>` and a new `def <name>`
-    with the same parameters after it, calling the runtime (`ctx.runtime_call`)."""
-    body = []
-    wanted = {id(loader.function): loader for loader in loaders if loader.refusal is None}
-    for statement in module.body:
-        loader = wanted.get(id(statement))
-        if loader is None:
-            body.append(statement)
-            continue
-        original = ORIGINAL_PREFIX + loader.name
-        params = statement.params
-        names = [p.name.value for p in params.params + params.kwonly_params]
-        arguments = ctx.code("{" + ", ".join(f'"{n}": {n}' for n in names) + "}", "{" + ",".join(f'"{n}":{n}' for n in names) + "}")
-        options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH")}
-        if loader.split is not None:  # only the training split's build spawns a producer
-            options.update(split_param=loader.split[0], train_split=loader.split[1], every_split=ctx.toggle_value("TRAIN_PREFETCH_EVERY_SPLIT"))
-        call = ctx.runtime_call(MODULE_RUNTIME, [original, arguments, f'"{loader.device}"'], options)
-        wrapper = cst.FunctionDef(
-            name=cst.Name(loader.name),
-            params=params,
-            body=cst.IndentedBlock(body=[cst.SimpleStatementLine(body=[cst.Expr(cst.Yield(value=cst.From(item=call)))])]),
-            leading_lines=[cst.EmptyLine(), cst.EmptyLine()] if not ctx.minified else [],
-        )
-        body.extend([statement.with_changes(name=cst.Name(original)), wrapper])
-    return module.with_changes(body=body)
 
 
 UNIT = Family("bestfit_packing", "generator", recognise, plan, producer="_prefetch_iterator", runtime="prefetch_iterator", order=5, refuse=refuse)

@@ -1,18 +1,20 @@
 """The family units, found in `patcher/families/`, and the questions asked of them.
 
 Every module of this package that declares `UNIT = Family(...)` is a family; adding one
-means adding its module (with its fixture and test file), nothing else. The survey asks
-`loader_family` and `generator_family`; `train_prefetch` looks a variable's family up
-in `BY_NAME`.
+means adding its module (with its fixture and test file), nothing else. The survey is
+given this module (`registry.survey(module)` passes it) and asks its `loader_family` and
+`generator_family`; `train_prefetch` looks a variable's family up in `BY_NAME`.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 
 import patcher.families
 from patcher.families.base import Family
+from patcher.survey.survey import survey as survey_facts
 
 
 def discover() -> list[Family]:
@@ -51,3 +53,9 @@ def generator_family(function) -> Family | None:
     """The family of a module-level generator function (`cst.FunctionDef`): the first
     "generator" unit that recognises it, or None (then it is not a data source we know)."""
     return next((u for u in UNITS if u.driver == "generator" and u.recognise(function)), None)
+
+
+def survey(module, index=None):
+    """`patcher.survey.survey.survey` of `module` with the families of this registry
+    (`Survey`; index: a `ScriptIndex` already made, or None)."""
+    return survey_facts(module, sys.modules[__name__], index)

@@ -63,9 +63,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from patcher.proof.harness import HarnessError, hparams_factory, load_module, scripts_unloaded, swapped
+from patcher.proof.harness import HarnessError, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import host_only_pinning
-from patcher.proof.recipes import LoaderRecipe, patched_constructions
+from patcher.proof.recipes import LoaderRecipe, hparams_factory, patched_constructions
 from patcher.patch import patch_source
 from patcher.proof.shards import write_shards
 from patcher.read.source import read_script

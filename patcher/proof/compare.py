@@ -44,6 +44,47 @@ class Difference:
     configuration: str | None = None  # how the patched loader ran (the producer, the device)
 
 
+@dataclass
+class VerifyResult:
+    """identical: every batch matched. batches_compared: per rank, both phases. notes: how
+    it ran. prefetched: the patched script prefetches its training batches (else only
+    what else was patched, such as the copy stream or validation, was put to the test)."""
+
+    identical: bool
+    world_size: int
+    batches_compared: int
+    difference: Difference | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    val_batches_compared: int = 0
+    # False when the patched script holds no training prefetch (train_prefetch was
+    # skipped): its training loader is the script's own, so "identical" proves no prefetch.
+    prefetched: bool = True
+    # True when the training generator is not run ahead but its own H2D copies are
+    # staged (pinned_staging): "identical" proves the staged copies.
+    staged: bool = False
+    # What the run crossed ("2 stage changes (synthesized)", "2 shard boundaries") and
+    # what it could not exercise, with the reason: the verdict is "partial" where any is.
+    exercised: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = {
+            "identical": self.identical,
+            "world_size": self.world_size,
+            "batches_compared": self.batches_compared,
+            "difference": None if self.difference is None else vars(self.difference),
+            "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+            "val_batches_compared": self.val_batches_compared,
+            "prefetched": self.prefetched,
+            "staged": self.staged,
+            "exercised": self.exercised,
+            "skipped": self.skipped,
+        }
+        return d
+
+
 def first_difference(a, b) -> tuple[int | str, str] | None:
     """The first place where batch `b` differs from batch `a`, as (where, what differs),
     or None when they are the same.

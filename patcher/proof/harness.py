@@ -5,7 +5,7 @@
 import trap), with imports that are not installed (flash_attn_interface, ...)
 replaced by stubs; `load_definitions` imports only the definitions of a script that
 trains at top level. `SimulatedDist` answers `torch.distributed`'s rank and world
-size for one rank of a simulated world; `hparams_factory` makes each rank's
+size for one rank of a simulated world; `hparams_for` makes each rank's
 Hyperparameters instance, its data paths pointed at the synthetic shards.
 How a script builds its loader is read by `patcher.proof.recipes`; CUDA stand-ins
 for a host are in `patcher.proof.host_cuda`.
@@ -20,16 +20,12 @@ import itertools
 import os
 import sys
 import types
-from typing import TYPE_CHECKING
 
 import libcst as cst
 import libcst.matchers as m
 import torch
 
 from patcher.check.stubs import StubFinder
-
-if TYPE_CHECKING:
-    from patcher.proof.recipes import LoaderRecipe
 
 
 _PREFIX = "_patch_prefetch_script_"  # the names of loaded script modules: _PREFIX + a count
@@ -202,10 +198,13 @@ class SimulatedDist:
         return getattr(torch.distributed, name)
 
 
-def hparams_factory(recipe: LoaderRecipe, module, world_size: int, data_dir: str):
-    """`rank -> Hyperparameters instance` for a simulated world, its train_files on `data_dir`."""
-    hp_info = recipe.survey.hyperparameters
-    cls = getattr(module, hp_info.name) if hp_info is not None else None
+def hparams_for(hyperparameters, module, world_size: int, data_dir: str):
+    """`rank -> Hyperparameters instance` for a simulated world, its train_files on `data_dir`.
+
+    hyperparameters: the survey's `Hyperparameters` fact of the script (None: the script
+    has none, and a bare object stands in for it); module: the loaded script.
+    """
+    cls = getattr(module, hyperparameters.name) if hyperparameters is not None else None
     pattern = os.path.join(data_dir, "fineweb_train_*.bin")
 
     def make(rank: int):

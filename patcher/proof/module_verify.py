@@ -34,7 +34,7 @@ import libcst as cst
 import torch
 
 from patcher.families.bestfit_packing import LoaderGenerator, loader_generators
-from patcher.proof.compare import CannotVerify, Difference, first_difference
+from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_difference
 
 # What the harness supplies for helpers the module imports from its own package.
 STUBS = {
@@ -93,8 +93,6 @@ def module_loader(source: str) -> LoaderGenerator | None:
 def verify_module(original: str, patched: str, original_path, batches: int | None = None, world_size: int = 2, seed: int = 0):
     """Compare the original and patched module's loader for ranks 0..world_size-1. Returns a
     `VerifyResult`; raises CannotVerify (one line) when the module cannot be driven."""
-    from patcher.proof.verify import VerifyResult
-
     started = time.perf_counter()
     loader = module_loader(original)
     if loader is None:

@@ -20,7 +20,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import small_statements
-from patcher.proof.harness import HarnessError
+from patcher.proof.harness import HarnessError, hparams_for
 from patcher.proof.script_eval import evaluate_script_code, names_imported, survey_of
 from patcher.survey.survey import Construction, Survey
 
@@ -287,3 +287,9 @@ def _sent_value_codes(surveyed: Survey, sends: list[cst.Call]) -> list[str]:
     for call in sends:
         add(call.args[0].value, scopes[call], 0)
     return codes
+
+
+def hparams_factory(recipe: LoaderRecipe, module, world_size: int, data_dir: str):
+    """`rank -> Hyperparameters instance` for a simulated world of `world_size` ranks,
+    the script's data paths pointed at the synthetic shards in `data_dir`."""
+    return hparams_for(recipe.survey.hyperparameters, module, world_size, data_dir)

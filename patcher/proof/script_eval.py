@@ -13,15 +13,16 @@ import sys
 
 import libcst as cst
 
+from patcher.families import registry
 from patcher.proof.harness import HarnessError
-from patcher.survey.survey import Survey, survey
+from patcher.survey.survey import Survey
 
 
 @functools.lru_cache(maxsize=4)
 def survey_of(source: str) -> Survey:
     """The survey of `source` (str), parsed and surveyed once per source text: a
     `Survey` is read-only, so verify's recipes and validation pairs share one."""
-    return survey(cst.parse_module(source))
+    return registry.survey(cst.parse_module(source))
 
 
 def evaluate_script_code(surveyed: Survey, code: str, ns: dict, scope, depth: int = 0, assumed: list[str] | None = None):

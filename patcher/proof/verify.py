@@ -22,68 +22,27 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from patcher.check.import_smoke import definitions_only
-from patcher.proof.compare import CannotVerify, Difference, first_rank_difference
+from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_rank_difference
 from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof.module_verify import module_loader, verify_module
-from patcher.proof.harness import HarnessError, SimulatedDist, hparams_factory, load_definitions, load_module, scripts_unloaded, swapped
+from patcher.proof.harness import HarnessError, SimulatedDist, load_definitions, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, host_only_pinning
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches
-from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, patched_constructions
+from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, hparams_factory, patched_constructions
 from patcher.proof.script_eval import survey_of
 from patcher.proof.val_verify import compare_val_loops
 from patcher.families.registry import BY_NAME as FAMILIES
 from patcher.read.source import read_script
 from patcher.transforms.features import INJECTED_NAMES, TOGGLES
 from patcher.transforms.py310_fstrings import requote
-
-
-@dataclass
-class VerifyResult:
-    """identical: every batch matched. batches_compared: per rank, both phases. notes: how
-    it ran. prefetched: the patched script prefetches its training batches (else only
-    what else was patched, such as the copy stream or validation, was put to the test)."""
-
-    identical: bool
-    world_size: int
-    batches_compared: int
-    difference: Difference | None = None
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    val_batches_compared: int = 0
-    # False when the patched script holds no training prefetch (train_prefetch was
-    # skipped): its training loader is the script's own, so "identical" proves no prefetch.
-    prefetched: bool = True
-    # True when the training generator is not run ahead but its own H2D copies are
-    # staged (pinned_staging): "identical" proves the staged copies.
-    staged: bool = False
-    # What the run crossed ("2 stage changes (synthesized)", "2 shard boundaries") and
-    # what it could not exercise, with the reason: the verdict is "partial" where any is.
-    exercised: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        d = {
-            "identical": self.identical,
-            "world_size": self.world_size,
-            "batches_compared": self.batches_compared,
-            "difference": None if self.difference is None else vars(self.difference),
-            "notes": self.notes,
-            "seconds": round(self.seconds, 3),
-            "val_batches_compared": self.val_batches_compared,
-            "prefetched": self.prefetched,
-            "staged": self.staged,
-            "exercised": self.exercised,
-            "skipped": self.skipped,
-        }
-        return d
 
 
 # Batches per rank after the rebuild (each rank runs the default producer on the CUDA

@@ -5,30 +5,40 @@
 sites and `next_batch` call sites (with whether each argument is a run constant), the
 data generators, the Hyperparameters class, the script's log function, the names
 defined at module level, and the script's style (minified or readable). The family
-units (`patcher/families/`) say which family each loader class and generator belongs
-to; the facts here are the same for every family. Nodes are kept by identity so that
-transforms run on the same `Module` object can find them; positions (1-based lines)
-are kept for reports. Nothing reads a `Survey` to change it.
+units (`patcher/families/`, passed in as `families`) say which family each loader
+class and generator belongs to; the facts here are the same for every family. Nodes
+are kept by identity so that transforms run on the same `Module` object can find
+them; positions (1-based lines) are kept for reports. Nothing reads a `Survey` to change it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import libcst as cst
 
 from patcher import cst_walk
 from patcher.cst_lines import LineIndex
 from patcher.cst_walk import walk
-from patcher.families.registry import loader_family
 from patcher.survey.index import ScriptIndex
 from patcher.survey.loaders import LoaderClass, method, survey_loader
 from patcher.survey.script import LOG_FUNCTIONS, Hyperparameters, find_hyperparameters, find_log_function, imports, is_minified, module_level_names
-from patcher.survey.sites import CallSite, Construction, IteratorSite, find_constructions_and_calls, find_iterators, inside_training_generators
+from patcher.survey.sites import CallSite, Construction, IteratorSite, is_run_constant, names_other_data
 from patcher.survey.threads import ThreadReach
 
 # What the rest of the tool imports from here.
-__all__ = ["LOG_FUNCTIONS", "CallSite", "Construction", "Hyperparameters", "IteratorSite", "LoaderClass", "ScriptIndex", "Survey", "survey"]
+__all__ = ["LOG_FUNCTIONS", "CallSite", "Classifier", "Construction", "Hyperparameters", "IteratorSite", "LoaderClass", "ScriptIndex", "Survey", "survey"]
+
+
+class Classifier(Protocol):
+    """Who says which family a loader class or a generator function belongs to: the
+    family units (`patcher.families.registry` is one). Passed in, because the families
+    come after the survey and read its facts."""
+
+    def loader_family(self, loader: LoaderClass): ...
+
+    def generator_family(self, function: cst.FunctionDef): ...
 
 
 @dataclass
@@ -98,11 +108,14 @@ class Survey:
         return [c for c in self.calls if c.binding is construction.binding and c.receiver == construction.target]
 
 
-def survey(module: cst.Module, index: ScriptIndex | None = None) -> Survey:
+def survey(module: cst.Module, families: Classifier, index: ScriptIndex | None = None) -> Survey:
     """Analyse `module` (not modified). Returns a `Survey` whose nodes belong to `module`.
 
     index: the `ScriptIndex` of a pass over `module` already made (`index_of`), so that
     a caller can read it before the rest of the survey; without it the pass is made here.
+    families: who gives each loader class and generator function its family
+    (`patcher.families.registry`; `registry.survey` passes it: the survey, a lower layer,
+    never imports the families).
 
     One pass of `ScriptIndex` over the module; loader classes, which are small, are
     then read on their own, and each is given the family whose unit recognises it
@@ -118,15 +131,98 @@ def survey(module: cst.Module, index: ScriptIndex | None = None) -> Survey:
     for cls in classes.values():
         if method(cls, "next_batch") is not None:
             info = survey_loader(cls, classes, result.line_of(cls), reach)
-            family = loader_family(info)
+            family = families.loader_family(info)
             info.family, info.prefetches = family.name, info.prefetches or family.prefetches
             result.loader_classes[cls.name.value] = info
     find_constructions_and_calls(index, result)
-    find_iterators(index, result)
+    find_iterators(index, result, families.generator_family)
     inside_training_generators(result)
     result.hyperparameters = find_hyperparameters(module, result.line_of)
     result.log_function = find_log_function(index)
     return result
+
+
+def find_constructions_and_calls(index: ScriptIndex, result: Survey) -> None:
+    """Fill `result.constructions` (`name = LoaderClass(...)` of a surveyed loader class)
+    and `result.calls` (their `next_batch` calls), and say which construction builds
+    the training loader."""
+    module = result.module
+    loader_names = set(result.loader_classes)
+    for assign, scope in index.call_assigns:
+        func, target = assign.value.func, assign.targets[0].target
+        if len(assign.targets) == 1 and isinstance(func, cst.Name) and func.value in loader_names and isinstance(target, cst.Name):
+            result.constructions.append(
+                Construction(
+                    target=target.value,
+                    class_name=func.value,
+                    node=assign,
+                    call=assign.value,
+                    line=result.line_of(assign),
+                    scope=scope.node,
+                    binding=scope.resolve(target.value),
+                )
+            )
+    for call, scope in index.calls:
+        receiver = call.func.value.value
+        binding = scope.resolve(receiver)
+        if not any(c.binding is binding and c.target == receiver for c in result.constructions):
+            continue  # not a loader this script builds here (e.g. a parameter of a helper)
+        result.calls.append(
+            CallSite(
+                receiver=receiver,
+                node=call,
+                line=result.line_of(call),
+                scope=scope.node,
+                args=[module.code_for_node(a.value) for a in call.args],
+                constant=[is_run_constant(a.value, scope, index, depth=0) for a in call.args],
+                binding=binding,
+            )
+        )
+    for c in result.constructions:
+        if names_other_data(c.target):
+            c.reason = f"`{c.target}` is not the training loader"
+        elif not result.calls_on(c):
+            c.reason = f"`{c.target}` has no next_batch call where it is built"
+        else:
+            c.training = True
+
+
+def find_iterators(index: ScriptIndex, result: Survey, generator_family: Callable) -> None:
+    """Fill `result.iterators`: `name = gen(...)` for a module-level generator function
+    `gen` that a generator family recognises (`generator_family(FunctionDef)`: its
+    family unit, or None); the family says why a site is not the training data source
+    (`Family.refuse`)."""
+    generators = {f.name.value: (f, generator_family(f)) for f in result.module.body if f in index.generator_functions}
+    for assign, scope in index.call_assigns:
+        func, target = assign.value.func, assign.targets[0].target
+        if len(assign.targets) != 1 or not isinstance(func, cst.Name) or not isinstance(target, cst.Name):
+            continue
+        function, family = generators.get(func.value, (None, None))
+        if family is None:
+            continue
+        binding = scope.resolve(target.value)
+        site = IteratorSite(target.value, func.value, assign, assign.value, result.line_of(assign), binding, family=family.name)
+        site.sends = [c for c, sc in index.send_calls if c.func.value.value == target.value and sc.resolve(target.value) is binding]
+        if names_other_data(site.target):
+            site.reason = f"`{site.target}` is not the training data source"
+        else:
+            site.reason = family.refuse(site, function, index)
+            site.training = site.reason is None
+            site.staged = family.stages is not None and family.stages(site, function, index)
+        result.iterators.append(site)
+
+
+def inside_training_generators(result: Survey) -> None:
+    """A loader built inside a data generator that runs ahead as a whole (modded-nanogpt's
+    `BOSFinder` in `distributed_data_generator`) is not wrapped a second time, nor is one
+    built inside a generator whose copies are staged (its `Shard`)."""
+    generators = {i.function: "stays on the training thread, its H2D copies staged" for i in result.iterators if i.staged}
+    generators.update({i.function: "runs ahead as a whole" for i in result.iterators if i.training})
+    for construction in result.constructions:
+        scope = construction.scope
+        if construction.training and isinstance(scope, cst.FunctionDef) and scope.name.value in generators:
+            construction.training = False
+            construction.reason = f"`{construction.target}` is built inside the data generator {scope.name.value}, which {generators[scope.name.value]}"
 
 
 def index_of(module: cst.Module) -> ScriptIndex:

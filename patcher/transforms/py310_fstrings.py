@@ -18,7 +18,8 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.survey.survey import Survey, survey
+from patcher.families import registry
+from patcher.survey.survey import Survey
 from patcher.transforms.base import Context, Feature, Note, replace_nodes
 
 FEATURE = "py310_fstrings"
@@ -110,7 +111,7 @@ def requote(source: str) -> str | None:
     """
     try:
         module = cst.parse_module(source)
-        surveyed = survey(module)
+        surveyed = registry.survey(module)
         ctx = Context(surveyed, {FEATURE}, facts={FEATURE: find_pep701_fstrings(surveyed)})
         module, notes = apply(module, ctx)
         if any(note.unfixable for note in notes):

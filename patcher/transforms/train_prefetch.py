@@ -95,8 +95,36 @@ def _module_mode(module: cst.Module, ctx: Context, loaders) -> tuple[cst.Module,
             notes.append(Note(FEATURE, True, f"{loader.name} (line {line}) runs ahead in a spawned producer process; the H2D copy stays here, through pinned memory{splits}", line))
     if any(loader.refusal is None for loader in loaders):
         ctx.need(bestfit_packing.RUNTIME_TEMPLATE)
-        module = bestfit_packing.rewrite(module, ctx, loaders)
+        module = _rewrite_loader_generators(module, ctx, loaders)
     return module, notes
+
+
+def _rewrite_loader_generators(module: cst.Module, ctx: Context, loaders: list[bestfit_packing.LoaderGenerator]) -> cst.Module:
+    """`module` with each accepted loader renamed `_original_<name>` and a new `def <name>`
+    with the same parameters after it, calling the runtime (`ctx.runtime_call`)."""
+    body = []
+    wanted = {id(loader.function): loader for loader in loaders if loader.refusal is None}
+    for statement in module.body:
+        loader = wanted.get(id(statement))
+        if loader is None:
+            body.append(statement)
+            continue
+        original = bestfit_packing.ORIGINAL_PREFIX + loader.name
+        params = statement.params
+        names = [p.name.value for p in params.params + params.kwonly_params]
+        arguments = ctx.code("{" + ", ".join(f'"{n}": {n}' for n in names) + "}", "{" + ",".join(f'"{n}":{n}' for n in names) + "}")
+        options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH")}
+        if loader.split is not None:  # only the training split's build spawns a producer
+            options.update(split_param=loader.split[0], train_split=loader.split[1], every_split=ctx.toggle_value("TRAIN_PREFETCH_EVERY_SPLIT"))
+        call = ctx.runtime_call(bestfit_packing.MODULE_RUNTIME, [original, arguments, f'"{loader.device}"'], options)
+        wrapper = cst.FunctionDef(
+            name=cst.Name(loader.name),
+            params=params,
+            body=cst.IndentedBlock(body=[cst.SimpleStatementLine(body=[cst.Expr(cst.Yield(value=cst.From(item=call)))])]),
+            leading_lines=[cst.EmptyLine(), cst.EmptyLine()] if not ctx.minified else [],
+        )
+        body.extend([statement.with_changes(name=cst.Name(original)), wrapper])
+    return module.with_changes(body=body)
 
 
 def _data_variables(survey) -> list[DataVariable]:

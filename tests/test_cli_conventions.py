@@ -66,7 +66,7 @@ def test_diff_alone_prints_the_diff_on_stdout_and_writes_nothing(tmp_path, capsy
     assert files_under(tmp_path) == {"train_gpt.py"}  # no output, no backup, no temporary
     assert script.read_bytes() == READABLE.read_bytes()
     assert stdout.startswith(f"--- {script} (original)\n+++ {script} (patched")
-    assert "+    train_loader = _make_train_loader(" in stdout or "+_make_train_loader" in stdout or "_make_train_loader(" in stdout
+    assert "\n+    train_loader = _make_train_loader(lambda loader_device: DistributedTokenLoader(" in stdout  # the construction, rewritten
     assert all(line[:1] in " +-@\\" for line in stdout.splitlines()[2:])  # nothing but the diff: `patch` can apply it
     assert "nothing written" in stderr and "applied" in stderr
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 import pytest
+import yaml  # a dependency of libcst
 
 from patcher.hooks import pairs_beside
 
-yaml = pytest.importorskip("yaml")
 tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,3 +145,19 @@ def test_verify_hook_passes_a_patched_copy_and_fails_a_changed_loader(tmp_path: 
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"patch-prefetch verify {RECORD}/train_gpt.py.orig {RECORD}/train_gpt.py\n" in done.stdout
     assert "\nDIFFER: rank 0, warmup batch 0, field 0: bytes differ" in done.stdout
+
+
+def test_the_configurations_in_docs_name_these_hooks() -> None:
+    """Every `repos:` block of docs/ci.md names hooks that exist, and its local
+    (`language: system`) copies run the same entry on the same files."""
+    text = (ROOT / "docs" / "ci.md").read_text()
+    blocks = [yaml.safe_load(block.split("\n", 1)[1]) for block in text.split("```")[1::2] if block.startswith("yaml\n")]
+    configs = [block for block in blocks if isinstance(block, dict) and "repos" in block]
+    assert len(configs) == 2
+    found = hooks()
+    for config in configs:
+        for repo in config["repos"]:
+            assert [hook["id"] for hook in repo["hooks"]] == list(found)
+            for hook in repo["hooks"]:
+                if repo["repo"] == "local":
+                    assert (hook["entry"], hook["files"]) == (found[hook["id"]]["entry"], found[hook["id"]]["files"])

@@ -54,7 +54,10 @@ def _end_at_ctrl_c(said: bool) -> None:
             os.write(2, (INTERRUPTED_LINE + "\n").encode())
         os._exit(EXIT_INTERRUPTED)
 
-    signal.signal(signal.SIGINT, leave)
+    # Interrupted already: further SIGINTs (`timeout` forwards a second) are ignored, as
+    # while the report was printed. A Python handler would not do: the interpreter's
+    # finalization puts SIG_DFL back in its place, and a SIGINT then kills the process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN if said else leave)
 
 
 # The command's imports take about half a second (libcst, the transforms): a Ctrl-C then

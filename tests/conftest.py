@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 
@@ -57,3 +58,23 @@ def one_torchrun_at_a_time():
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def import_source(tmp_path, monkeypatch):
+    """`import_source(prefix, source)`: `source` written as module `<prefix>_<test>` in
+    tmp_path and imported (a spawned child can import it by name too); unloaded after."""
+    import importlib
+
+    names = []
+
+    def load(prefix: str, source: str):
+        name = f"{prefix}_{tmp_path.name.replace('-', '_')}"
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        names.append(name)
+        return importlib.import_module(name)
+
+    yield load
+    for name in names:
+        sys.modules.pop(name, None)

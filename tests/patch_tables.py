@@ -13,6 +13,16 @@ from patcher.patch import PatchResult, features_from, patch_source
 from patcher.transforms.base import Note
 from patcher.transforms.features import FEATURES
 
+# A tiny script with one rewrite (the MLP square), patched in milliseconds.
+TINY = (
+    "import torch\n"
+    "\n"
+    "\n"
+    "class MLP(torch.nn.Module):\n"
+    "    def forward(self, x):\n"
+    "        return self.proj(torch.relu(self.fc(x)).square())\n"
+)
+
 RUNTIME = "#<runtime>\n"
 
 

@@ -35,6 +35,16 @@ def exits_within(pid: int, seconds: float) -> bool:
         os.close(handle)
 
 
+def gone(pid: int) -> bool:
+    """Whether process `pid` has exited: a zombie (not yet reaped by its parent) or no
+    longer in /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+
+
 def open_files() -> set[str]:
     """What this process's descriptors point at (paths; pipes and sockets as `pipe:[n]`).
     Linux: reads /proc/self/fd."""

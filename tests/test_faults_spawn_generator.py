@@ -73,14 +73,8 @@ SOURCE = textwrap.dedent(
 
 
 @pytest.fixture
-def module(tmp_path, monkeypatch):
-    name = f"spawn_faults_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import importlib
-
-    yield importlib.import_module(name)
-    sys.modules.pop(name, None)
+def module(import_source):
+    return import_source("spawn_faults", SOURCE)
 
 
 def same(got, module, **arguments):

@@ -18,23 +18,14 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 
 from patcher import tree
 from patcher.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, main
 from patcher.patch_file import FileOptions
-from processes import exits_within, read_lines, readable_within
+from patch_tables import TINY
+from processes import exits_within, gone, read_lines, readable_within
 
 ROOT = Path(__file__).resolve().parent.parent
-
-TINY = (
-    "import torch\n"
-    "\n"
-    "\n"
-    "class MLP(torch.nn.Module):\n"
-    "    def forward(self, x):\n"
-    "        return self.proj(torch.relu(self.fc(x)).square())\n"
-)
 
 
 def _held_check(tmp_path: Path) -> tuple[Path, Path, int]:
@@ -69,14 +60,6 @@ def _held_pid(fd: int) -> int:
     return int(data)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except FileNotFoundError:
-        return True
-
-
 def _tree_command(root: Path, out: Path, python: Path, *extra: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "patcher.cli", str(root), "--out-dir", str(out), "--jobs", "1", "--no-import", "--python", str(python), *extra]
     return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -108,7 +91,7 @@ def test_ctrl_c_during_a_check_writes_nothing_of_that_file_and_says_so(tmp_path)
     assert f"written under {out}: 1: a_fast/train_gpt.py" in stderr
     assert "check ok: 1: a_fast/train_gpt.py" in stderr
     assert stderr.rstrip().endswith("patch-prefetch: interrupted")
-    assert _gone(held)
+    assert gone(held)
 
 
 def test_repeated_sigint_keeps_the_summary_and_the_json_document(tmp_path):
@@ -157,7 +140,7 @@ def test_ctrl_c_during_the_check_of_a_single_file_leaves_no_output(tmp_path):
             proc.kill()
     assert proc.returncode == EXIT_INTERRUPTED and stderr.strip() == "patch-prefetch: interrupted"
     assert list(out.iterdir()) == []  # neither the unchecked output nor a temporary file
-    assert _gone(held)
+    assert gone(held)
 
 
 def test_a_file_past_its_time_limit_in_its_check_is_not_left_written(tmp_path):
@@ -177,7 +160,7 @@ def test_a_file_past_its_time_limit_in_its_check_is_not_left_written(tmp_path):
     assert row["status"] == "timed out" and "nothing written" in row["error"]
     assert not out.exists() or _files(out) == set()
     assert row["written"] is False
-    assert _gone(held)
+    assert gone(held)
 
 
 def test_a_worker_killed_just_before_or_after_its_rename_is_reported_as_what_is_on_disk(tmp_path, monkeypatch):

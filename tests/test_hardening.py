@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from processes import readable_within
+from patch_tables import TINY
+from processes import gone, readable_within
 from patcher import tree
 from patcher.read import source
 from patcher.read import wrapper as wrapper_codec
@@ -36,16 +37,6 @@ from patcher.read.wrapper import decompress_capped
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ROOT = Path(__file__).resolve().parent.parent
-
-# A tiny script with one rewrite (the MLP square), patched in milliseconds.
-TINY = (
-    "import torch\n"
-    "\n"
-    "\n"
-    "class MLP(torch.nn.Module):\n"
-    "    def forward(self, x):\n"
-    "        return self.proj(torch.relu(self.fc(x)).square())\n"
-)
 
 
 def run(argv, capsys):
@@ -392,14 +383,6 @@ def test_closed_stdout_exits_quietly(tmp_path):
     assert proc.returncode == EXIT_BROKEN_PIPE and proc.stderr == b""
 
 
-def _dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_ctrl_c_is_one_line_and_exit_130_and_kills_the_smoke(tmp_path):
     ready = tmp_path / "ready"
     os.mkfifo(ready)
@@ -427,7 +410,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_kills_the_smoke(tmp_path):
             proc.kill()
     assert proc.returncode == EXIT_INTERRUPTED
     assert err.decode().strip() == "patch-prefetch: interrupted"
-    assert _dead(int(data))
+    assert gone(int(data))
 
 
 def test_crlf_and_bom_are_kept(tmp_path, capsys):
@@ -499,7 +482,7 @@ def test_processes_the_script_starts_in_a_new_session_do_not_outlive_the_smoke(t
     )
     result = check_file(script, timeout=60)
     assert result.imports is not None and result.imports.ok, result.imports
-    assert _dead(int(pid_file.read_text()))
+    assert gone(int(pid_file.read_text()))
 
 
 # --------------------------------------------------------------------------- 8. fuzz (quick; bench/fuzz.py is the long run)

@@ -78,14 +78,8 @@ SOURCE = textwrap.dedent(
 
 
 @pytest.fixture
-def module(tmp_path, monkeypatch):
-    name = f"spawn_gen_{tmp_path.name.replace('-', '_')}"
-    (tmp_path / f"{name}.py").write_text(SOURCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import importlib
-
-    yield importlib.import_module(name)
-    sys.modules.pop(name, None)
+def module(import_source):
+    return import_source("spawn_gen", SOURCE)
 
 
 def expected(module, **arguments):

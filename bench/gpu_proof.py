@@ -296,8 +296,8 @@ def stage_premise(inputs: Path, work: Path, dry_run: bool) -> dict:
     run against host memory and the figures mean nothing: they only exercise the code."""
     import torch
 
-    from templates.copy_stream import _h2d
-    from templates.pinned_staging import _pinned_h2d
+    from patcher.templates.copy_stream import _h2d
+    from patcher.templates.pinned_staging import _pinned_h2d
 
     cuda = torch.cuda.is_available() and not dry_run
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -519,9 +519,9 @@ def _sanitized_piece(case: str, device) -> None:
     """Drive one injected piece as a training loop does: copy, then use on the compute stream."""
     import torch
 
-    from templates.copy_stream import _h2d
-    from templates.pinned_staging import _pinned_h2d
-    from templates.staging import _stage
+    from patcher.templates.copy_stream import _h2d
+    from patcher.templates.pinned_staging import _pinned_h2d
+    from patcher.templates.staging import _stage
 
     if case == "copy_stream":
         for step in range(6):

@@ -15,7 +15,7 @@ from patcher.proof import bench
 from patcher.cli import bench_main as main
 from patcher.proof.bench import run_bench
 from patcher.proof.harness import loaded_script_names
-from templates import prefetch_loader
+from patcher.templates import prefetch_loader
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 KEYS = {

@@ -35,7 +35,7 @@ def test_patch_writes_output_and_json_report(tmp_path, capsys):
     assert report["code_bytes"]["after"] == len(out.read_bytes()) > report["code_bytes"]["before"]
     assert {"input", "output", "applied", "skipped", "code_bytes", "wrapped"} <= set(report)
     assert "_make_train_loader(" in out.read_text()
-    assert "import patcher" not in out.read_text() and "from templates" not in out.read_text()
+    assert "import patcher" not in out.read_text() and "from patcher.templates" not in out.read_text()
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 from patcher import cst_walk
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "fixtures").glob("*.py")) + sorted((ROOT / "templates").glob("[!_]*.py")) + sorted((ROOT / "patcher").rglob("[!_]*.py"))
+SOURCES = sorted((ROOT / "fixtures").glob("*.py")) + sorted((ROOT / "patcher").rglob("[!_]*.py"))
 
 
 class _Recorder(cst.CSTVisitor):

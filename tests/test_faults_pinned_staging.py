@@ -19,7 +19,7 @@ import runpy
 import pytest
 import torch
 
-import templates.pinned_staging as staging
+import patcher.templates.pinned_staging as staging
 from patcher.cli import main
 from patcher.proof.host_cuda import cuda_on_host
 

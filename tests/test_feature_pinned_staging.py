@@ -1,4 +1,4 @@
-"""Feature `pinned_staging` (patcher/transforms/pinned_staging.py, templates/pinned_staging.py).
+"""Feature `pinned_staging` (patcher/transforms/pinned_staging.py, patcher/templates/pinned_staging.py).
 
 A data generator whose threads load only shards (modded-nanogpt's 2026
 `distributed_data_generator`) is not run ahead; its own `.to(device, non_blocking=True)`
@@ -17,7 +17,7 @@ import pytest
 import torch
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
-import templates.pinned_staging as staging
+import patcher.templates.pinned_staging as staging
 from patcher.patch import patch_source
 from patcher.proof.host_cuda import cuda_on_host
 from patcher.proof.verify import verify

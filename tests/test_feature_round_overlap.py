@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from patcher.patch import features_from, patch_source
-from templates import round_overlap as runtime
+from patcher.templates import round_overlap as runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "fixtures" / "round_loop.py"

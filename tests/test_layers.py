@@ -1,7 +1,7 @@
 """The `patcher` package imports one way: each layer imports only the layers below it.
 
     cli > tree | demo > patch_file : review > check : proof > code_size > patch > render
-        > transforms > families > survey > read > the shared helpers
+        > transforms > families > survey > read > the shared helpers and the runtime (patcher.templates)
 
 (`a | b`: siblings that never import each other; `a : b`: siblings that may.) A
 type-only import (`if TYPE_CHECKING:`) counts, for the layers and for cycles: a family
@@ -27,7 +27,7 @@ LAYERS = (
     "patcher.survey",
     "patcher.read",
     grimp.Layer(
-        "patcher.cst_walk", "patcher.cst_lines", "patcher.colour", "patcher.progress", "patcher.ab", "patcher.minify_worker",
+        "patcher.cst_walk", "patcher.cst_lines", "patcher.colour", "patcher.progress", "patcher.ab", "patcher.minify_worker", "patcher.templates",
         independent=False,
     ),
 )

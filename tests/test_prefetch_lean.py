@@ -1,4 +1,4 @@
-"""Tests for templates/prefetch_lean.py, the runtime of scripts whose `next_batch`
+"""Tests for patcher/templates/prefetch_lean.py, the runtime of scripts whose `next_batch`
 arguments are run constants, as plain Python and as the cut copy a script receives.
 
 The loader is a small TokenStream-like fake: a deterministic token array read with a
@@ -36,8 +36,8 @@ import processes
 from processes import exits_within
 from patcher.proof.host_cuda import cuda_on_host
 from patcher.render import render
-from templates import prefetch_lean, staging
-from templates.prefetch_lean import _live_prefetchers, _make_train_loader, _threads_a_fork_lacks
+from patcher.templates import prefetch_lean, staging
+from patcher.templates.prefetch_lean import _live_prefetchers, _make_train_loader, _threads_a_fork_lacks
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -137,7 +137,7 @@ def test_batches_are_the_loaders_in_order_across_wraparound(depth):
 
 def test_on_cuda_a_slot_is_handed_out_through_the_shared_staging(monkeypatch):
     # CUDA driven with host memory: each batch is copied out of its slot into pinned
-    # memory and its H2D queued from there (templates/staging.py, `_staged_h2d`), so the
+    # memory and its H2D queued from there (patcher/templates/staging.py, `_staged_h2d`), so the
     # child refilling the slot cannot change a batch handed out (the stand-in's H2D keeps
     # viewing its pinned source: the worst case of a copy still in flight).
     staged = []
@@ -398,7 +398,7 @@ def _script_with_a_waiting_producer(path: Path, ending: str) -> Path:
         sys.path.insert(0, {str(REPO)!r})
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torch
-        from templates.prefetch_lean import _make_train_loader
+        from patcher.templates.prefetch_lean import _make_train_loader
         from test_prefetch_lean import Stream
         loader = _make_train_loader(lambda d: Stream(d), torch.device("cpu"), queue_depth=2)
         loader.next_batch(96, 8)
@@ -754,7 +754,7 @@ STRUCTURES = {
 
 
 def _thread_runtime_loader(make_loader, device, name):
-    from templates.prefetch_loader import _make_train_loader as make_thread_loader
+    from patcher.templates.prefetch_loader import _make_train_loader as make_thread_loader
 
     return make_thread_loader(make_loader, device, name=name)
 

@@ -1,4 +1,4 @@
-"""templates/spawn_generator.py as plain Python: a generator run ahead in a spawned process.
+"""patcher/templates/spawn_generator.py as plain Python: a generator run ahead in a spawned process.
 
 Each test builds a small importable module (a generator that, like nanochat's loader,
 refills one buffer it keeps and yields views of it with a state dict) and compares what
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from patcher.proof.host_cuda import cuda_on_host
-from templates.spawn_generator import _spawn_generator
+from patcher.templates.spawn_generator import _spawn_generator
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -109,7 +109,7 @@ def test_cuda_path_through_pinned_staging(module, capsys):
 
 
 def test_cuda_path_when_the_number_of_tensors_shrinks_then_grows(module):
-    # one ring per leaf (templates/staging.py, `_ring_h2d`): a leaf that comes back gets its ring
+    # one ring per leaf (patcher/templates/staging.py, `_ring_h2d`): a leaf that comes back gets its ring
     with cuda_on_host():
         got = [tuple(t.cpu().clone() for t in batch) for batch in _spawn_generator(module.gen_count, {"device": "cuda"}, "device")]
     want = list(module.gen_count())
@@ -143,7 +143,7 @@ def test_the_scripts_own_exception_arrives_as_itself(module):
 
 
 def test_an_exception_that_does_not_pickle_arrives_as_a_runtime_error_naming_it(module):
-    # the error transport every producer process shares (templates/staging.py, `_producer_error`)
+    # the error transport every producer process shares (patcher/templates/staging.py, `_producer_error`)
     batches = _spawn_generator(module.gen_lock, {"device": "cpu"}, "device")
     assert torch.equal(next(batches), torch.zeros(2))
     with pytest.raises(RuntimeError, match="^prefetch: HoldsALock in the producer: no lock at batch 1$") as raised:
@@ -163,7 +163,7 @@ def test_a_process_the_script_forks_and_exits_leaves_the_producer_alone(module, 
         import torch
         sys.path.insert(0, {str(tmp_path)!r})
         from {module.__name__} import gen
-        from templates.spawn_generator import _spawn_generator
+        from patcher.templates.spawn_generator import _spawn_generator
         got = []
         for k, batch in enumerate(_spawn_generator(gen, {{"n": 6, "device": "cpu", "fail_at": None, "stop": None}}, "device")):
             got.append(batch)

@@ -1,4 +1,4 @@
-"""Step timing: the runtime (templates/step_timing.py), the transform
+"""Step timing: the runtime (patcher/templates/step_timing.py), the transform
 (patcher/transforms/step_timing.py) on sources and fixtures, and fixture runs on CPU.
 The exact rewrites, whole outputs, are the tables of test_feature_step_timing.py; here
 the transform's notes (reasons, lines) and the fixtures.
@@ -22,14 +22,14 @@ import libcst as cst
 import pytest
 import torch
 
-import templates.step_timing as step_timing_mod
+import patcher.templates.step_timing as step_timing_mod
 from patcher.demo import STEP_LINE
 from patcher.patch import features_from, patch_source
 from patcher.transforms.features import FEATURES
 from patcher.proof.shards import write_shards
 from patcher.read.source import read_script, render
-from templates.copy_stream import _h2d, _h2d_timers
-from templates.step_timing import _force_sync_toggles, _StepTimer
+from patcher.templates.copy_stream import _h2d, _h2d_timers
+from patcher.templates.step_timing import _force_sync_toggles, _StepTimer
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 BREAKDOWN_FIELDS = ["batch_cpu_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms", "val_ms", "step_ms"]

@@ -1,4 +1,4 @@
-"""Tests for the injected runtime templates: templates/copy_stream.py, templates/prefetch_loader.py.
+"""Tests for the injected runtime templates: patcher/templates/copy_stream.py, patcher/templates/prefetch_loader.py.
 
 The loaders here are small fakes in the style of the competition scripts'
 DistributedTokenLoader/TokenStream: a deterministic token array read with a position
@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from processes import readable_within
-import templates.copy_stream as copy_stream_mod
-from templates.copy_stream import _h2d
-from templates.prefetch_loader import _EMPTY, _Handoff, _live_prefetchers, _make_train_loader, _PrefetchLoader, _stage
+import patcher.templates.copy_stream as copy_stream_mod
+from patcher.templates.copy_stream import _h2d
+from patcher.templates.prefetch_loader import _EMPTY, _Handoff, _live_prefetchers, _make_train_loader, _PrefetchLoader, _stage
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -717,7 +717,7 @@ CHILD_PRELUDE = textwrap.dedent(
     # One intra-op thread: with several busy processes, OpenMP spin-waiting can stretch the
     # fake's few ms of torch work to seconds, past the template's exit-time join.
     torch.set_num_threads(1)
-    from templates.prefetch_loader import _make_train_loader
+    from patcher.templates.prefetch_loader import _make_train_loader
 
     class Fake:
         # block_after: calls past it wait forever on an Event (a stuck read).
@@ -893,7 +893,7 @@ def test_rollback_on_changed_batch_size_is_exact_without_replay(depth):
 
 
 def test_snapshot_shares_arrays_and_copies_positions():
-    from templates.prefetch_loader import _snapshot
+    from patcher.templates.prefetch_loader import _snapshot
 
     loader = FakeTokenLoader(1000, CPU)
     loader.next_batch(*ARGS)

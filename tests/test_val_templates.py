@@ -1,4 +1,4 @@
-"""Tests for the validation runtime: templates/prefetch_val.py, val_bytecount.py, val_progress.py.
+"""Tests for the validation runtime: patcher/templates/prefetch_val.py, val_bytecount.py, val_progress.py.
 
 Every expectation is the script's own code run directly: `slice.to(**kwargs)` per batch
 start for `_val_prefetch`, the three byte-counting statements for `_val_byte_count`.
@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from templates.prefetch_val import _val_prefetch
-from templates.val_bytecount import _host_luts, _val_byte_count
-from templates.val_progress import _val_progress
+from patcher.templates.prefetch_val import _val_prefetch
+from patcher.templates.val_bytecount import _host_luts, _val_byte_count
+from patcher.templates.val_progress import _val_progress
 
 SEQ_LEN = 16
 

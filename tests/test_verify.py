@@ -43,7 +43,7 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
-# Anchored where next_batch (templates/prefetch_lean.py) has copied a batch out of a
+# Anchored where next_batch (patcher/templates/prefetch_lean.py) has copied a batch out of a
 # filled slot (every batch after the first, which the training process builds itself).
 # Taking one more: the slot counted and freed, the next filled one waited for and copied.
 _TAKEN = "            self.taken += 1\n"

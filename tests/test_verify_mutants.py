@@ -3,10 +3,10 @@ patched fixture (with libcst, on generic constructs, not on exact text), each ru
 through verify with its default settings.
 
 The runtimes covered are the ones a patch injects: the lean train prefetch
-(templates/prefetch_lean.py: constant `next_batch` arguments, a forked producer
-process), the full one (templates/prefetch_loader.py: a per-step argument applied at
+(patcher/templates/prefetch_lean.py: constant `next_batch` arguments, a forked producer
+process), the full one (patcher/templates/prefetch_loader.py: a per-step argument applied at
 hand-out, a rollback to a snapshot), the generator runtime
-(templates/prefetch_iterator.py) and the validation generator (templates/prefetch_val.py).
+(patcher/templates/prefetch_iterator.py) and the validation generator (patcher/templates/prefetch_val.py).
 Every mutant in `MUTANTS` can change the batches a CPU run hands out (or leaves a
 replaced loader's thread running), so verify must catch every one (a difference, never
 "cannot verify"). `NOT_ON_A_CPU` lists the kinds that only a GPU run could tell apart.
@@ -134,7 +134,7 @@ class _AfterTake(_InInjected):
         return updated
 
 
-# Before a mutant takes one more batch from the lean runtime (templates/prefetch_lean.py):
+# Before a mutant takes one more batch from the lean runtime (patcher/templates/prefetch_lean.py):
 # the slot just copied counted and freed, the next filled one waited for.
 ROOM = "if hasattr(self, 'free'): self.taken += 1; self.free.release(); self.filled.acquire()\n"
 
@@ -292,11 +292,11 @@ class ValStagingReused(_InInjected):
 
 
 LEAN, FULL_RESHAPE, FULL_ROLLBACK, GENERATOR, VAL = (
-    "own_configuration",  # TokenStream, templates/prefetch_lean.py
-    "curriculum",  # a per-step sequence length: templates/prefetch_loader.py, reshape at hand-out
-    "batch_switch",  # a per-step batch size: templates/prefetch_loader.py, rollback
-    "generator_toplevel",  # a data generator with .send(): templates/prefetch_iterator.py
-    "tokenstream_readable",  # the validation generator: templates/prefetch_val.py
+    "own_configuration",  # TokenStream, patcher/templates/prefetch_lean.py
+    "curriculum",  # a per-step sequence length: patcher/templates/prefetch_loader.py, reshape at hand-out
+    "batch_switch",  # a per-step batch size: patcher/templates/prefetch_loader.py, rollback
+    "generator_toplevel",  # a data generator with .send(): patcher/templates/prefetch_iterator.py
+    "tokenstream_readable",  # the validation generator: patcher/templates/prefetch_val.py
 )
 
 MUTANTS = [

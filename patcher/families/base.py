@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # The drivers `verify` has: how it builds and draws the original's and the patched
 # script's training data side by side.
 DRIVERS = ("loader_class", "generator")
-# The runtime functions a patched construction calls (`templates/`).
+# The runtime functions a patched construction calls (`patcher/templates/`).
 MAKE_TRAIN_LOADER = "_make_train_loader"
 
 

@@ -69,7 +69,7 @@ from patcher.proof.recipes import LoaderRecipe, hparams_factory, patched_constru
 from patcher.patch import patch_source
 from patcher.proof.shards import write_shards
 from patcher.read.source import read_script
-from templates.staging import _each_tensor
+from patcher.templates.staging import _each_tensor
 
 PYTHON_WORK_MS = 5.0
 WORLD_SIZE = 8
@@ -458,7 +458,7 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
             kept = [loader.next_batch(*args) for _ in range(batches)]
             return len(kept) / (time.perf_counter() - t0)
         _with_depth(loader, batches)  # `batches` slots or queue places, read at the first call
-        lean = hasattr(loader, "taken")  # templates/prefetch_lean.py
+        lean = hasattr(loader, "taken")  # patcher/templates/prefetch_lean.py
         if lean:
             wait_full = lambda timeout: _wait_queued(loader.filled, batches, timeout)
         loader.next_batch(*args)  # cold start: worker start and its first batch

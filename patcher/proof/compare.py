@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from patcher.proof.harness import HarnessError
-from templates.staging import _each_leaf
+from patcher.templates.staging import _each_leaf
 
 
 class CannotVerify(Exception):
@@ -165,7 +165,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def copy_batch(batch):
     """A private copy of a batch of any structure (tensors cloned, numpy arrays copied,
     containers and dataclass instances rebuilt), walked as the runtime walks it
-    (`templates/staging.py` `_each_leaf`)."""
+    (`patcher/templates/staging.py` `_each_leaf`)."""
     return _each_leaf(batch, lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
 
 
@@ -324,7 +324,7 @@ def thread_kind(thread: threading.Thread) -> str:
 
 def script_threads() -> set:
     """The threads (but the main one) and the child processes running here: a loader's
-    worker threads and (templates/prefetch_lean.py) its forked producer, whether started
+    worker threads and (patcher/templates/prefetch_lean.py) its forked producer, whether started
     by multiprocessing or by `os.fork`. Both kinds have `name`, `join(timeout)` and `is_alive()`."""
     threads = {t for t in threading.enumerate() if t is not threading.main_thread()}
     return threads | set(multiprocessing.active_children()) | {ChildProcess(pid) for pid in child_pids()}
@@ -376,11 +376,11 @@ class ChildProcess:
 
 
 def reset_producer(loader) -> set:
-    """The producer a rebuilt loader kept from the loader built before (templates/prefetch_lean.py
+    """The producer a rebuilt loader kept from the loader built before (patcher/templates/prefetch_lean.py
     resets its forked child or its thread at a rebuild instead of starting another): as
     `script_threads` lists it, or empty for other runtimes and a producer started anew.
     Reads the instance's own attributes only: a loader whose attribute reads settle it
-    (templates/prefetch_loader.py's `_SettlingLoader`) must not be read through `getattr`."""
+    (patcher/templates/prefetch_loader.py's `_SettlingLoader`) must not be read through `getattr`."""
     own = vars(loader) if hasattr(loader, "__dict__") else {}
     pid, thread = own.get("pid"), own.get("thread")
     if type(pid) is int and pid > 0:

@@ -167,7 +167,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
 
 
 def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
-    """Wait until a lean runtime's child (templates/prefetch_lean.py) has filled every
+    """Wait until a lean runtime's child (patcher/templates/prefetch_lean.py) has filled every
     free slot, at most `timeout_s` seconds: the slot of the batch handed out last is
     then rewritten, so a batch that still views its slot shows it when compared again
     (deterministically, not by the child's timing). Other runtimes: returns at once."""

@@ -8,9 +8,9 @@ options (a `Plan`). This transform writes what the families decided:
 - `_make_train_loader`: every construction `train_loader = Loader(..., device)` becomes
   `train_loader = _make_train_loader(lambda loader_device: Loader(..., loader_device),
   device, prefetch=…, copy_stream=…)` (`queue_depth=…` too with the producer toggles).
-  The runtime is the families' forked one, `templates/prefetch_lean.py` (a child
+  The runtime is the families' forked one, `patcher/templates/prefetch_lean.py` (a child
   process runs the loader, so it costs the training loop no GIL time), unless a
-  variable needs the thread runtime `templates/prefetch_loader.py` (replay, rollback,
+  variable needs the thread runtime `patcher/templates/prefetch_loader.py` (replay, rollback,
   reshape at hand-out, settling on attribute reads) or a runner's
   template uses it: the two define the same names, so a script gets one of them. On
   the thread runtime, a loader that never writes into an array it keeps gets
@@ -20,7 +20,7 @@ options (a `Plan`). This transform writes what the families decided:
   call site asks for).
 - a runner (`_prefetch_iterator`, `_prefetch_next_batch`): the script's own call runs
   ahead on a thread, `train_loader = _prefetch_iterator(lambda: gen(...), ...)`
-  (`templates/prefetch_iterator.py`).
+  (`patcher/templates/prefetch_iterator.py`).
 
 The loader class itself is not touched. With `producer_toggles` (`--producer-toggles`)
 the prefetch depth comes along as the tuning toggle `TRAIN_PREFETCH_QUEUE`, whatever

@@ -18,7 +18,7 @@ becomes
         ...
         local = _val_batch
 
-(runtime: `templates/prefetch_val.py`). The loop's own statements stay, so everything
+(runtime: `patcher/templates/prefetch_val.py`). The loop's own statements stay, so everything
 else in the body sees the same names. Skipped, with the reason, where the slice is not
 a pure function of the loop variable, the loop is not over `range(...)` (the
 sliding-window loops, which fill a batch window by window), or `.to(...)` takes other

@@ -40,8 +40,8 @@ import threading
 
 import torch
 
-from templates.prefetch_loader import _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_previous, _stop_workers
-from templates.staging import _each_tensor
+from patcher.templates.prefetch_loader import _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_previous, _stop_workers
+from patcher.templates.staging import _each_tensor
 
 
 def _prefetch_iterator(make_iterator, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):

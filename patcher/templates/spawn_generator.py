@@ -37,7 +37,7 @@ loop and takes what the loop leaves. Where cores are free, niceness changes noth
 Lifetime: the original yields views of one reused device buffer (valid until the next
 `next()`); here each batch is a fresh device tensor, copied from the slot into pinned
 memory and from there to the device (`_staged_h2d`, the staging every producer shares,
-`templates/staging.py`), so a batch stays valid as long as it is held. torch's caching
+`patcher/templates/staging.py`), so a batch stays valid as long as it is held. torch's caching
 host allocator hands a pinned block out again only after the CUDA event recorded behind
 its last H2D has completed (the original refills its one pinned buffer without waiting
 for the previous non-blocking copy, a possible race this removes by construction). The
@@ -75,7 +75,7 @@ import types
 
 import torch
 
-from templates.staging import _POLL_S, _each_leaf, _producer_error, _producer_setup, _rebuilt, _staged_h2d
+from patcher.templates.staging import _POLL_S, _each_leaf, _producer_error, _producer_setup, _rebuilt, _staged_h2d
 
 # The producer's niceness: it yields the CPU to the training loop (the module docstring says why).
 _PRODUCER_NICE = 10
@@ -92,7 +92,7 @@ def _forget_spawned():
     it spawned. The fork inherits multiprocessing's list of children; its exit
     (`sys.exit`) would terminate them as its own daemons and then fail to join them ("can
     only join a child process"). They are the training process's, as a forked producer
-    is (templates/prefetch_lean.py acts only in the process that forked it)."""
+    is (patcher/templates/prefetch_lean.py acts only in the process that forked it)."""
     multiprocessing.process._children.difference_update(_spawned)
     _spawned.clear()
 

@@ -1,9 +1,9 @@
 """Injected runtime: the staging piece every producer shares (features `train_prefetch`,
 `pinned_staging`): the process producer and the thread producer
-(`templates/prefetch_lean.py`), the per-step-argument thread
-(`templates/prefetch_loader.py`, `templates/prefetch_iterator.py`), pinned staging of
-generators (`templates/pinned_staging.py`) and the spawned generator
-(`templates/spawn_generator.py`).
+(`patcher/templates/prefetch_lean.py`), the per-step-argument thread
+(`patcher/templates/prefetch_loader.py`, `patcher/templates/prefetch_iterator.py`), pinned staging of
+generators (`patcher/templates/pinned_staging.py`) and the spawned generator
+(`patcher/templates/spawn_generator.py`).
 
 - The structure walk (`_each_leaf`, `_each_tensor`): a batch of any structure.
 - The H2D of a host tensor (`_staged_h2d`): copied into pinned memory that torch's
@@ -21,7 +21,7 @@ import signal
 
 import torch
 
-from templates.copy_stream import _h2d
+from patcher.templates.copy_stream import _h2d
 
 # Every producer and its caller: a wait for a batch, or for room, wakes this often (s)
 # to see whether the other side is still there (an idle producer wakes 20 times a second).

@@ -19,7 +19,7 @@ in that state, keeps calling its `next_batch` with the same arguments and writes
 n into shared-memory slot `n % queue_depth`. Two semaphores count the filled slots and
 the free ones. `next_batch` takes the next filled slot, copies it out and frees the slot:
 on CUDA into pinned memory, the H2D copy queued from there on the copy stream
-(`_staged_h2d`, `templates/staging.py`); elsewhere a clone. Only the child advances the loader, with exactly the
+(`_staged_h2d`, `patcher/templates/staging.py`); elsewhere a clone. Only the child advances the loader, with exactly the
 calls the original makes, so the batches are bit-identical.
 
 Why a process, and why no thread in the training process: a host-bound training loop
@@ -76,7 +76,7 @@ runtime is injected, and would otherwise hand out wrong batches. The child never
 touches CUDA (the loader is built on the CPU) and runs torch on one thread (a forked
 OpenMP team would hang). Needs `os.fork` and /dev/shm (Linux).
 Scripts with per-step arguments, attribute reads or the producer tuning toggles get
-`templates/prefetch_loader.py` instead.
+`patcher/templates/prefetch_loader.py` instead.
 """
 
 import atexit
@@ -94,7 +94,7 @@ import types
 
 import torch
 
-from templates.staging import _POLL_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
+from patcher.templates.staging import _POLL_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
 
 # One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}

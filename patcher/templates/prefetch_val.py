@@ -43,7 +43,7 @@ raises it.
 
 import torch
 
-from templates.copy_stream import _copy_stream_of
+from patcher.templates.copy_stream import _copy_stream_of
 
 
 def _val_prefetch(starts, make_slice, to_kwargs, prefetch=True, copy_stream=True):

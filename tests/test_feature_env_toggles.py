@@ -402,3 +402,49 @@ NOOPS = [
 @pytest.mark.parametrize("source, reason, line", NOOPS)
 def test_noop(source, reason, line):
     assert_noop(source, reason, line, only="env_toggles")
+
+
+# A data generator feeds training (modded-nanogpt's `distributed_data_generator`, its
+# H2D copies staged): the toggles are logged before the generator is built.
+GENERATOR = '''\
+def batches(pattern, num_tokens):
+    next_shard = threading.Thread(target=print)
+    next_shard.start()
+    tokens = torch.arange(100_000)
+    while True:
+        buf = tokens[:num_tokens]
+        new = yield {copy}
+        if new is not None:
+            num_tokens = new
+
+'''
+LOOP = "train_loader = batches('x', 512)\nfor step in range(10):\n    x = train_loader.send(1024 if step == 5 else None)\n"
+PLAIN_COPY = 'buf.to(device="cuda", non_blocking=True)'
+STAGED_COPY = '_pinned_h2d(buf, device="cuda", staging=TRAIN_PINNED_STAGING, copy_stream=TRAIN_COPY_STREAM)'
+GENERATOR_TOGGLES = '''\
+import threading
+import torch
+import os
+TRAIN_COPY_STREAM = int(os.environ.get("TRAIN_COPY_STREAM", 1))
+TRAIN_PINNED_STAGING = int(os.environ.get("TRAIN_PINNED_STAGING", 1))
+#<runtime>
+'''
+GENERATOR_ADDED = (True, "TRAIN_COPY_STREAM, TRAIN_PINNED_STAGING added as module constants", None)
+
+
+def test_the_toggles_are_logged_before_the_data_generator_is_built():
+    before = "import threading\nimport torch\n\n" + LOG0 + GENERATOR.format(copy=PLAIN_COPY) + LOOP
+    after = (
+        GENERATOR_TOGGLES + "\n" + LOG0 + GENERATOR.format(copy=STAGED_COPY)
+        + 'log0(f"patch_prefetch train_copy_stream:{TRAIN_COPY_STREAM} train_pinned_staging:{TRAIN_PINNED_STAGING}")\n' + LOOP
+    )
+    result = assert_patch(before, after)
+    assert notes_of(result, "env_toggles") == [GENERATOR_ADDED, (True, "toggles logged through log0 before line 17", 17)]
+
+
+def test_a_log_function_defined_after_the_data_generator_is_built_is_not_called():
+    # At module level the call would run before the `def`: a NameError at start-up.
+    before = "import threading\nimport torch\n\n" + GENERATOR.format(copy=PLAIN_COPY) + LOOP + LOG0
+    after = GENERATOR_TOGGLES + "\n" + GENERATOR.format(copy=STAGED_COPY) + LOOP + LOG0
+    result = assert_patch(before, after)
+    assert notes_of(result, "env_toggles") == [GENERATOR_ADDED, (False, "log0 is not visible where the data generator is built; toggles not logged", 14)]

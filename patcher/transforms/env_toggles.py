@@ -7,7 +7,8 @@ added in the script's own Hyperparameters idiom, copied from one of its existing
 `name = int(os.environ.get("NAME", default))` lines (a `;`-joined one-liner in a
 minified script, annotated fields in a dataclass), or as module constants where
 there is no such class. A log line through the script's own log function, just
-before the training loader is first built, records which mode ran. With every
+before the training loader (or the data generator that feeds training) is first built,
+records which mode ran. With every
 toggle at 0 the script runs its original code paths.
 """
 
@@ -166,7 +167,7 @@ def _joined(body, new):
 
 def _log_line(module: cst.Module, ctx: Context, names: list[str]):
     survey = ctx.survey
-    sites = sorted(survey.training_constructions(), key=lambda c: c.line)
+    sites = _data_sources(survey)
     if survey.log_function is None or not sites:
         return module, Note(FEATURE, False, "no log function in reach of the loader construction; toggles not logged")
     log_name, log_fn = survey.log_function
@@ -175,8 +176,10 @@ def _log_line(module: cst.Module, ctx: Context, names: list[str]):
     scope = first.binding
     while scope is not None and scope is not defined_in:
         scope = scope.parent
-    if scope is None:
-        return module, Note(FEATURE, False, f"{log_name} is not visible where the loader is built; toggles not logged", first.line)
+    # Both at module level: the function must be defined before the line that would call it.
+    if scope is None or (scope is first.binding and survey.line_of(log_fn) > first.line):
+        built = "loader" if survey.training_constructions() else "data generator"
+        return module, Note(FEATURE, False, f"{log_name} is not visible where the {built} is built; toggles not logged", first.line)
     listing = _hyperparameters_listing(survey, log_name) if ctx.toggle_home == "class" else None
     if listing is not None:  # the toggles are class attributes: that loop logs them already
         return module, Note(FEATURE, True, f"toggles logged by the script's own listing of {survey.hyperparameters.name}", survey.line_of(listing))
@@ -184,6 +187,14 @@ def _log_line(module: cst.Module, ctx: Context, names: list[str]):
     statement = small_statement(f'{log_name}(f"patch_prefetch {fields}")')
     module = insert_before(module, first.node, [statement], ctx)
     return module, Note(FEATURE, True, f"toggles logged through {log_name} before line {first.line}", first.line)
+
+
+def _data_sources(survey: Survey) -> list:
+    """Where the training data source is built, first line first: the training loader's
+    constructions, or else the data generator that feeds training (run ahead, or with its
+    own H2D copies staged: modded-nanogpt's `train_loader = distributed_data_generator(...)`)."""
+    sites = survey.training_constructions() or [i for i in survey.iterators if i.training or i.staged]
+    return sorted(sites, key=lambda site: site.line)
 
 
 def _hyperparameters_listing(survey: Survey, log_name: str) -> cst.For | None:

@@ -6,7 +6,8 @@ Runs `patch-prefetch bench` (patcher.proof.bench.run_bench) for each script and 
 prints one row per idle or GIL-busy run, every figure a ratio against the original or
 an absolute wait in ms:
 
-- `wait ratio`: total wait original / patched (higher is better);
+- `wait`: total wait patched / original, and in a word whether the patched loader waited
+  less or longer (below 1 it waited less; the orientation `patch-prefetch bench` prints);
 - `max ms`: the patched loader's longest single wait, against the original's;
 - `producer`: the patched worker's build rate / the original `next_batch` rate;
 - `slowdown`: how much longer the main thread's own Python work took beside the patched
@@ -52,14 +53,14 @@ def main() -> int:
         parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MAIN_THREAD_MODES)}")
     wait_modes = [m for m in modes if m != "op-bound"]
     if wait_modes:
-        print(f"{'script':48} {'main thread':11} {'wait ratio':>10} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'slowdown':>9}")
+        print(f"{'script':48} {'main thread':11} {'wait p/o':>15} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'slowdown':>9}")
     for script in args.scripts:
         for mode in wait_modes:
             r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, shards=args.shards, pageable_h2d=args.pageable_h2d)
             slowdown = "" if r["main_thread_slowdown_pct"] is None else f"{r['main_thread_slowdown_pct']:+.2f} %"
             maxes = f"{r['wait_ms_patched_max']:.2f} ({r['wait_ms_original_max']:.1f})"
             print(
-                f"{Path(script).parent.name[-48:] or script:48} {mode:11} {r['ratio']:>9.1f}x {maxes:>16} {r['producer_ratio']:>8.2f}x "
+                f"{Path(script).parent.name[-48:] or script:48} {mode:11} {_wait(r):>15} {maxes:>16} {r['producer_ratio']:>8.2f}x "
                 f"{r['producer_batches_per_s_original']:>9.0f} {slowdown:>9}",
                 flush=True,
             )
@@ -74,6 +75,16 @@ def main() -> int:
                 flush=True,
             )
     return 0
+
+
+def _wait(report: dict) -> str:
+    """Total wait patched / original and its word: "0.022 less", "1.4 longer"; "-" when the
+    original never waited."""
+    original, patched = report["wait_ms_original_total"], report["wait_ms_patched_total"]
+    if not original:
+        return "-"
+    ratio = patched / original
+    return f"{ratio:.2g} {'less' if ratio < 1 else 'longer' if ratio > 1 else 'as long'}"
 
 
 def _pair(report: dict, stat: str) -> str:

@@ -22,3 +22,21 @@ def test_the_switch_table_lists_every_toggle_with_its_default_and_doc():
 def test_the_first_screen_gives_the_two_make_commands_first():
     first_block = README.split("```", 2)[1]
     assert [line.split("#")[0].strip() for line in first_block.strip().splitlines()] == ["make demo", "make test"]
+
+
+def _links(page: Path) -> list[Path]:
+    """The local files a markdown page links to, resolved beside the page."""
+    text = page.read_text()
+    targets = [part.split(")", 1)[0] for part in text.split("](")[1:]]
+    return [(page.parent / t.split("#")[0]).resolve() for t in targets if t and not t.startswith(("http://", "https://", "#"))]
+
+
+def test_the_readme_stays_a_first_screen_and_links_the_rest_in_docs():
+    root = Path(__file__).resolve().parent.parent
+    assert len(README.splitlines()) <= 130, "longer explanations belong in docs/"
+    docs = sorted((root / "docs").glob("*.md"))
+    linked = set(_links(root / "README.md"))
+    assert {d.resolve() for d in docs} <= linked, "a page in docs/ that the README does not link"
+    for page in [root / "README.md", *docs]:
+        missing = [str(p) for p in _links(page) if not p.exists()]
+        assert not missing, f"{page.name} links to files that do not exist: {missing}"

@@ -5,7 +5,7 @@ A template is a real module: its imports, its module docstring and anything unde
 templates comes from injecting those too (dependencies first). The bodies are then
 cut to what this script's patch uses (patcher/render/cut.py: options no call site passes,
 definitions nothing reaches), docstrings and comments are dropped (code bytes count
-toward the artifact cap; the explanations stay in `patcher/templates/` and the README), and
+toward the artifact cap; the explanations stay in `patcher/templates/` and docs/), and
 the imports the kept code needs and the script lacks are emitted once, in front of
 it, after one header line naming the tool, its version and the toggles. A minified
 script gets the code as python-minifier writes it (`styled`); the indentation follows

@@ -91,7 +91,8 @@ def first_difference(a, b) -> tuple[int | str, str] | None:
 
     A batch is whatever the loader returns. Tuples, lists, dicts, namedtuples and
     dataclass instances are compared element by element, their types and keys
-    included; tensors by dtype, shape and bytes; numpy arrays by dtype, shape and bytes;
+    included; a class is compared by what it is (its qualified name and bases, its
+    fields), not by identity, since each script defines its own; tensors by dtype, shape and bytes; numpy arrays by dtype, shape and bytes;
     anything else (a Python scalar, a string, None) by type and `==`. where: the index
     of a top-level field of a tuple or list batch (an int, as for `(x, y)`), else a
     path such as `[2]['pq_idx']` or `x` (a namedtuple's or dataclass's field); 0 for
@@ -108,21 +109,48 @@ def first_difference(a, b) -> tuple[int | str, str] | None:
     return path.removeprefix("."), what
 
 
+def _kind(t: type) -> tuple[str, ...]:
+    """A class as what it is, not which object it is: the qualified names of its MRO.
+
+    The original and the edited script are loaded apart, so a batch class they both
+    define (`Pair = namedtuple("Pair", "x y")`, a dataclass) is two class objects."""
+    return tuple(c.__qualname__ for c in t.__mro__)
+
+
+def _by_attributes(a, same_class: bool) -> bool:
+    """Whether to compare `a` by its attributes: a plain object (not a tensor or array)
+    whose class has no `__eq__` of its own, or whose counterpart is another load's class."""
+    if isinstance(a, (torch.Tensor, np.ndarray)) or callable(a) or not hasattr(a, "__dict__"):
+        return False
+    return not same_class or type(a).__eq__ is object.__eq__
+
+
 def _difference(a, b, path: str) -> tuple[str, str] | None:
     """(path, what) of the first difference below `path`, or None."""
-    if type(a) is not type(b):
+    same_class = type(a) is type(b)
+    if not same_class and _kind(type(a)) != _kind(type(b)):
         return path, f"{type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, dict):
         if list(a) != list(b):
             return path, f"keys {list(a)} vs {list(b)}"
         pairs = [(f"{path}[{k!r}]", a[k], b[k]) for k in a]
     elif isinstance(a, (tuple, list)):
+        names = getattr(a, "_fields", None)
+        if names != getattr(b, "_fields", None):
+            return path, f"{type(a).__name__} fields {list(names or ())} vs {list(getattr(b, '_fields', None) or ())}"
         if len(a) != len(b):
             return path, f"{len(a)} fields vs {len(b)}"
-        names = getattr(a, "_fields", None)
         pairs = [(f"{path}.{names[i]}" if names else f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(a, b))]
     elif dataclasses.is_dataclass(a) and not isinstance(a, type):
-        pairs = [(f"{path}.{f.name}", getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)]
+        fields_a, fields_b = [f.name for f in dataclasses.fields(a)], [f.name for f in dataclasses.fields(b)]
+        if fields_a != fields_b:
+            return path, f"{type(a).__name__} fields {fields_a} vs {fields_b}"
+        pairs = [(f"{path}.{name}", getattr(a, name), getattr(b, name)) for name in fields_a]
+    elif _by_attributes(a, same_class) and hasattr(b, "__dict__"):
+        # A plain object: its attributes, as a dataclass's fields.
+        if list(vars(a)) != list(vars(b)):
+            return path, f"{type(a).__name__} attributes {list(vars(a))} vs {list(vars(b))}"
+        pairs = [(f"{path}.{name}", value, vars(b)[name]) for name, value in vars(a).items()]
     else:
         what = _leaf_difference(a, b)
         return None if what is None else (path, what)

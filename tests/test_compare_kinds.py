@@ -1,0 +1,69 @@
+"""Batches compared by what they are: the original and the edited script are loaded apart,
+so a batch class both define (a namedtuple, a dataclass, a plain class) is two class
+objects with one name, fields and values."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from patcher.cli import EXIT_OK, main
+from patcher.patch import patch_source
+from patcher.proof.compare import first_difference
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+CLASSES = """\
+import dataclasses
+from collections import namedtuple
+Pair = namedtuple("Pair", "x y")
+@dataclasses.dataclass
+class Batch:
+    x: object
+    y: object
+class Plain:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+"""
+
+
+def load(source: str = CLASSES) -> dict:
+    """One load of a script's definitions, as verify loads each side: its own namespace."""
+    namespace: dict = {}
+    exec(compile(source, "train_gpt.py", "exec"), namespace)
+    return namespace
+
+
+def test_two_loads_of_one_class_hand_out_the_same_batch():
+    a, b = load(), load()
+    assert a["Pair"] is not b["Pair"]
+    for name in ("Pair", "Batch", "Plain"):
+        assert first_difference(a[name](torch.arange(3), 7), b[name](torch.arange(3), 7)) is None, name
+
+
+def test_a_value_that_differs_is_named_by_its_field():
+    a, b = load(), load()
+    assert first_difference(a["Pair"](torch.arange(3), 7), b["Pair"](torch.arange(3), 8)) == ("y", "7 vs 8")
+    assert first_difference(a["Batch"](torch.arange(3), 7), b["Batch"](torch.tensor([0, 5, 2]), 7)) == ("x", "bytes differ: first at [1]: 1 vs 5")
+    assert first_difference(a["Plain"](1, 2), b["Plain"](1, 3)) == ("y", "2 vs 3")
+
+
+def test_a_class_of_another_name_or_other_fields_differs():
+    a, b = load(), load(CLASSES.replace('"x y"', '"x z"').replace("    y: object", "    z: object").replace("self.y", "self.z"))
+    assert first_difference(a["Pair"](1, 2), b["Pair"](1, 2)) == (0, "Pair fields ['x', 'y'] vs ['x', 'z']")
+    assert first_difference(a["Batch"](1, 2), b["Batch"](1, 2)) == (0, "Batch fields ['x', 'y'] vs ['x', 'z']")
+    assert first_difference(a["Plain"](1, 2), b["Plain"](1, 2)) == (0, "Plain attributes ['x', 'y'] vs ['x', 'z']")
+    assert first_difference(a["Pair"](1, 2), a["Batch"](1, 2)) == (0, "Pair vs Batch")
+
+
+def test_verify_of_a_loader_that_hands_out_a_namedtuple(tmp_path, capsys):
+    source = (FIXTURES / "tokenstream_readable.py").read_text()
+    source = source.replace("from pathlib import Path\n", "from pathlib import Path\nfrom collections import namedtuple\n\nPair = namedtuple('Pair', 'x y')\n", 1)
+    returned = "        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)\n"
+    assert source.count(returned) == 1
+    source = source.replace(returned, f"        return Pair({returned.strip().removeprefix('return ')})\n")
+    original, patched = tmp_path / "train_gpt.py", tmp_path / "patched.py"
+    original.write_text(source)
+    patched.write_text(patch_source(source).source)
+    assert main(["verify", str(original), str(patched)]) == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[-1].startswith("identical: 200 batches")

@@ -1,6 +1,7 @@
 """Family `bestfit_packing` (patcher/families/bestfit_packing.py): nanochat's data-loader
-module patched as a module, recognised by structure; its noop table (the reason, exact),
-the rewrite of the fixture, the inner reader's site, and `verify` on the fixture.
+module patched as a module, recognised by structure; its before -> after table (whole
+outputs, runtime block as `RUNTIME`) and noop table (the reason, exact), the rewrite of
+the fixture, the inner reader's site, and `verify` on the fixture.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 import pytest
-from patch_tables import assert_noop
+from patch_tables import RUNTIME, assert_noop, assert_patch
 
 from patcher.families.bestfit_packing import loader_generators
 from patcher.patch import patch_source
@@ -56,6 +57,57 @@ def test_module_rewrite_keeps_the_original_and_the_signature():
 def variant(old: str, new: str) -> str:
     assert old in SOURCE
     return SOURCE.replace(old, new, 1)
+
+
+REWRITES = [
+    pytest.param(
+        """\
+import pyarrow.parquet as pq
+import torch
+
+
+def document_batches(path):
+    pf = pq.ParquetFile(path)
+    for i in range(pf.num_row_groups):
+        yield pf.read_row_group(i).column("text").to_pylist()
+
+
+train_loader = document_batches("train.parquet")
+for step in range(3):
+    texts = next(train_loader)
+""",
+        """\
+import pyarrow.parquet as pq
+import torch
+import os
+TRAIN_PREFETCH = int(os.environ.get("TRAIN_PREFETCH", 1))
+"""
+        + RUNTIME
+        + """\
+
+
+def document_batches(path):
+    pf = pq.ParquetFile(path)
+    for i in range(pf.num_row_groups):
+        yield pf.read_row_group(i).column("text").to_pylist()
+
+
+train_loader = _prefetch_iterator(lambda: document_batches("train.parquet"), prefetch=TRAIN_PREFETCH, copy_stream=False)
+for step in range(3):
+    texts = next(train_loader)
+""",
+        "`train_loader` (generator document_batches) built at line 11 runs ahead on a background thread",
+        id="reader-outside-a-loader-runs-ahead-as-a-generator",
+    ),
+]
+
+
+@pytest.mark.parametrize("before, after, note", REWRITES)
+def test_rewrites(before, after, note):
+    # a reader site of this family outside any loader generator gets the generator
+    # family's producer and runtime (its plan names them), not this family's spawned one
+    result = assert_patch(before, after, only="train_prefetch")
+    assert [(n.applied, n.reason) for n in result.notes if n.feature == "train_prefetch"] == [(True, note)]
 
 
 NOOPS = [

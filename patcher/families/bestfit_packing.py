@@ -20,6 +20,8 @@ signature, a device parameter used for more than the final copy (then the packin
 itself would differ on the CPU), threads, a global RNG or a torch.distributed
 collective in the loader (`generator._generator_unsafe`).
 
+Module mode: the "module" driver's family (`module_sources`, reached through
+`registry.module_loaders`), producer `_spawn_generator`, runtime `spawn_generator`.
 Rewrite (`train_prefetch`, module mode): the loader's `def name(` becomes `def _original_name(` (nothing else
 of it changes) and a new `def name(<the same parameters>)` follows it:
 `yield from _spawn_generator(_original_name, {every argument by name}, "<device param>",
@@ -33,15 +35,16 @@ process, where a child's start (seconds) would cost more than it gives back;
 `TRAIN_PREFETCH_EVERY_SPLIT=1` spawns for every split. Other functions of the module that call `name` (the
 `..._bos_bestfit` helper without the state) get the prefetched one.
 
-As a generator family (`recognise`, `refuse`): the inner parquet reader. A site of it
-inside a recognised loader is refused (the loader runs whole in the producer); any other
-site is judged as the `generator` family judges it and runs ahead on a thread.
-Verify: the "module" driver (`patcher/proof/module_verify.py`).
+As a family of generator functions (`recognise`, `refuse`): the inner parquet reader.
+A site of it inside a recognised loader is refused (the loader runs whole in the
+producer); any other site is judged as the `generator` family judges it and runs
+ahead on a thread (its `Plan` names the `generator` family's producer, runtime and driver).
+Verify: the "module" driver (`patcher/proof/module_verify.py`) for the module's loaders.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import libcst as cst
@@ -49,40 +52,15 @@ import libcst.matchers as m
 
 from patcher.cst_walk import walk
 from patcher.families import generator
-from patcher.families.base import DataVariable, Family, Plan
+from patcher.families.base import SPAWN_GENERATOR, DataVariable, Family, ModuleLoader, Plan
 
 if TYPE_CHECKING:
     from patcher.survey.index import ScriptIndex
-
-# The runtime entry the rewrite (`train_prefetch`) calls, and what the original definition is renamed to.
-MODULE_RUNTIME = "_spawn_generator"
-RUNTIME_TEMPLATE = "spawn_generator"
-ORIGINAL_PREFIX = "_original_"
 
 READS_ROW_GROUPS = m.Call(func=m.Attribute(attr=m.Name("read_row_group")))
 ENCODES = m.Call(func=m.Attribute(attr=m.Name("encode")))
 PINNED = m.Call(args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("pin_memory")), m.ZeroOrMore()])
 NON_BLOCKING_COPY = m.Call(func=m.Attribute(attr=m.Name("copy_")), args=[m.ZeroOrMore(), m.Arg(keyword=m.Name("non_blocking")), m.ZeroOrMore()])
-
-
-@dataclass
-class LoaderGenerator:
-    """A module-level loader generator of this family.
-
-    function: its definition; device: the name of its device parameter; refusal: why it
-    is left alone (None: it is rewritten); split: (parameter, training value) where the
-    loader asserts its split parameter is one of a few strings, "train" among them
-    (`assert split in ["train", "val"]`; `_training_split`), else None.
-    """
-
-    function: cst.FunctionDef
-    device: str | None
-    refusal: str | None = None
-    split: tuple[str, str] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.function.name.value
 
 
 def reads_row_groups(function: cst.FunctionDef) -> bool:
@@ -109,14 +87,16 @@ def refuse(site, function: cst.FunctionDef, index) -> str | None:
     return generator.refuse(site, function, index)
 
 
-def plan(variable: DataVariable, ctx) -> Plan:
-    """A reader site outside any loader generator: run ahead on a thread, as the `generator` family does."""
-    return generator.plan(variable, ctx)
+def plan(variable: DataVariable, survey) -> Plan:
+    """A reader site outside any loader generator: run ahead on a thread, as the `generator`
+    family does, with that family's producer, runtime and driver."""
+    unit = generator.UNIT
+    return replace(generator.plan(variable, survey), producer=unit.producer, runtime=unit.runtime, driver=unit.driver)
 
 
-def loader_generators(module: cst.Module, index: ScriptIndex | None = None) -> list[LoaderGenerator]:
+def loader_generators(module: cst.Module, index: ScriptIndex | None = None) -> list[ModuleLoader]:
     """The module-level loader generators of this family in `module`, each with its device
-    parameter, or the reason it is left alone.
+    parameter, or the reason it is left alone (`split`: `_training_split`).
 
     index: the survey's `ScriptIndex` of `module`, whose generator functions narrow the
     search to the module-level functions that yield (in their body or in a nested def)
@@ -149,7 +129,7 @@ def _yields(function: cst.FunctionDef) -> bool:
     return any(isinstance(n, (cst.Yield)) for n in walk(function))
 
 
-def _judge(function: cst.FunctionDef, readers: set[str]) -> LoaderGenerator | None:
+def _judge(function: cst.FunctionDef, readers: set[str]) -> ModuleLoader | None:
     """The verdict on one module-level function: None when it is not of this shape."""
     nodes = list(walk(function))
     drawn = {
@@ -173,18 +153,18 @@ def _judge(function: cst.FunctionDef, readers: set[str]) -> LoaderGenerator | No
     names = [p.name.value for p in params.params + params.kwonly_params]
     devices = sorted({n.value.value for n in nodes if m.matches(n, m.Arg(keyword=m.Name("device"), value=m.Name()))} & set(names))
     if params.posonly_params or isinstance(params.star_arg, cst.Param) or params.star_kwarg is not None:
-        return LoaderGenerator(function, None, f"{function.name.value} takes *args, **kwargs or positional-only parameters; its arguments cannot be passed by name to a spawned producer")
+        return ModuleLoader(function, None, f"{function.name.value} takes *args, **kwargs or positional-only parameters; its arguments cannot be passed by name to a spawned producer")
     if len(devices) != 1:
-        return LoaderGenerator(function, None, f"{function.name.value} has no single device parameter passed as `device=` to its buffer")
+        return ModuleLoader(function, None, f"{function.name.value} has no single device parameter passed as `device=` to its buffer")
     device = devices[0]
     misuse = _device_misuse(nodes, device)
     if misuse:
-        return LoaderGenerator(function, device, f"{function.name.value} uses `{device}` {misuse}; built on the CPU in a producer its batches could differ")
+        return ModuleLoader(function, device, f"{function.name.value} uses `{device}` {misuse}; built on the CPU in a producer its batches could differ")
     unsafe = generator._generator_unsafe(function)
     if unsafe:
         # the generator family speaks of a thread; here the producer is a spawned process
-        return LoaderGenerator(function, device, unsafe.replace("a background thread would change the draw order", "a spawned producer draws from its own RNG state"))
-    return LoaderGenerator(function, device, split=_training_split(nodes, names))
+        return ModuleLoader(function, device, unsafe.replace("a background thread would change the draw order", "a spawned producer draws from its own RNG state"))
+    return ModuleLoader(function, device, split=_training_split(nodes, names))
 
 
 # The split value a training loop builds its long-lived loader with.
@@ -248,4 +228,4 @@ def _is_param_name(name: cst.Name, nodes) -> bool:
     return any(isinstance(p, cst.Param) and p.name is name for p in nodes)
 
 
-UNIT = Family("bestfit_packing", "generator", recognise, plan, producer="_prefetch_iterator", runtime="prefetch_iterator", order=5, refuse=refuse)
+UNIT = Family("bestfit_packing", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="spawn_generator", order=5, refuse=refuse, module_sources=loader_generators)

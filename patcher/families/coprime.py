@@ -26,9 +26,9 @@ def recognise(loader) -> bool:
     return method(loader.node, "_pick_coprime_stride") is not None or "Generator" in loader.called
 
 
-def plan(variable: DataVariable, ctx) -> Plan:
+def plan(variable: DataVariable, survey) -> Plan:
     """That of every loader rebuilt on the CPU."""
-    return plan_rebuilt_on_cpu(variable, ctx)
+    return plan_rebuilt_on_cpu(variable, survey)
 
 
 UNIT = Family("coprime", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=50)

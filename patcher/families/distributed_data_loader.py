@@ -15,7 +15,7 @@ arguments it was given). Producer: `_prefetch_next_batch`, thread runtime
 
 from __future__ import annotations
 
-from patcher.families.base import DataVariable, Family, Plan, refused
+from patcher.families.base import PREFETCH_NEXT_BATCH, DataVariable, Family, Plan, refused
 
 
 def recognise(loader) -> bool:
@@ -23,12 +23,12 @@ def recognise(loader) -> bool:
     return not loader.prefetches and loader.device_index is None and loader.cuda_in_next_batch
 
 
-def plan(variable: DataVariable, ctx) -> Plan:
+def plan(variable: DataVariable, survey) -> Plan:
     """Run `next_batch()` ahead where every call passes run constants and the loader is safe on a thread."""
     loader = variable.loader
     if loader.unsafe:
         return refused(loader.unsafe, loader.line)
-    for call in (c for site in variable.sites for c in ctx.survey.calls_on(site)):
+    for call in (c for site in variable.sites for c in survey.calls_on(site)):
         changing = [call.args[i] for i, const in enumerate(call.constant) if not const]
         if changing:
             names = ", ".join(f"`{a}`" for a in changing)
@@ -36,4 +36,4 @@ def plan(variable: DataVariable, ctx) -> Plan:
     return Plan(note=f"`{variable.target}` built at line {variable.lines}: next_batch() runs ahead on a background thread, its own .cuda() copies on the copy stream")
 
 
-UNIT = Family("distributed_data_loader", "loader_class", recognise, plan, producer="_prefetch_next_batch", runtime="prefetch_iterator", order=20)
+UNIT = Family("distributed_data_loader", "loader_class", recognise, plan, producer=PREFETCH_NEXT_BATCH, runtime="prefetch_iterator", order=20)

@@ -33,7 +33,8 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import dotted, walk
-from patcher.families.base import DataVariable, Family, Plan
+from patcher.families.base import PREFETCH_ITERATOR, DataVariable, Family, Plan
+from patcher.families.copies import device_copies
 from patcher.survey.loaders import THREAD_NAMES, global_rng
 
 DIST_LOCAL_QUERIES = {"get_rank", "get_world_size", "is_initialized", "is_available", "get_backend"}
@@ -61,7 +62,7 @@ def refuse(site, function: cst.FunctionDef, index) -> str | None:
 def stages(site, function: cst.FunctionDef, index) -> bool:
     """Whether the refused site `site` (built from `function`) gets pinned staging: its
     only obstacle is background loading of shards or files (`background_kind`), and it
-    has a `.to(device, non_blocking=True)` copy whose target is a device (`DEVICE_TARGET`) to stage; a generator whose copies are all casts gets none."""
+    has a `.to(device, non_blocking=True)` copy whose target is a device (`copies.DEVICE_TARGET`) to stage; a generator whose copies are all casts gets none."""
     if not site.reason or not site.reason.startswith(f"{function.name.value} loads shards"):
         return False
     return bool(device_copies(function))
@@ -96,34 +97,6 @@ def background_kind(function: cst.FunctionDef) -> str | None:
     return "shards"
 
 
-# `x.to(device, non_blocking=True)` / `x.to(device=device, non_blocking=True)`: an H2D
-# copy whose only options are the device and non_blocking (no dtype, copy or format).
-H2D_COPY = m.Call(
-    func=m.Attribute(attr=m.Name("to")),
-    args=[m.Arg(keyword=m.Name("device")) | m.Arg(keyword=None, star=""), m.Arg(keyword=m.Name("non_blocking"), value=m.Name("True"))],
-)
-
-
-# The target of a `.to(..., non_blocking=True)` that is a device, whatever it is called
-# on: `device=` (torch's keyword for it; a value that is no device raises in the
-# original and in `_pinned_h2d` alike), or positionally a string ("cuda", f"cuda:{rank}")
-# or `torch.device(...)`. A positional name or attribute may hold a dtype or a tensor
-# (`x.to(torch.float16)`, `x.to(other)`: a cast): not proven a device.
-DEVICE_TARGET = m.Arg(keyword=m.Name("device")) | m.Arg(
-    keyword=None, value=m.SimpleString() | m.ConcatenatedString() | m.FormattedString() | m.Call(func=m.Attribute(value=m.Name("torch"), attr=m.Name("device")))
-)
-
-
-def staged_copies(function: cst.FunctionDef) -> list[cst.Call]:
-    """The `.to(device, non_blocking=True)` calls in `function`, in source order."""
-    return [node for node in walk(function) if isinstance(node, cst.Call) and m.matches(node, H2D_COPY)]
-
-
-def device_copies(function: cst.FunctionDef) -> list[cst.Call]:
-    """The `staged_copies` of `function` whose target is a device (`DEVICE_TARGET`): what pinned staging rewrites."""
-    return [call for call in staged_copies(function) if m.matches(call.args[0], DEVICE_TARGET)]
-
-
 def _generator_unsafe(function: cst.FunctionDef) -> str | None:
     """Why running `function` on another thread could change what it yields, else None."""
     name = function.name.value
@@ -147,9 +120,9 @@ def _generator_unsafe(function: cst.FunctionDef) -> str | None:
     return None
 
 
-def plan(variable: DataVariable, ctx) -> Plan:
+def plan(variable: DataVariable, survey) -> Plan:
     """Run it ahead: the survey has refused the sites that cannot be."""
     return Plan(note=f"`{variable.target}` (generator {variable.sites[0].function}) built at line {variable.lines} runs ahead on a background thread")
 
 
-UNIT = Family("generator", "generator", recognise, plan, producer="_prefetch_iterator", runtime="prefetch_iterator", order=10, refuse=refuse, stages=stages)
+UNIT = Family("generator", "generator", recognise, plan, producer=PREFETCH_ITERATOR, runtime="prefetch_iterator", order=10, refuse=refuse, stages=stages)

@@ -33,12 +33,12 @@ def already_prefetches(loader) -> Plan:
     return refused(loader.threads or f"{loader.name} already prefetches (threads in the loader); not wrapped again", loader.line)
 
 
-def plan_rebuilt_on_cpu(variable: DataVariable, ctx) -> Plan:
-    """The plan for `variable`, whose loader is rebuilt on the CPU by `_make_train_loader`.
+def plan_rebuilt_on_cpu(variable: DataVariable, survey) -> Plan:
+    """The plan for `variable` (of the classified `survey`), whose loader is rebuilt on
+    the CPU by `_make_train_loader`.
 
     Returns a refusal or the wrap's options.
     """
-    survey = ctx.survey
     reason, line, reshape_arg, rollback = _blocker(variable, survey)
     if reason is not None:
         return refused(reason, line)

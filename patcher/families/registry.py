@@ -1,19 +1,21 @@
 """The family units, found in `patcher/families/`, and the questions asked of them.
 
 Every module of this package that declares `UNIT = Family(...)` is a family; adding one
-means adding its module (with its fixture and test file), nothing else. The survey is
-given this module (`registry.survey(module)` passes it) and asks its `loader_family` and
-`generator_family`; `train_prefetch` looks a variable's family up in `BY_NAME`.
+means adding its module (with its fixture and test file), nothing else. `survey(module)`
+is the one entry point to a script's survey: the facts (`patcher.survey.survey`), then
+the families' verdicts on them (`sources.classify`). `data_sources` and
+`module_loaders` ask the units for what `train_prefetch`, `verify` and `bench` act on;
+none of them names a family.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-import sys
 
 import patcher.families
-from patcher.families.base import Family
+from patcher.families import sources
+from patcher.families.base import DataVariable, Family, ModuleLoader
 from patcher.survey.survey import survey as survey_facts
 
 
@@ -39,23 +41,20 @@ UNITS: list[Family] = discover()
 BY_NAME: dict[str, Family] = {u.name: u for u in UNITS}
 
 
-def loader_family(loader) -> Family:
-    """The family of a surveyed `LoaderClass`: the first "loader_class" unit that recognises it.
-
-    Raises LookupError when none does (the units lack a catch-all)."""
-    for unit in UNITS:
-        if unit.driver == "loader_class" and unit.recognise(loader):
-            return unit
-    raise LookupError(f"no family recognises the loader class {loader.name}")
-
-
-def generator_family(function) -> Family | None:
-    """The family of a module-level generator function (`cst.FunctionDef`): the first
-    "generator" unit that recognises it, or None (then it is not a data source we know)."""
-    return next((u for u in UNITS if u.driver == "generator" and u.recognise(function)), None)
-
-
 def survey(module, index=None):
-    """`patcher.survey.survey.survey` of `module` with the families of this registry
-    (`Survey`; index: a `ScriptIndex` already made, or None)."""
-    return survey_facts(module, sys.modules[__name__], index)
+    """The `Survey` of `module` with every loader class, generator site and loader given
+    its family's verdict (`sources.classify`; index: a `ScriptIndex` already made, or None)."""
+    result = survey_facts(module, index)
+    sources.classify(result, UNITS)
+    return result
+
+
+def data_sources(survey) -> list[DataVariable]:
+    """The training data variables of a `survey(...)` result, each with its family and `Plan` (`sources.data_sources`)."""
+    return sources.data_sources(survey, UNITS)
+
+
+def module_loaders(module, index=None) -> list[ModuleLoader]:
+    """The loader generators of a data-loader module (`cst.Module`) that the "module"
+    families find, each with its family; empty for a training script (`sources.module_loaders`)."""
+    return sources.module_loaders(module, UNITS, index)

@@ -27,9 +27,9 @@ def recognise(loader) -> bool:
     return not loader.prefetches and any(c.name.value == "TokenStream" for c in loader.related[1:])
 
 
-def plan(variable: DataVariable, ctx) -> Plan:
+def plan(variable: DataVariable, survey) -> Plan:
     """That of every loader rebuilt on the CPU."""
-    return plan_rebuilt_on_cpu(variable, ctx)
+    return plan_rebuilt_on_cpu(variable, survey)
 
 
 UNIT = Family("tokenstream", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=30)

@@ -1,4 +1,4 @@
-"""`bench` for a data-loader module (family `bestfit_packing`): nanochat's `dataloader.py`.
+"""`bench` for a data-loader module (module mode, the "module" driver's sources): nanochat's `dataloader.py`.
 
 The module and its patched version (patched here, the default features) are driven side
 by side, rank 0 of 1, on a synthetic parquet corpus of nanochat-like documents with the
@@ -54,7 +54,7 @@ def run_module_bench(path, steps: int = 100, compute_ms: float = 20.0, main_thre
     source = read_script(path).source
     loader = module_loader(source)
     if loader is None:
-        raise bench.BenchError(f"{path}: no data-loader generator of the bestfit_packing family")
+        raise bench.BenchError(f"{path}: no data-loader generator that module mode rewrites")
     patched = patch_source(source).source
     import torch
 
@@ -95,7 +95,7 @@ def run_module_bench(path, steps: int = 100, compute_ms: float = 20.0, main_thre
             finally:
                 for generator in generators:
                     generator.close()
-    report = {"script": str(path), "family": "bestfit_packing", "steps": steps, "block_steps": block, "compute_ms": compute_ms, "main_thread": main_thread, "ops_per_step": ops, "call": call}
+    report = {"script": str(path), "family": loader.family.name, "steps": steps, "block_steps": block, "compute_ms": compute_ms, "main_thread": main_thread, "ops_per_step": ops, "call": call}
     report.update(bench.step_report(spans, waits))
     return report
 

@@ -1,4 +1,6 @@
-"""`verify` for a data-loader module (family `bestfit_packing`, module mode): nanochat's `dataloader.py`.
+"""`verify` for a data-loader module, the "module" driver (module mode): nanochat's `dataloader.py`.
+
+The loader is the one a "module" family finds (`registry.module_loaders`); none is named here.
 
 The module is not a script: nothing in it builds the loader. The harness builds it the
 way `scripts/base_train.py` does, `loader(tokenizer, B, T, split="train", device=...,
@@ -33,7 +35,8 @@ from pathlib import Path
 import libcst as cst
 import torch
 
-from patcher.families.bestfit_packing import LoaderGenerator, loader_generators
+from patcher.families import registry
+from patcher.families.base import ModuleLoader
 from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_difference
 
 # What the harness supplies for helpers the module imports from its own package.
@@ -52,6 +55,8 @@ STUBS = {
 # Arguments of the loader the harness sets by name (small, so that the run crosses row
 # groups, files and epochs in a few dozen batches); every other parameter keeps its default.
 CALL = {"B": 2, "T": 24, "split": "train", "tokenizer_threads": 1, "tokenizer_batch_size": 6, "buffer_size": 12}
+# Batches per rank when `verify` is given none.
+DEFAULT_BATCHES = 40
 FILES, ROW_GROUPS, DOCS_PER_GROUP = 3, 3, 6
 # The split of the loader an evaluation builds (the last parquet file, as in nanochat).
 VAL_SPLIT = "val"
@@ -85,9 +90,10 @@ def write_corpus(directory: Path, seed: int = 0) -> list[Path]:
     return paths
 
 
-def module_loader(source: str) -> LoaderGenerator | None:
-    """The loader generator module mode rewrites in `source`, or None."""
-    return next((lg for lg in loader_generators(cst.parse_module(source)) if lg.refusal is None), None)
+def module_loader(source: str) -> ModuleLoader | None:
+    """The first loader generator that module mode rewrites in `source` (a "module"
+    family's, `registry.module_loaders`), or None: then `source` is no data-loader module."""
+    return next((lg for lg in registry.module_loaders(cst.parse_module(source)) if lg.refusal is None), None)
 
 
 def verify_module(original: str, patched: str, original_path, batches: int | None = None, world_size: int = 2, seed: int = 0):
@@ -96,9 +102,9 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
     started = time.perf_counter()
     loader = module_loader(original)
     if loader is None:
-        raise CannotVerify(f"{original_path}: no data-loader generator of the bestfit_packing family")
+        raise CannotVerify(f"{original_path}: no data-loader generator that module mode rewrites")
     name = loader.name
-    batches = batches or 40
+    batches = batches or DEFAULT_BATCHES
     notes: list[str] = []
     try:
         import pyarrow  # noqa: F401

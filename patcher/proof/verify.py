@@ -7,11 +7,12 @@ first construction is drawn from for the warm-up, then the loader is rebuilt by 
 script's second construction (the warm-up reset) and drawn from again. Every tensor
 of every batch is compared: dtype, shape and bytes, in order.
 
-This module holds the orchestration and the verdict: which driver (`DRIVERS`) drives
-the script's data source, the configurations and the plan of the run, the launch
-environment. The parts: `recipes` (how the script builds its data source), `harness`
-and `host_cuda` (running it outside the script), `data` (synthetic data),
-`rank_compare` and `compare` (one rank's comparison), `val_verify` (evaluation loops).
+This module holds the orchestration and the verdict: which driver (`DRIVERS`, named
+as the families name them: `patcher.families.base.DRIVERS`) drives the data source,
+the configurations and the plan of the run, the launch environment. The parts:
+`recipes` (how the script builds its data source), `harness` and `host_cuda` (running
+it outside the script), `data` (synthetic data), `rank_compare` and `compare` (one
+rank's comparison), `val_verify` (evaluation loops), `module_verify` (a data-loader module).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from patcher.check.import_smoke import definitions_only
 from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_rank_difference
 from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
-from patcher.proof.module_verify import module_loader, verify_module
+from patcher.proof import module_verify
 from patcher.proof.harness import HarnessError, SimulatedDist, load_definitions, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, host_only_pinning
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, hparams_factory, patched_constructions
 from patcher.proof.script_eval import survey_of
 from patcher.proof.val_verify import compare_val_loops
+from patcher.families.base import PRODUCERS, ModuleLoader
 from patcher.families.registry import BY_NAME as FAMILIES
 from patcher.read.source import read_script
 from patcher.transforms.features import INJECTED_NAMES, TOGGLES
@@ -78,7 +80,7 @@ class _Run:
 class Driver:
     """One way of driving a script's training data source; an entry of `DRIVERS`.
 
-    recipe: what the driver reads from the scripts (`LoaderRecipe`, `IteratorRecipe`);
+    recipe: what the driver reads from the scripts (`LoaderRecipe`, `IteratorRecipe`, `ModuleLoader`);
     read(original source, patched source) -> that recipe, HarnessError when the
     original has no data source of this kind. compare: one rank's comparison of the
     original and patched sources (`patcher.proof.rank_compare`). run(recipe, run,
@@ -130,9 +132,14 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
         as_path = str(Path(original).resolve())
         notes.append(f"both scripts imported as if at {as_path} (__file__)")
         prefetched = _patched_runtime(sources[1], patched)
-        if module_loader(sources[0]) is not None:  # a data-loader module (nanochat's dataloader.py)
-            result = verify_module(sources[0], sources[1], original, batches, world_size, seed)
-            result.notes[:0] = notes
+        module = DRIVERS["module"]
+        try:
+            loader = module.read(*sources)
+        except HarnessError:  # a training script, not a data-loader module
+            loader = None
+        if loader is not None:  # a data-loader module (nanochat's dataloader.py)
+            run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started)
+            result = module.run(loader, run, module.compare)
             result.prefetched = prefetched
             return result
         notes.append("global random state (random, numpy, torch's CPU generator): each side starts from seed 0 and keeps its own, as in a process of its own")
@@ -155,8 +162,9 @@ class NothingToVerify(CannotVerify):
     """The patched script holds none of this tool's runtime: comparing it proves nothing."""
 
 
-# The runtime functions a training prefetch injects (patcher/templates/prefetch_*.py).
-TRAIN_RUNTIME = ("_make_train_loader", "_prefetch_iterator", "_prefetch_next_batch", "_spawn_generator")
+# The runtime functions a training prefetch injects (patcher/templates/prefetch_*.py,
+# spawn_generator.py): the producers a family's plan may call.
+TRAIN_RUNTIME = tuple(PRODUCERS)
 
 
 def _patched_runtime(source: str, path) -> bool:
@@ -176,7 +184,7 @@ def _select_driver(run: _Run) -> tuple[Driver, object]:
     generator, a construction), else the first driver's."""
     named = _family_drivers(run.sources[0])
     errors = []
-    for driver in sorted(DRIVERS.values(), key=lambda d: d.name not in named):
+    for driver in sorted(SCRIPT_DRIVERS, key=lambda d: d.name not in named):
         try:
             return driver, driver.read(*run.sources)
         except HarnessError as error:
@@ -331,20 +339,40 @@ def _compare_generator_configurations(driver_compare, recipe, modules, rank, wor
     return None
 
 
-# How verify drives a script's training data source, by name (the name a loader family
-# gives for its driver), tried in this order: the first driver whose recipe reads the
-# original script drives it.
-# A data-loader module (module mode, nanochat's dataloader.py) is not here: it is no
-# script (nothing builds or rebuilds its loader, there is no warm-up reset), so `verify`
-# hands it to `module_verify.verify_module` before a driver is chosen: the "generator"
-# driver would take its inner parquet reader for a script's generator, which cannot be
-# built outside the loader (`split` is the loader's argument).
+def _read_module(original: str, patched: str):
+    """The "module" driver's recipe: the loader generator of the data-loader module
+    `original` that module mode rewrites (`module_verify.module_loader`). Raises
+    HarnessError when `original` has none (a training script)."""
+    loader = module_verify.module_loader(original)
+    if loader is None:
+        raise HarnessError("no data-loader generator that module mode rewrites")
+    return loader
+
+
+def _verify_module(loader, run: _Run, compare) -> VerifyResult:
+    """Every rank of a data-loader module (`module_verify.verify_module`), after this run's notes."""
+    result = compare(run.sources[0], run.sources[1], run.paths[0], run.batches, run.world_size, run.seed)
+    result.notes[:0] = run.notes
+    return result
+
+
+# How verify drives a training data source, by name (the name a family gives for its
+# driver, `patcher.families.base.DRIVERS`). A script's drivers are tried in this order:
+# the first whose recipe reads the original script drives it.
+# A data-loader module (module mode, nanochat's dataloader.py) is no script (nothing
+# builds or rebuilds its loader, there is no warm-up reset): `verify` tries the "module"
+# driver first, on its own, before a script's driver is chosen: the "generator" driver
+# would take its inner parquet reader for a script's generator, which cannot be built
+# outside the loader (`split` is the loader's argument).
 DRIVERS = {
     # a class with `next_batch`, built as `name = Cls(...)` (and rebuilt after the warm-up)
     "loader_class": Driver("loader_class", LoaderRecipe, lambda original, patched: LoaderRecipe.from_source(original), compare_loader_rank, _verify_loader_class, DEFAULT_BATCHES),
     # a data generator advanced with next() / .send(value), built by a call
     "generator": Driver("generator", IteratorRecipe, IteratorRecipe.from_source, compare_generator_rank, _verify_generator, DEFAULT_GENERATOR_ITEMS),
+    # a data-loader module's loader generator, built as the training script that imports it would
+    "module": Driver("module", ModuleLoader, _read_module, module_verify.verify_module, _verify_module, module_verify.DEFAULT_BATCHES),
 }
+SCRIPT_DRIVERS = [driver for name, driver in DRIVERS.items() if name != "module"]
 
 
 def _configurations() -> list[Configuration]:

@@ -4,7 +4,7 @@
 and returns a `LoaderClass`: its parameters, where its device goes, its H2D copies,
 whether it already uses threads (its own, or threads it reaches: `threads.py`), why running it ahead would not be exact (a global
 RNG, torch.distributed, device use), and how it changes its state. Which family it
-belongs to is the family units' call (`patcher/families/`), made by the survey.
+belongs to is the family units' call (`patcher/families/sources.py`), made after the survey.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class LoaderClass:
     """A class that defines `next_batch`.
 
     family: the name of its family unit (`patcher/families/<family>.py`), which decides
-    how it is prefetched. related: the class and the script's classes it builds
+    how it is prefetched (filled by the families, `sources.classify`). related: the class and the script's classes it builds
     (TokenStream), which share its state and its risks. called: the last names of the
     calls made in those classes (`Thread`, `Generator`, `TokenStream`).
     next_batch_params: parameter names after `self`. init_params: the same of
@@ -74,7 +74,7 @@ def survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], line: int
     """The family-independent facts of the loader class `cls` (at 1-based `line`);
     classes: the script's module-level classes by name; reach: the script's
     `ThreadReach`, to find threads the loader reaches outside its classes (None: only
-    its own are seen). `family` is left to the survey."""
+    its own are seen). `family` is left to the families (`sources.classify`)."""
     info = LoaderClass(name=cls.name.value, node=cls, line=line)
     next_batch = method(cls, "next_batch")
     info.next_batch_params = _params(next_batch)[1:]

@@ -1,8 +1,9 @@
 """Where a script builds its training data and draws from it: the records of loader
 constructions, `next_batch` call sites and data generators, which `survey()` fills,
-and whether an argument is a run constant. The families say which generator
-functions are theirs and why a site of theirs is not prefetched; the rest is the same
-for every family.
+and whether an argument is a run constant: facts, the same for every family. The
+verdict fields (`Construction.training` / `reason` past the names and calls here,
+`IteratorSite.family` / `training` / `reason` / `staged`) are filled by the families
+(`patcher/families/sources.py`), which this layer never imports.
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ class IteratorSite:
     """`target = generator_function(...)`: a data generator built in the script.
 
     function: the generator function's name; node: the `Assign`; call: its value.
-    family: the name of the generator function's family unit.
+    sends: the `target.send(value)` calls. Filled by the families
+    (`sources.classify`): family: the name of the generator function's family unit;
     training: the training data source (advanced with `next(target)` or
-    `target.send(value)`, named for training); sends: the `target.send(value)` calls;
-    reason: why it is not prefetched, or None. staged: not prefetched, but the
-    training data source whose own H2D copies get pinned staging (`Family.stages`).
+    `target.send(value)`, named for training); reason: why it is not prefetched, or
+    None. staged: not prefetched, but the training data source whose own H2D copies get
+    pinned staging (`Family.stages`).
     """
 
     target: str

@@ -1,12 +1,14 @@
 """Read-only analysis of a training script: where the transforms may act, and why not.
 
 `survey(module)` walks a parsed script (libcst) once (`ScriptIndex`) and returns a
-`Survey`: the data loader classes and their family, the training loader's construction
-sites and `next_batch` call sites (with whether each argument is a run constant), the
-data generators, the Hyperparameters class, the script's log function, the names
-defined at module level, and the script's style (minified or readable). The family
-units (`patcher/families/`, passed in as `families`) say which family each loader
-class and generator belongs to; the facts here are the same for every family. Nodes
+`Survey`: the data loader classes, the loader construction sites and `next_batch`
+call sites (with whether each argument is a run constant), the sites built from
+module-level generator functions, the Hyperparameters class, the script's log
+function, the names defined at module level, and the script's style (minified or
+readable). It records facts only, the same for every family: which family a loader
+class or generator site is of, and the verdicts that follow (`family`, an iterator
+site's `reason` / `training` / `staged`), are the families' (`patcher/families/sources.py`,
+run by `registry.survey` right after this; a `Survey` read before them has none). Nodes
 are kept by identity so that transforms run on the same `Module` object can find
 them; positions (1-based lines) are kept for reports. Nothing reads a `Survey` to change it.
 """
@@ -14,7 +16,6 @@ them; positions (1-based lines) are kept for reports. Nothing reads a `Survey` t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
 
 import libcst as cst
 
@@ -28,17 +29,7 @@ from patcher.survey.sites import CallSite, Construction, IteratorSite, is_run_co
 from patcher.survey.threads import ThreadReach
 
 # What the rest of the tool imports from here.
-__all__ = ["LOG_FUNCTIONS", "CallSite", "Classifier", "Construction", "Hyperparameters", "IteratorSite", "LoaderClass", "ScriptIndex", "Survey", "survey"]
-
-
-class Classifier(Protocol):
-    """Who says which family a loader class or a generator function belongs to: the
-    family units (`patcher.families.registry` is one). Passed in, because the families
-    come after the survey and read its facts."""
-
-    def loader_family(self, loader: LoaderClass): ...
-
-    def generator_family(self, function: cst.FunctionDef): ...
+__all__ = ["LOG_FUNCTIONS", "CallSite", "Construction", "Hyperparameters", "IteratorSite", "LoaderClass", "ScriptIndex", "Survey", "survey"]
 
 
 @dataclass
@@ -46,9 +37,11 @@ class Survey:
     """Everything the transforms need to know about one script; read, never written, after `survey()`.
 
     module: the surveyed tree. minified: tabs or `;`-joined lines (`script.is_minified`).
-    uses_torch: the script imports torch. loader_classes: class name -> `LoaderClass`,
-    family included. constructions / calls: the loaders built and their `next_batch`
-    calls (`sites.py`). iterators: the data generators built (`IteratorSite`).
+    uses_torch: the script imports torch. loader_classes: class name -> `LoaderClass`
+    (its `family` the families' to fill). constructions / calls: the loaders built and
+    their `next_batch` calls (`sites.py`). iterators: the sites built from module-level
+    generator functions (`IteratorSite`; the families keep those of a generator they
+    recognise and judge them).
     hyperparameters: the Hyperparameters class, or None. log_function: (name, its
     `FunctionDef`), or None. module_names: names defined at module level. collector:
     the `ScriptIndex` of the one pass over `module` (scopes, calls, functions, the
@@ -108,19 +101,17 @@ class Survey:
         return [c for c in self.calls if c.binding is construction.binding and c.receiver == construction.target]
 
 
-def survey(module: cst.Module, families: Classifier, index: ScriptIndex | None = None) -> Survey:
-    """Analyse `module` (not modified). Returns a `Survey` whose nodes belong to `module`.
+def survey(module: cst.Module, index: ScriptIndex | None = None) -> Survey:
+    """Analyse `module` (not modified). Returns a `Survey` of facts whose nodes belong to
+    `module`; `patcher.families.registry.survey` is what the tool calls (this, then the
+    families' verdicts).
 
     index: the `ScriptIndex` of a pass over `module` already made (`index_of`), so that
     a caller can read it before the rest of the survey; without it the pass is made here.
-    families: who gives each loader class and generator function its family
-    (`patcher.families.registry`; `registry.survey` passes it: the survey, a lower layer,
-    never imports the families).
 
     One pass of `ScriptIndex` over the module; loader classes, which are small, are
-    then read on their own, and each is given the family whose unit recognises it
-    first. What only one feature needs (MLP squares, PEP 701 f-strings, the env idiom
-    of Hyperparameters) is that feature's `analyse`.
+    then read on their own. What only one feature needs (MLP squares, PEP 701
+    f-strings, the env idiom of Hyperparameters) is that feature's `analyse`.
     """
     result = Survey(module=module, minified=is_minified(module), uses_torch=imports(module, "torch"))
     result.module_names = module_level_names(module)
@@ -130,13 +121,9 @@ def survey(module: cst.Module, families: Classifier, index: ScriptIndex | None =
     reach = ThreadReach(module, index, result.line_of)
     for cls in classes.values():
         if method(cls, "next_batch") is not None:
-            info = survey_loader(cls, classes, result.line_of(cls), reach)
-            family = families.loader_family(info)
-            info.family, info.prefetches = family.name, info.prefetches or family.prefetches
-            result.loader_classes[cls.name.value] = info
+            result.loader_classes[cls.name.value] = survey_loader(cls, classes, result.line_of(cls), reach)
     find_constructions_and_calls(index, result)
-    find_iterators(index, result, families.generator_family)
-    inside_training_generators(result)
+    find_iterators(index, result)
     result.hyperparameters = find_hyperparameters(module, result.line_of)
     result.log_function = find_log_function(index)
     return result
@@ -187,42 +174,19 @@ def find_constructions_and_calls(index: ScriptIndex, result: Survey) -> None:
             c.training = True
 
 
-def find_iterators(index: ScriptIndex, result: Survey, generator_family: Callable) -> None:
-    """Fill `result.iterators`: `name = gen(...)` for a module-level generator function
-    `gen` that a generator family recognises (`generator_family(FunctionDef)`: its
-    family unit, or None); the family says why a site is not the training data source
-    (`Family.refuse`)."""
-    generators = {f.name.value: (f, generator_family(f)) for f in result.module.body if f in index.generator_functions}
+def find_iterators(index: ScriptIndex, result: Survey) -> None:
+    """Fill `result.iterators`: every `name = gen(...)` for a module-level generator
+    function `gen`, with its `.send(value)` calls; which are data sources, and why one
+    is not run ahead, is the families' call."""
+    generators = {f.name.value for f in result.module.body if f in index.generator_functions}
     for assign, scope in index.call_assigns:
         func, target = assign.value.func, assign.targets[0].target
-        if len(assign.targets) != 1 or not isinstance(func, cst.Name) or not isinstance(target, cst.Name):
-            continue
-        function, family = generators.get(func.value, (None, None))
-        if family is None:
+        if len(assign.targets) != 1 or not isinstance(func, cst.Name) or not isinstance(target, cst.Name) or func.value not in generators:
             continue
         binding = scope.resolve(target.value)
-        site = IteratorSite(target.value, func.value, assign, assign.value, result.line_of(assign), binding, family=family.name)
+        site = IteratorSite(target.value, func.value, assign, assign.value, result.line_of(assign), binding)
         site.sends = [c for c, sc in index.send_calls if c.func.value.value == target.value and sc.resolve(target.value) is binding]
-        if names_other_data(site.target):
-            site.reason = f"`{site.target}` is not the training data source"
-        else:
-            site.reason = family.refuse(site, function, index)
-            site.training = site.reason is None
-            site.staged = family.stages is not None and family.stages(site, function, index)
         result.iterators.append(site)
-
-
-def inside_training_generators(result: Survey) -> None:
-    """A loader built inside a data generator that runs ahead as a whole (modded-nanogpt's
-    `BOSFinder` in `distributed_data_generator`) is not wrapped a second time, nor is one
-    built inside a generator whose copies are staged (its `Shard`)."""
-    generators = {i.function: "stays on the training thread, its H2D copies staged" for i in result.iterators if i.staged}
-    generators.update({i.function: "runs ahead as a whole" for i in result.iterators if i.training})
-    for construction in result.constructions:
-        scope = construction.scope
-        if construction.training and isinstance(scope, cst.FunctionDef) and scope.name.value in generators:
-            construction.training = False
-            construction.reason = f"`{construction.target}` is built inside the data generator {scope.name.value}, which {generators[scope.name.value]}"
 
 
 def index_of(module: cst.Module) -> ScriptIndex:

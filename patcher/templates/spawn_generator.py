@@ -1,4 +1,4 @@
-"""Injected runtime: a data-loader generator run ahead in a spawned process (module mode, family `bestfit_packing`).
+"""Injected runtime: a data-loader generator run ahead in a spawned process (module mode: the producer of a "module" family's loader generators).
 
 `patch-prefetch nanochat/dataloader.py` keeps the module's loader generator as
 `_original_<name>` and defines `<name>` again, with the same parameters, as

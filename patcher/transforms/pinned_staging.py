@@ -3,8 +3,8 @@
 For a training data generator that is not run ahead because its threads load only
 shards (`IteratorSite.staged`, see `patcher/families/generator.py`; modded-nanogpt's
 current `distributed_data_generator`), each `x.to(device, non_blocking=True)` in the
-generator (the device and non_blocking only: `families.generator.staged_copies`)
-whose target is a device (`DEVICE_TARGET`) becomes `_pinned_h2d(x, device,
+generator (the device and non_blocking only: `families.copies.staged_copies`)
+whose target is a device (`copies.DEVICE_TARGET`) becomes `_pinned_h2d(x, device,
 staging=<TRAIN_PINNED_STAGING>, copy_stream=<TRAIN_COPY_STREAM>)`, the target passed
 as the original passes it (positionally or as `device=`; runtime:
 `patcher/templates/pinned_staging.py`). A positional target that is not a device literal
@@ -21,7 +21,7 @@ from __future__ import annotations
 import libcst as cst
 import libcst.matchers as m
 
-from patcher.families.generator import DEVICE_TARGET, staged_copies
+from patcher.families.copies import DEVICE_TARGET, staged_copies
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "pinned_staging"

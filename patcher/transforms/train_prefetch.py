@@ -2,8 +2,9 @@
 
 For every variable that holds the training data (`train_loader`), its family
 (`patcher/families/<name>.py`, see `patcher/families/base.py`) says what to do: leave
-it alone, with the reason, or which producer builds its batches ahead and with which
-options (a `Plan`). This transform writes what the families decided:
+it alone, with the reason, or which producer builds its batches ahead, from which
+template, and with which options (a `Plan`, from `registry.data_sources`). This
+transform writes what the families decided, and names none of them:
 
 - `_make_train_loader`: every construction `train_loader = Loader(..., device)` becomes
   `train_loader = _make_train_loader(lambda loader_device: Loader(..., loader_device),
@@ -21,6 +22,11 @@ options (a `Plan`). This transform writes what the families decided:
 - a runner (`_prefetch_iterator`, `_prefetch_next_batch`): the script's own call runs
   ahead on a thread, `train_loader = _prefetch_iterator(lambda: gen(...), ...)`
   (`patcher/templates/prefetch_iterator.py`).
+- module mode: a data-loader module (no training script) whose loader generators a
+  "module" family finds (`registry.module_loaders`): each accepted `def name(` becomes
+  `def _original_name(` and a new `def name(<the same parameters>)` after it calls the
+  family's producer, `yield from <producer>(_original_name, {every argument by name},
+  "<device param>", prefetch=…[, split options])`.
 
 The loader class itself is not touched. With `producer_toggles` (`--producer-toggles`)
 the prefetch depth comes along as the tuning toggle `TRAIN_PREFETCH_QUEUE`, whatever
@@ -31,13 +37,15 @@ from __future__ import annotations
 
 import libcst as cst
 
-from patcher.families import bestfit_packing
-from patcher.families.base import MAKE_TRAIN_LOADER, DataVariable
-from patcher.families.registry import BY_NAME
+from patcher.families import registry
+from patcher.families.base import MAKE_TRAIN_LOADER, PRODUCERS, ModuleLoader
+from patcher.families.sources import device_arg
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
 THREAD_RUNTIME = "prefetch_loader"
+# What module mode renames a rewritten loader generator's original definition to.
+ORIGINAL_PREFIX = "_original_"
 
 
 def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
@@ -45,10 +53,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     survey = ctx.survey
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
-    loaders = bestfit_packing.loader_generators(survey.module, survey.collector)
+    loaders = registry.module_loaders(survey.module, survey.collector)
     if loaders:  # module mode: the data-loader module a training script imports
         return _module_mode(module, ctx, loaders)
-    variables = _data_variables(survey)
+    variables = registry.data_sources(survey)
     staged = [i for i in survey.iterators if i.staged]
     if not variables and staged:  # the generator's reason, not that of a loader built inside it
         return module, [Note(FEATURE, False, f"`{i.target}`: {i.reason}", i.line) for i in staged]
@@ -61,16 +69,16 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     # written; the forked one takes fewer options.
     wrapped = []
     for variable in variables:
-        plan = variable.family.plan(variable, ctx)
+        plan = variable.plan
         if plan.refusal is not None:
             notes.append(Note(FEATURE, False, plan.refusal, plan.line))
-        elif variable.family.producer == MAKE_TRAIN_LOADER:
+        elif plan.producer == MAKE_TRAIN_LOADER:
             wrapped.append((variable, plan))
         else:
             for site in variable.sites:
-                replacements[site.call] = _runner_call(variable.family.producer, site, ctx, module)
+                replacements[site.call] = _runner_call(plan.producer, site, ctx, module)
             notes.append(Note(FEATURE, True, plan.note, variable.line))
-            ctx.need(variable.family.runtime)
+            ctx.need(plan.runtime)
     # A runner's template that uses the thread runtime brings it for every variable.
     full = any(plan.thread for _, plan in wrapped) or any(THREAD_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
     for variable, plan in wrapped:
@@ -78,13 +86,13 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             replacements[site.call] = _wrapped_call(site, ctx, plan.reshape_arg, plan.rollback, module, plan.attrs, full)
         notes.append(Note(FEATURE, True, plan.note if full else plan.forked_note, variable.line))
     if replacements:
-        ctx.need(THREAD_RUNTIME if full else wrapped[0][0].family.runtime)
+        ctx.need(THREAD_RUNTIME if full else wrapped[0][1].runtime)
         module = replace_nodes(module, replacements, ctx)
     return module, notes
 
 
-def _module_mode(module: cst.Module, ctx: Context, loaders) -> tuple[cst.Module, list[Note]]:
-    """Rewrite the loader generators of a data-loader module (`patcher/families/bestfit_packing.py`)."""
+def _module_mode(module: cst.Module, ctx: Context, loaders: list[ModuleLoader]) -> tuple[cst.Module, list[Note]]:
+    """Rewrite the loader generators of a data-loader module that its "module" families accept."""
     notes = []
     for loader in loaders:
         line = ctx.survey.line_of(loader.function)
@@ -93,15 +101,16 @@ def _module_mode(module: cst.Module, ctx: Context, loaders) -> tuple[cst.Module,
         else:
             splits = f"; a build with `{loader.split[0]}` other than {loader.split[1]!r} runs the original in the training process (a child's start costs seconds; TRAIN_PREFETCH_EVERY_SPLIT=1 spawns for every split)" if loader.split else ""
             notes.append(Note(FEATURE, True, f"{loader.name} (line {line}) runs ahead in a spawned producer process; the H2D copy stays here, through pinned memory{splits}", line))
+    for runtime in dict.fromkeys(loader.family.runtime for loader in loaders if loader.refusal is None):
+        ctx.need(runtime)
     if any(loader.refusal is None for loader in loaders):
-        ctx.need(bestfit_packing.RUNTIME_TEMPLATE)
         module = _rewrite_loader_generators(module, ctx, loaders)
     return module, notes
 
 
-def _rewrite_loader_generators(module: cst.Module, ctx: Context, loaders: list[bestfit_packing.LoaderGenerator]) -> cst.Module:
+def _rewrite_loader_generators(module: cst.Module, ctx: Context, loaders: list[ModuleLoader]) -> cst.Module:
     """`module` with each accepted loader renamed `_original_<name>` and a new `def <name>`
-    with the same parameters after it, calling the runtime (`ctx.runtime_call`)."""
+    with the same parameters after it, calling its family's producer (`ctx.runtime_call`)."""
     body = []
     wanted = {id(loader.function): loader for loader in loaders if loader.refusal is None}
     for statement in module.body:
@@ -109,14 +118,14 @@ def _rewrite_loader_generators(module: cst.Module, ctx: Context, loaders: list[b
         if loader is None:
             body.append(statement)
             continue
-        original = bestfit_packing.ORIGINAL_PREFIX + loader.name
+        original = ORIGINAL_PREFIX + loader.name
         params = statement.params
         names = [p.name.value for p in params.params + params.kwonly_params]
         arguments = ctx.code("{" + ", ".join(f'"{n}": {n}' for n in names) + "}", "{" + ",".join(f'"{n}":{n}' for n in names) + "}")
         options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH")}
         if loader.split is not None:  # only the training split's build spawns a producer
             options.update(split_param=loader.split[0], train_split=loader.split[1], every_split=ctx.toggle_value("TRAIN_PREFETCH_EVERY_SPLIT"))
-        call = ctx.runtime_call(bestfit_packing.MODULE_RUNTIME, [original, arguments, f'"{loader.device}"'], options)
+        call = ctx.runtime_call(loader.family.producer, [original, arguments, f'"{loader.device}"'], options)
         wrapper = cst.FunctionDef(
             name=cst.Name(loader.name),
             params=params,
@@ -125,23 +134,6 @@ def _rewrite_loader_generators(module: cst.Module, ctx: Context, loaders: list[b
         )
         body.extend([statement.with_changes(name=cst.Name(original)), wrapper])
     return module.with_changes(body=body)
-
-
-def _data_variables(survey) -> list[DataVariable]:
-    """The training data variables, each with its training constructions and its family:
-    the data generators first, then the loaders, each kind by variable name."""
-    variables = []
-    iterators = [i for i in survey.iterators if i.training]
-    for target in sorted({i.target for i in iterators}):
-        sites = [i for i in iterators if i.target == target]
-        variables.append(DataVariable(target, sites, BY_NAME[sites[0].family]))
-    constructions = survey.training_constructions()
-    for target in sorted({c.target for c in constructions}):
-        sites = [c for c in constructions if c.target == target]
-        loader = survey.loader_classes[sites[0].class_name]
-        device_args = [_device_arg(site.call, loader) for site in sites] if loader.device_index is not None else []
-        variables.append(DataVariable(target, sites, BY_NAME[loader.family], loader, device_args))
-    return variables
 
 
 def _no_site_reason(survey) -> str:
@@ -159,20 +151,9 @@ def _first_line(survey) -> int | None:
     return min(lines) if lines else None
 
 
-def _device_arg(call: cst.Call, cls) -> int | None:
-    """Index in call.args of the device argument (positional at device_index, or device=)."""
-    for index, arg in enumerate(call.args):
-        if arg.keyword is not None and arg.keyword.value == cls.init_params[cls.device_index]:
-            return index
-    positional = [i for i, a in enumerate(call.args) if a.keyword is None and a.star == ""]
-    if cls.device_index < len(positional):
-        return positional[cls.device_index]
-    return None
-
-
 def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, attrs: bool = False, full: bool = True) -> cst.Call:
     cls = ctx.survey.loader_classes[site.class_name]
-    index = _device_arg(site.call, cls)
+    index = device_arg(site.call, cls)
     device_expr = module.code_for_node(site.call.args[index].value)
     args = list(site.call.args)
     args[index] = args[index].with_changes(value=cst.Name("loader_device"))
@@ -235,7 +216,7 @@ OPTIONS = {
     "prefetch_lean": ("queue_depth",),
     "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "attrs", "replay"),
 }
-# Every producer a family's plan calls marks a patched script, the thread runners of
-# generators and self-prefetching loaders included: patching it again changes nothing.
-PRODUCERS = sorted({u.producer for u in BY_NAME.values() if u.producer} - {MAKE_TRAIN_LOADER})
-UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected=(MAKE_TRAIN_LOADER, bestfit_packing.MODULE_RUNTIME, *PRODUCERS))
+# Every producer a family's plan may call (`PRODUCERS`) marks a patched script, the
+# thread runners of generators and self-prefetching loaders and module mode's spawned
+# producer included: patching it again changes nothing.
+UNIT = Feature(FEATURE, apply, order=10, toggles=TOGGLES, runtime=RUNTIME, options=OPTIONS, injected=tuple(PRODUCERS))

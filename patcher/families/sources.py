@@ -1,0 +1,141 @@
+"""The families' verdicts on a survey's facts: which family each training data source is of, and what it gets.
+
+The survey (`patcher/survey/`) records facts only: loader classes, constructions and
+`next_batch` calls, the sites built from module-level generator functions. `classify`
+(run by `registry.survey` right after the survey) gives each of them its family and
+the verdicts that follow: `LoaderClass.family` (and `prefetches` where the family
+prefetches by design), `IteratorSite.family` / `reason` / `training` / `staged` (a site
+of a generator function no family recognises is dropped: it is not a data source we
+know), and the loaders built inside a generator that runs ahead or is staged are not
+the training loader. `data_sources` gives `train_prefetch` every training data
+variable with its family and that family's `Plan`; `module_loaders` the loader
+generators of a data-loader module, from the "module" families.
+
+Every function takes the family units to ask (`registry.UNITS`, in recognition
+order): the registry passes them, so this module needs nothing above it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import libcst as cst
+
+from patcher.families.base import DataVariable, Family, ModuleLoader
+from patcher.survey.sites import names_other_data
+
+if TYPE_CHECKING:
+    from patcher.survey.index import ScriptIndex
+    from patcher.survey.loaders import LoaderClass
+    from patcher.survey.survey import Survey
+
+
+def loader_family(loader: LoaderClass, units: list[Family]) -> Family:
+    """The family of a surveyed `LoaderClass`: the first "loader_class" unit that recognises it.
+
+    Raises LookupError when none does (the units lack a catch-all)."""
+    for unit in units:
+        if not unit.generators and unit.recognise(loader):
+            return unit
+    raise LookupError(f"no family recognises the loader class {loader.name}")
+
+
+def generator_family(function: cst.FunctionDef, units: list[Family]) -> Family | None:
+    """The family of a module-level generator function: the first unit recognising
+    generator functions ("generator" and "module" drivers) that recognises it, or None
+    (then it is not a data source we know)."""
+    return next((u for u in units if u.generators and u.recognise(function)), None)
+
+
+def classify(survey: Survey, units: list[Family]) -> None:
+    """Give `survey`'s loader classes and generator sites their family and verdicts (see
+    the module's docstring). Raises LookupError when no unit recognises a loader class."""
+    for info in survey.loader_classes.values():
+        family = loader_family(info, units)
+        info.family, info.prefetches = family.name, info.prefetches or family.prefetches
+    _judge_iterators(survey, units)
+    _inside_training_generators(survey)
+
+
+def _judge_iterators(survey: Survey, units: list[Family]) -> None:
+    """Keep the generator sites whose function a family recognises, each judged by its
+    family: not the training data source when named for other data, else why it is not
+    run ahead (`Family.refuse`) and whether its own copies get pinned staging (`Family.stages`)."""
+    index = survey.collector
+    functions = {f.name.value: f for f in survey.module.body if f in index.generator_functions}
+    families = {name: generator_family(function, units) for name, function in functions.items()}
+    kept = []
+    for site in survey.iterators:
+        family = families.get(site.function)
+        if family is None:
+            continue
+        site.family = family.name
+        if names_other_data(site.target):
+            site.reason = f"`{site.target}` is not the training data source"
+        else:
+            function = functions[site.function]
+            site.reason = family.refuse(site, function, index)
+            site.training = site.reason is None
+            site.staged = family.stages is not None and family.stages(site, function, index)
+        kept.append(site)
+    survey.iterators[:] = kept
+
+
+def _inside_training_generators(survey: Survey) -> None:
+    """A loader built inside a data generator that runs ahead as a whole (modded-nanogpt's
+    `BOSFinder` in `distributed_data_generator`) is not wrapped a second time, nor is one
+    built inside a generator whose copies are staged (its `Shard`)."""
+    generators = {i.function: "stays on the training thread, its H2D copies staged" for i in survey.iterators if i.staged}
+    generators.update({i.function: "runs ahead as a whole" for i in survey.iterators if i.training})
+    for construction in survey.constructions:
+        scope = construction.scope
+        if construction.training and isinstance(scope, cst.FunctionDef) and scope.name.value in generators:
+            construction.training = False
+            construction.reason = f"`{construction.target}` is built inside the data generator {scope.name.value}, which {generators[scope.name.value]}"
+
+
+def data_sources(survey: Survey, units: list[Family]) -> list[DataVariable]:
+    """The training data variables of a classified `survey`, each with its training
+    constructions, its family and its family's `Plan` (producer, runtime and driver
+    filled from the family where the plan names none): the data generators first, then
+    the loaders, each kind by variable name."""
+    by_name = {u.name: u for u in units}
+    variables = []
+    iterators = [i for i in survey.iterators if i.training]
+    for target in sorted({i.target for i in iterators}):
+        sites = [i for i in iterators if i.target == target]
+        variables.append(DataVariable(target, sites, by_name[sites[0].family]))
+    constructions = survey.training_constructions()
+    for target in sorted({c.target for c in constructions}):
+        sites = [c for c in constructions if c.target == target]
+        loader = survey.loader_classes[sites[0].class_name]
+        device_args = [device_arg(site.call, loader) for site in sites] if loader.device_index is not None else []
+        variables.append(DataVariable(target, sites, by_name[loader.family], loader, device_args))
+    for variable in variables:
+        family, plan = variable.family, variable.family.plan(variable, survey)
+        variable.plan = replace(plan, producer=plan.producer or family.producer, runtime=plan.runtime or family.runtime, driver=plan.driver or family.driver)
+    return variables
+
+
+def module_loaders(module: cst.Module, units: list[Family], index: ScriptIndex | None = None) -> list[ModuleLoader]:
+    """The loader generators of the data-loader module `module` that the "module" families
+    find (`Family.module_sources`), each with its family; empty for a training script.
+    index: the survey's `ScriptIndex` of `module`, or None."""
+    found = []
+    for unit in units:
+        if unit.module_sources is not None:
+            found += [replace(loader, family=unit) for loader in unit.module_sources(module, index)]
+    return found
+
+
+def device_arg(call: cst.Call, cls: LoaderClass) -> int | None:
+    """Index in call.args of the device argument of a construction of `cls` (positional at
+    `cls.device_index`, or by the parameter's name), None where it passes none."""
+    for index, arg in enumerate(call.args):
+        if arg.keyword is not None and arg.keyword.value == cls.init_params[cls.device_index]:
+            return index
+    positional = [i for i, a in enumerate(call.args) if a.keyword is None and a.star == ""]
+    if cls.device_index < len(positional):
+        return positional[cls.device_index]
+    return None

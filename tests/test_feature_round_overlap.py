@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from patch_tables import assert_noop, assert_patch
 
 from patcher.patch import features_from, patch_source
 from patcher.templates import round_overlap as runtime
@@ -311,3 +312,118 @@ def test_deepxube_trainer_patches_and_compiles(source, tmp_path):
     path.write_text(result.source)
     for python in [sys.executable] + ([str(PY310)] if PY310.exists() else []):
         subprocess.run([python, "-m", "py_compile", str(path)], check=True)
+
+
+
+# One table pair, as for every feature: a round loop rewritten (whole output; runtime
+# block as `RUNTIME`), and one left alone with its reason and line.
+ROUND_LOOP = """\
+import shutil
+
+import torch
+
+
+class Train:
+    def train_loop(self):
+        while self.itr < self.max_itrs:
+            self.update_step()
+
+    def update_step(self):
+        self.db.clear()
+        times = Times()
+        self.updater.start_update(self.num_gen)
+        if not self.updater.sync_main:
+            self.collect(self.num_gen, times)
+            self.end_update()
+            loss = self.train()
+        else:
+            loss = self.train_sync_main()
+        shutil.copy(self.nnet_file, self.targ_file)
+
+    def collect(self, num_gen, times):
+        while self.db.size() < num_gen:
+            for data in self.updater.get_update_data():
+                self.db.add(data)
+
+    def end_update(self):
+        self.updater.end_update()
+
+    def train(self):
+        for _ in range(self.up_itrs):
+            self.itr += 1
+        return 0.0
+"""
+
+ROUND_LOOP_AFTER = '''\
+import shutil
+
+import torch
+import os
+ROUND_OVERLAP = int(os.environ.get("ROUND_OVERLAP", 1))
+#<runtime>
+
+
+class Train:
+    def train_loop(self):
+        while self.itr < self.max_itrs:
+            self.update_step()
+
+    def update_step(self):
+        if ROUND_OVERLAP and not self.updater.sync_main:
+            return self._round_overlap_update_step()
+        self.db.clear()
+        times = Times()
+        self.updater.start_update(self.num_gen)
+        if not self.updater.sync_main:
+            self.collect(self.num_gen, times)
+            self.end_update()
+            loss = self.train()
+        else:
+            loss = self.train_sync_main()
+        shutil.copy(self.nnet_file, self.targ_file)
+
+    def _round_overlap_update_step(self):
+        """The update step with the next round collected while this one trains (round_overlap)."""
+        _ro = _round_overlap_of(self)
+        try:
+            _ro.clear(self.db.clear)
+            times = Times()
+            _ro.start(lambda: self.updater.start_update(self.num_gen))
+            self.db = _ro.receive(self.db, lambda: self.collect(self.num_gen, times), times)
+            self.end_update()
+            _ro.publish()
+            _ro.dispatch(self.db, lambda: self.updater.start_update(self.num_gen), lambda db, t: self._round_overlap_collect(db, self.num_gen, t), lambda: self.updater.from_q.put(None), times, self.itr + self.up_itrs < self.max_itrs)
+            loss = self.train()
+            _ro.copy_target(self.nnet_file, self.targ_file)
+        except BaseException:
+            _ro.close()
+            raise
+
+    def _round_overlap_collect(self, db, num_gen, times):
+        while db.size() < num_gen:
+            _round_overlap_of(self).stop_point()
+            for data in self.updater.get_update_data():
+                db.add(data)
+
+    def collect(self, num_gen, times):
+        while self.db.size() < num_gen:
+            for data in self.updater.get_update_data():
+                self.db.add(data)
+
+    def end_update(self):
+        self.updater.end_update()
+
+    def train(self):
+        for _ in range(self.up_itrs):
+            self.itr += 1
+        return 0.0
+'''
+
+
+def test_rewrite_of_a_round_loop():
+    result = assert_patch(ROUND_LOOP, ROUND_LOOP_AFTER, only="round_overlap")
+    assert [n.line for n in result.notes if n.feature == "round_overlap" and n.applied] == [11]
+
+
+def test_noop_where_a_part_of_the_round_is_not_a_method_of_the_class():
+    assert_noop(ROUND_LOOP.replace("    def end_update(self):\n        self.updater.end_update()\n\n", ""), "round loop in Train.update_step: `self.end_update` is not a method of Train", 15, only="round_overlap")

@@ -38,9 +38,16 @@ def test_without_cuda_it_is_the_original_call():
 
 
 def test_staging_off_is_the_original_call_on_cuda():
+    # The original call copies from pageable memory: it reads its source at the call, so
+    # nothing is left in flight (a staged copy, from pinned memory, would be).
+    from patcher.proof.host_cuda import active_copies
+
     with cuda_on_host():
         t = torch.arange(6)
-        assert staging._pinned_h2d(t, "cuda", staging=False) is t
+        out = staging._pinned_h2d(t, "cuda", staging=False)
+        assert not active_copies().pending and torch.equal(out, t) and out.data_ptr() != t.data_ptr()
+        staged = staging._pinned_h2d(t, "cuda")
+        assert len(active_copies().pending) == 1 and torch.equal(staged, t)
 
 
 def test_each_tensor_is_copied_to_pinned_memory_before_its_copy():
@@ -206,10 +213,10 @@ def test_verify_says_partial_where_no_boundary_is_crossed(tmp_path, capsys):
 
 
 def test_verify_catches_a_buffer_reused_before_the_batch_is_done(tmp_path):
-    # One pinned buffer per shape, kept on the function, instead of a block the allocator
-    # hands out again only once its copy has finished: the next copy of that shape (the
-    # batch's targets, after its inputs) overwrites a tensor already handed out.
-    original, out = patched_fixture(tmp_path, ("torch.empty_like(tensor, pin_memory=True)", "_staged_h2d.__dict__.setdefault(tensor.shape, torch.empty_like(tensor))"))
+    # One pinned buffer per shape and dtype, kept on the function, instead of a block the
+    # allocator hands out again only once its copy has finished: the next batch's copy
+    # rewrites it while this batch's copy is still in flight (the host runs ahead).
+    original, out = patched_fixture(tmp_path, ("torch.empty_like(tensor, pin_memory=True)", "_staged_h2d.__dict__.setdefault((tensor.shape, tensor.dtype), torch.empty_like(tensor, pin_memory=True))"))
     result = verify(original, out, batches=24, world_size=2, sends=STAGE_SENDS)
     assert not result.identical
     assert (result.difference.batch, result.difference.field) == (0, 0) and "bytes differ" in result.difference.what

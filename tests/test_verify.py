@@ -232,7 +232,7 @@ def test_top_level_script_with_a_loader_that_moves_batches_itself(tmp_path):
 def test_cannot_verify_a_script_without_loader(tmp_path):
     from patcher.proof.verify import NothingToVerify
 
-    with pytest.raises(NothingToVerify, match="holds no runtime of patch-prefetch"):
+    with pytest.raises(NothingToVerify, match="byte-identical to"):
         verify(FIXTURES / "no_loader.py", FIXTURES / "no_loader.py")
     patched = tmp_path / "patched.py"  # a runtime name, but still no loader to drive
     patched.write_text((FIXTURES / "no_loader.py").read_text() + "\n_make_train_loader = None\n")
@@ -355,7 +355,7 @@ def test_the_original_against_itself_is_refused_not_identical(tmp_path, capsys):
     fixture = Path(__file__).resolve().parents[1] / "fixtures" / "tokenstream_readable.py"
     assert main(["verify", str(fixture), str(fixture)]) == 3
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("patch-prefetch verify: nothing to verify: ") and "holds no runtime of patch-prefetch" in err[0]
+    assert len(err) == 1 and err[0].startswith("patch-prefetch verify: nothing to verify: ") and "byte-identical to" in err[0]
 
 
 def test_a_patch_without_training_prefetch_says_nothing_was_prefetched(tmp_path, capsys):

@@ -281,13 +281,13 @@ class ValHandedOutEarly(_InInjected):
 
 
 class ValStagingReused(_InInjected):
-    """The validation generator stages every batch in one reused buffer instead of `pin_memory()`'s fresh copy."""
+    """The validation generator stages every batch in one reused pinned buffer instead of `pin_memory()`'s fresh copy."""
 
     def leave_Call(self, original, updated):
         if self.inside("_val_prefetch") and m.matches(updated, m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("pin_memory")), args=[])):
             self.edits += 1
             piece = updated.func.value.value
-            return cst.parse_expression(f"_mutant_buffer({piece}.shape, dtype={piece}.dtype).copy_({piece})")
+            return cst.parse_expression(f"_mutant_buffer({piece}.shape, dtype={piece}.dtype, pin_memory=True).copy_({piece})")
         return updated
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from patcher.proof import host_cuda
 from patcher.proof.harness import HarnessError
 from patcher.templates.staging import _each_leaf
 
@@ -63,6 +64,11 @@ class VerifyResult:
     # True when the training generator is not run ahead but its own H2D copies are
     # staged (pinned_staging): "identical" proves the staged copies.
     staged: bool = False
+    # True when the patched side holds no runtime of this tool: a hand-edited version of
+    # the original, driven through its own loader and its own calls.
+    edited: bool = False
+    # Micro-steps the host ran ahead of the GPU on the CUDA path (`host_cuda.AsyncCopies`).
+    run_ahead: int = 0
     # What the run crossed ("2 stage changes (synthesized)", "2 shard boundaries") and
     # what it could not exercise, with the reason: the verdict is "partial" where any is.
     exercised: list[str] = dataclasses.field(default_factory=list)
@@ -79,6 +85,8 @@ class VerifyResult:
             "val_batches_compared": self.val_batches_compared,
             "prefetched": self.prefetched,
             "staged": self.staged,
+            "edited": self.edited,
+            "run_ahead": self.run_ahead,
             "exercised": self.exercised,
             "skipped": self.skipped,
         }
@@ -127,6 +135,9 @@ def _by_attributes(a, same_class: bool) -> bool:
 
 def _difference(a, b, path: str) -> tuple[str, str] | None:
     """(path, what) of the first difference below `path`, or None."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        what = _leaf_difference(a, b)  # a tensor standing for device memory (`host_cuda`) is a tensor
+        return None if what is None else (path, what)
     same_class = type(a) is type(b)
     if not same_class and _kind(type(a)) != _kind(type(b)):
         return path, f"{type(a).__name__} vs {type(b).__name__}"
@@ -194,7 +205,7 @@ def copy_batch(batch):
     """A private copy of a batch of any structure (tensors cloned, numpy arrays copied,
     containers and dataclass instances rebuilt), walked as the runtime walks it
     (`patcher/templates/staging.py` `_each_leaf`)."""
-    return _each_leaf(batch, lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
+    return _each_leaf(batch, lambda v: v.detach().clone().as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
 
 
 class GlobalRng:
@@ -240,6 +251,71 @@ def _set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[2])
 
 
+class InFlight:
+    """Batches drawn whose H2D copies a GPU may not have run yet (`host_cuda`'s model of
+    asynchronous copies, the host `run_ahead` micro-steps ahead): a batch is compared
+    once its micro-step's copies have run, as the GPU used it (kept before a later
+    micro-step's copy rewrites its device memory), and the rest when the phase ends (a
+    synchronize). Outside the model (a CPU run) each batch is compared as it is drawn."""
+
+    def __init__(self):
+        self.held: collections.deque = collections.deque()  # [micro-step, batch index, *batch]
+        self.model = host_cuda.active_copies()
+        self.run_ahead = self.model.run_ahead if self.model is not None else 0
+        if self.model is not None:
+            self.model.watchers.append(self._consumed)
+
+    def _consumed(self, tick: int) -> None:
+        """A copy of micro-step `tick` is about to write device memory: the batches drawn
+        before it are what the GPU computed on; keep them as they are now (device memory
+        a later micro-step reuses is written in stream order after their use)."""
+        for i, (step, n, *batch) in enumerate(self.held):
+            if step < tick and not isinstance(batch[-1], _Landed):
+                self.held[i] = (step, n, *batch[:-1], _Landed(_snapshot(batch[-1])))
+
+    def drawn(self, n: int, *batch) -> list:
+        """Batch `n` was drawn (one micro-step): the batches now due, as (index, *batch), in order."""
+        if self.model is None:
+            return [(n, *batch)]
+        with self.model.lock:  # the loader's own threads may be copying (and calling `_consumed`)
+            step = self.model.clock
+            self.model.tick()
+            self.held.append((step, n, *batch))
+            due = []
+            while self.held and self.held[0][0] <= self.model.clock - 1 - self.run_ahead:
+                due.append(_unwrapped(self.held.popleft()[1:]))
+            return due
+
+    def landed(self) -> list:
+        """The phase ends: every copy runs; the batches still held, in order."""
+        if self.model is None:
+            return []
+        with self.model.lock:
+            self.model.drain()
+            due, self.held = [_unwrapped(item[1:]) for item in self.held], collections.deque()
+            if self._consumed in self.model.watchers:
+                self.model.watchers.remove(self._consumed)
+            return due
+
+
+class _Landed:
+    """A batch as the GPU used it, kept before a later copy rewrote its device memory."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+
+def _snapshot(batch):
+    """A private copy of `batch` that reads no pending copy (they have run, or are not its own)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return _each_leaf(batch, lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
+
+
+def _unwrapped(item: tuple) -> tuple:
+    last = item[-1]
+    return (*item[:-1], last.batch) if isinstance(last, _Landed) else item
+
+
 def compare_phases(rank: int, phases, build, draw, what: str, timeout_s: float) -> Difference | None:
     """Build both sides for each (phase, construction index, count) and compare `count`
     draws in order; the first difference, or None. build(side, index) -> source;
@@ -258,10 +334,12 @@ def _compare_phases(rank, phases, build, draw, what, timeout_s, sources, rng: Gl
                 close(sources[side])
                 with rng.side(side):
                     sources[side] = harness_step(lambda: build(side, index), f"building the {'original' if side == 0 else 'patched'} {what} ({phase}) for rank {rank}")
-            previous = None  # the last item of each side, checked again after the next is drawn
+            previous = None  # (n, reference, candidate) of the last item compared, checked again after the next is drawn
+            in_flight = InFlight()
             for n in range(count):
-                with draw_deadline(timeout_s), rng.side(0):
+                with draw_deadline(timeout_s), rng.side(0), host_cuda.reference_side():
                     reference = harness_step(lambda: draw(sources[0], n), f"the original {what}'s item {n} ({phase}) on rank {rank}")
+                reference = copy_batch(reference)
                 try:
                     with draw_deadline(timeout_s), rng.side(1):
                         candidate = draw(sources[1], n)
@@ -269,14 +347,19 @@ def _compare_phases(rank, phases, build, draw, what, timeout_s, sources, rng: Gl
                     raise CannotVerify(f"the patched {what} hangs here (rank {rank}, {phase} item {n}): {error}") from None
                 except Exception as error:
                     return Difference(rank, phase, n, None, f"the patched {what} raised {type(error).__name__}: {one_line(error)}")
-                diff = first_difference(reference, candidate)
-                if diff is not None:
-                    return Difference(rank, phase, n, diff[0], diff[1])
                 # A buffer reused too early changes an item already handed out.
-                late = previous and first_difference(*previous)
+                late = previous and first_difference(*previous[1:])
                 if late:
-                    return Difference(rank, phase, n - 1, late[0], f"changed after the next item was drawn: {late[1]}")
-                previous = (copy_batch(reference), candidate)
+                    return Difference(rank, phase, previous[0], late[0], f"changed after the next item was drawn: {late[1]}")
+                for m, expected, got in in_flight.drawn(n, reference, candidate):
+                    diff = first_difference(expected, got)
+                    if diff is not None:
+                        return Difference(rank, phase, m, diff[0], diff[1])
+                    previous = (m, expected, got)
+            for m, expected, got in in_flight.landed():
+                diff = first_difference(expected, got)
+                if diff is not None:
+                    return Difference(rank, phase, m, diff[0], diff[1])
     finally:
         for source in sources:
             close(source)

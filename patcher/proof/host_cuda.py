@@ -1,8 +1,9 @@
 """CUDA on a CPU-only host: the script's CUDA path driven with host memory, or its CUDA calls kept on the host.
 
 `cuda_on_host` makes `torch.cuda.is_available()` True and CUDA mean host memory, so
-pinned staging buffers, copy streams and events run (as synchronous stand-ins) with
-the same values; `cuda_as_host` and `host_only_pinning` let a script's hard-coded
+pinned staging buffers, copy streams and events run with the same values, and an
+asynchronous H2D copy from pinned memory reads its source as late as a GPU may
+(`AsyncCopies`: the host running `run_ahead` micro-steps ahead of the device); `cuda_as_host` and `host_only_pinning` let a script's hard-coded
 `.cuda()` / `.to("cuda")` and `pin_memory` run on a machine without CUDA. With real
 CUDA present, none of them changes anything.
 """
@@ -10,48 +11,316 @@ CUDA present, none of them changes anything.
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
+from collections import deque
 
 import torch
+import torch.utils._pytree as pytree
 
 
 # torch factories whose `device=` / `pin_memory=` a loader or the injected runtime may pass
 _FACTORIES = ("empty", "zeros", "ones", "full", "arange", "tensor", "as_tensor", "empty_like", "zeros_like", "ones_like", "full_like", "empty_strided", "randint", "randperm", "from_numpy")
 
 
+# How many micro-steps the host runs ahead of the GPU by default. A GPU-bound step lets
+# the host queue the next micro-step's copies and kernels before the GPU has run this
+# one's; a compiled model's few launches let it queue a second before a `.item()`, the
+# launch queue or the caching allocator stops it. Two is the least that shows a reused
+# pinned buffer of two slots without a fence (the common hand-written double buffer);
+# `--run-ahead` raises it for deeper rings.
+RUN_AHEAD = 2
+
+# Tensor functions that read no element: views and metadata. Any other use of a device
+# tensor whose copy is still pending runs that copy first (the use is stream-ordered
+# after it on a GPU).
+_NO_READ = frozenset({
+    "__get__", "__getitem__", "view", "view_as", "reshape", "reshape_as", "narrow", "select", "squeeze", "unsqueeze",
+    "t", "transpose", "permute", "expand", "expand_as", "flatten", "unflatten", "split", "chunk", "unbind", "as_strided",
+    "size", "dim", "numel", "stride", "storage_offset", "element_size", "is_contiguous", "data_ptr", "is_pinned",
+    "record_stream", "__len__", "untyped_storage", "ndimension", "nelement",
+})
+
+
+class _Copy:
+    """One H2D copy in flight: `dst` (host memory standing for the device) gets `src` when it runs."""
+
+    __slots__ = ("seq", "tick", "src", "dst", "storage")
+
+    def __init__(self, seq: int, tick: int, src: torch.Tensor, dst: torch.Tensor):
+        self.seq, self.tick, self.src, self.dst, self.storage = seq, tick, src, dst, _storage(dst)
+
+
+class AsyncCopies:
+    """The host model of CUDA's asynchronous H2D copies (the state `cuda_on_host` keeps).
+
+    A `non_blocking=True` copy from pinned memory (`.to("cuda")`, `.cuda()`, or
+    `device_tensor.copy_(pinned)`) returns at once and reads its source when the GPU
+    would run it, not at the call: `run_ahead` micro-steps later (the harness counts
+    them with `tick()`), or earlier where the stream order or the host forces it: a use
+    of the destination that reads its elements, `torch.cuda.synchronize()`, a stream's
+    `synchronize()`, an event recorded after it that the host waits on
+    (`synchronize()`, `query()`), a D2H read (`.item()`, `.cpu()`, `.tolist()`,
+    `.numpy()`), or a blocking copy. A copy from pageable memory, or a blocking one,
+    reads its source at the call (CUDA stages pageable memory before it returns). A
+    pinned buffer rewritten before its copy ran therefore changes the batch, as on a GPU
+    whose copy runs late ("a systematic loss offset with zero timing signature",
+    modded-nanogpt #349). Pinned blocks from `pin_memory()` or `pin_memory=True` are
+    never handed out again, as torch's caching host allocator hands a block out again
+    only after the event behind its last copy has completed.
+
+    Running a copy earlier than a GPU would can hide a race but never invent one: where
+    the model is unsure (two streams, a use it cannot see through), it runs copies early.
+    reference: copies run at the call, whatever `run_ahead` (the original script's data
+    as meant). blocking: copies that ran at the call (pageable, or not `non_blocking`):
+    on a GPU each waits for all the work queued before it on its stream, a drain of the
+    host's run-ahead. waits: those of them that found copies of this model in flight.
+    """
+
+    def __init__(self, run_ahead: int = RUN_AHEAD):
+        if run_ahead < 0:
+            raise ValueError(f"run_ahead must be 0 or more micro-steps, not {run_ahead}")
+        self.run_ahead = run_ahead
+        self.clock = 0
+        self.pending: deque[_Copy] = deque()
+        self.issued = 0
+        self.reference = False
+        self.blocking = 0
+        self.waits = 0
+        self._last_into: dict[int, int] = {}  # device storage -> the last pending copy into it
+        # Called with a copy's micro-step before it writes device memory: the micro-steps
+        # before it have been consumed on the GPU (their forward was queued before it).
+        self.watchers: list = []
+        # A loader's own threads copy too (a hand-written prefetch): one copy, run or tick at a time.
+        self.lock = threading.RLock()
+        self._pinned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mark `tensor` (and every view of it) pinned; returns it."""
+        base = tensor._base if tensor._base is not None else tensor
+        self._pinned[id(base)] = base
+        return tensor
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        base = tensor._base if tensor._base is not None else tensor
+        return self._pinned.get(id(base)) is base
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
+        """`dst.copy_(src)` (dst: plain host memory standing for the device), queued; it
+        runs now unless it is asynchronous from pinned memory on a non-reference side."""
+        with self.lock:
+            item = _Copy(self.issued, self.clock, src, dst)
+            self.issued += 1
+            if self.reference:
+                _run(item)  # this copy alone: the other side's copies keep their own time
+                return
+            self.pending.append(item)
+            self._last_into[item.storage] = item.seq
+            if not (non_blocking and self.is_pinned(src)):
+                # The host waits for the stream: the GPU catches up with it, this copy included.
+                self.blocking += 1
+                if len(self.pending) > 1:
+                    self.waits += 1
+                self.run_through(item.seq + 1)
+
+    def pending_into(self, tensor: torch.Tensor) -> int:
+        """The sequence number of the last pending copy into `tensor`'s storage, or -1."""
+        return self._last_into.get(_storage(tensor), -1)
+
+    def run_through(self, seq: int) -> None:
+        """Run every pending copy issued before copy number `seq`, in issue order."""
+        with self.lock:
+            while self.pending and self.pending[0].seq < seq:
+                self._ran(self.pending.popleft())
+
+    def tick(self) -> None:
+        """The harness drew one micro-step's batch: the GPU reaches the copies issued
+        `run_ahead` micro-steps ago (a run-ahead of 0 runs this micro-step's)."""
+        with self.lock:
+            while self.pending and self.pending[0].tick <= self.clock - self.run_ahead:
+                self._ran(self.pending.popleft())
+            self.clock += 1
+
+    def drain(self) -> None:
+        """`torch.cuda.synchronize()`: every pending copy runs."""
+        self.run_through(self.issued)
+
+    def _ran(self, item: _Copy) -> None:
+        for watcher in self.watchers:
+            watcher(item.tick)
+        _run(item)
+        if self._last_into.get(item.storage) == item.seq:
+            del self._last_into[item.storage]
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunctionSubclass():
+        return tensor.untyped_storage().data_ptr()
+
+
+def _run(item: _Copy) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        _ORIGINAL_COPY(item.dst, item.src)
+
+
+_ORIGINAL_COPY = torch.Tensor.copy_
+_ACTIVE: list[AsyncCopies] = []  # the model of the `cuda_on_host` block we are in (innermost last)
+
+
+def active_copies() -> AsyncCopies | None:
+    """The model of the innermost `cuda_on_host` block, or None outside one (or with real CUDA)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 @contextlib.contextmanager
-def cuda_on_host(notes: list[str] | None = None):
+def reference_side():
+    """Inside: copies run at the call (the original's data as meant), whatever the run-ahead."""
+    model = active_copies()
+    if model is None:
+        yield
+        return
+    saved, model.reference = model.reference, True
+    try:
+        yield
+    finally:
+        model.reference = saved
+
+
+def tick() -> None:
+    """One micro-step drawn (`AsyncCopies.tick` of the active model; nothing outside one)."""
+    model = active_copies()
+    if model is not None:
+        model.tick()
+
+
+def run_ahead() -> int:
+    """Micro-steps the host runs ahead of the GPU in the active model (0 outside one)."""
+    model = active_copies()
+    return model.run_ahead if model is not None else 0
+
+
+def drain() -> None:
+    """Every pending copy of the active model runs (nothing outside one)."""
+    model = active_copies()
+    if model is not None:
+        model.drain()
+
+
+class _OnDevice(torch.Tensor):
+    """Host memory standing for device memory inside `cuda_on_host`: a use that reads
+    its elements first runs the last pending copy into its storage, with every copy
+    issued before it (one stream's order); a D2H read runs every pending copy."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        model = active_copies()
+        name = getattr(func, "__name__", "")
+        if model is not None and model.pending and name not in _NO_READ:
+            if name in ("item", "tolist", "cpu", "numpy"):
+                model.drain()
+            else:
+                devices = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _OnDevice)]
+                model.run_through(max((model.pending_into(a) for a in devices), default=-1) + 1)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.as_subclass(torch.Tensor) if isinstance(tensor, _OnDevice) else tensor
+
+
+_DEFAULT_RUN_AHEAD: list[int] = [RUN_AHEAD]
+
+
+@contextlib.contextmanager
+def run_ahead_of(micro_steps: int):
+    """Inside: `cuda_on_host` blocks that name no run-ahead use `micro_steps` (verify's `--run-ahead`).
+    Raises ValueError for a negative count."""
+    if micro_steps < 0:
+        raise ValueError(f"run_ahead must be 0 or more micro-steps, not {micro_steps}")
+    _DEFAULT_RUN_AHEAD.append(micro_steps)
+    try:
+        yield
+    finally:
+        _DEFAULT_RUN_AHEAD.pop()
+
+
+@contextlib.contextmanager
+def cuda_on_host(notes: list[str] | None = None, run_ahead: int | None = None):
     """Inside: `torch.cuda.is_available()` is True and CUDA means host memory, so code
     that takes its CUDA path (pinned staging buffers, a copy stream, events,
     `record_stream`) runs on a CPU-only machine with the same values.
 
-    An H2D copy (`.to("cuda")`, `.cuda()`) returns the host tensor itself, not a copy:
-    a device tensor that still views its pinned staging buffer, the worst case of an
-    asynchronous copy in flight, so that a staging buffer overwritten while its batch
-    is in use changes that batch. `pin_memory()` returns a copy (as torch does); a
-    `pin_memory=True` or `device="cuda"` argument of a factory means host memory.
-    Streams and events are synchronous stand-ins. With real CUDA present nothing
-    changes. Not thread-safe against other code patching torch at the same time.
+    An H2D copy (`.to("cuda")`, `.cuda()`, `device_tensor.copy_(host)`) gives a tensor
+    standing for device memory (a block of its own), filled when the copy runs: at the
+    call from pageable memory or when blocking, and as late as a GPU running
+    `run_ahead` micro-steps behind the host may from pinned memory (`AsyncCopies`; the
+    harness counts micro-steps with `tick()`; None: `RUN_AHEAD`, or `run_ahead_of`'s). `pin_memory()` returns a pinned copy (as
+    torch does); a `pin_memory=True` or `device="cuda"` argument of a factory means
+    pinned or device memory on the host. With real CUDA present nothing changes
+    (yields False). Not thread-safe against other code patching torch at the same time.
     """
     if torch.cuda.is_available():
         yield False
         return
+    run_ahead = _DEFAULT_RUN_AHEAD[-1] if run_ahead is None else run_ahead
+    model = AsyncCopies(run_ahead)
     saved_cuda = {name: getattr(torch.cuda, name, None) for name in ("is_available", "current_device", "device_count", "set_device", "synchronize", "Stream", "Event", "current_stream", "default_stream", "stream")}
-    saved_tensor = {name: getattr(torch.Tensor, name) for name in ("cuda", "to", "pin_memory", "record_stream", "is_pinned")}
+    saved_tensor = {name: getattr(torch.Tensor, name) for name in ("cuda", "cpu", "to", "pin_memory", "record_stream", "is_pinned", "copy_")}
     saved_factories = {name: getattr(torch, name) for name in _FACTORIES if hasattr(torch, name)}
-    original_to = saved_tensor["to"]
+    original_to, original_cpu, empty_like = saved_tensor["to"], saved_tensor["cpu"], saved_factories["empty_like"]
+
+    def h2d(self, non_blocking: bool, convert=None):
+        if isinstance(self, _OnDevice):  # on the device already: torch returns it, or converts it there
+            return self if convert is None else convert(self)
+        dtype = self.dtype if convert is None else convert(saved_factories["empty"]((0,), dtype=self.dtype)).dtype
+        dst = empty_like(self, dtype=dtype)
+        model.copy(self, dst, non_blocking)
+        return dst.as_subclass(_OnDevice)
 
     def host_to(self, *args, **kwargs):
+        to_cuda = any(_is_cuda(a) for a in args) or _is_cuda(kwargs.get("device"))
         args = tuple("cpu" if _is_cuda(a) else a for a in args)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
-        return original_to(self, *args, **kwargs)
+        if not to_cuda:
+            if isinstance(self, _OnDevice) and (any(_is_cpu(a) for a in args) or _is_cpu(kwargs.get("device"))):
+                return host_cpu(self).to(*args, **kwargs)  # D2H
+            return original_to(self, *args, **kwargs)
+        non_blocking = bool(kwargs.pop("non_blocking", False) or any(a is True for a in args))
+        args = tuple(a for a in args if not isinstance(a, bool))
+        kwargs.pop("copy", None)
+        converts = any(isinstance(a, torch.dtype) for a in args) or "dtype" in kwargs
+        return h2d(self, non_blocking, (lambda t: original_to(t, *args, **kwargs)) if converts else None)
+
+    def host_cuda(self, *args, **kwargs):
+        return h2d(self, bool(kwargs.get("non_blocking", False) or any(a is True for a in args)))
+
+    def host_cpu(self, *args, **kwargs):
+        if not isinstance(self, _OnDevice):
+            return original_cpu(self, *args, **kwargs)
+        model.drain()  # a D2H copy waits for the stream
+        return _plain(self).clone()
+
+    def host_copy(self, src, non_blocking=False):
+        if isinstance(self, _OnDevice) and isinstance(src, torch.Tensor) and not isinstance(src, _OnDevice):
+            model.copy(src, _plain(self), non_blocking)  # H2D into device memory the script holds
+            return self
+        return _ORIGINAL_COPY(self, src, non_blocking)
+
+    def pinned_copy(self, *args, **kwargs):
+        return model.pin(_ORIGINAL_COPY(empty_like(_plain(self)), _plain(self)))
 
     def on_host(factory):
         def make(*args, **kwargs):
-            kwargs.pop("pin_memory", None)
-            if _is_cuda(kwargs.get("device")):
+            pinned = bool(kwargs.pop("pin_memory", False))
+            on_device = _is_cuda(kwargs.get("device"))
+            if on_device:
                 kwargs["device"] = "cpu"
-            return factory(*args, **kwargs)
+            out = factory(*args, **kwargs)
+            if pinned:
+                model.pin(out)
+            return out.as_subclass(_OnDevice) if on_device and not isinstance(out, _OnDevice) else out
 
         return make
 
@@ -60,20 +329,25 @@ def cuda_on_host(notes: list[str] | None = None):
     torch.cuda.current_device = lambda: 0
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda *a, **k: None
-    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: model.drain()
     torch.cuda.Stream, torch.cuda.Event = _HostStream, _HostEvent
     torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: host_stream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.cuda = host_cuda
+    torch.Tensor.cpu = host_cpu
     torch.Tensor.to = host_to
-    torch.Tensor.pin_memory = lambda self, *a, **k: self.clone()
+    torch.Tensor.copy_ = host_copy
+    torch.Tensor.pin_memory = pinned_copy
     torch.Tensor.record_stream = lambda self, *a, **k: None
-    torch.Tensor.is_pinned = lambda self, *a, **k: True
+    torch.Tensor.is_pinned = lambda self, *a, **k: model.is_pinned(_plain(self))
     for name, factory in saved_factories.items():
         setattr(torch, name, on_host(factory))
+    _ACTIVE.append(model)
     try:
         yield True
     finally:
+        _ACTIVE.remove(model)
+        model.drain()  # what a script leaves in flight lands (a process exits after a synchronize)
         for name, value in saved_cuda.items():
             if value is not None:
                 setattr(torch.cuda, name, value)
@@ -82,13 +356,16 @@ def cuda_on_host(notes: list[str] | None = None):
         for name, factory in saved_factories.items():
             setattr(torch, name, factory)
         if notes is not None:
-            note = "CUDA path driven on host memory: is_available() True, pinned staging and copy-stream calls run, an H2D copy keeps viewing its staging buffer (the worst case of a copy in flight)"
+            note = (f"CUDA path driven on host memory: is_available() True, pinned staging and copy-stream calls run, an asynchronous H2D copy "
+                    f"from pinned memory reads its source as late as a GPU {run_ahead} micro-step(s) behind the host may (--run-ahead; events and synchronize calls respected)")
             if note not in notes:
                 notes.append(note)
 
 
 class _HostStream:
-    """Stands in for `torch.cuda.Stream` on a machine without CUDA: work is synchronous."""
+    """Stands in for `torch.cuda.Stream` on a machine without CUDA. Waits between
+    streams order the device only; the host waits in `synchronize()` (every copy in
+    flight runs: one stream's order is not kept apart from another's)."""
 
     def __init__(self, *args, **kwargs):
         pass
@@ -100,31 +377,39 @@ class _HostStream:
         pass
 
     def record_event(self, event=None):
-        return event if event is not None else _HostEvent()
+        event = event if event is not None else _HostEvent()
+        event.record(self)
+        return event
 
     def synchronize(self) -> None:
-        pass
+        drain()
 
     def query(self) -> bool:
+        drain()
         return True
 
 
 class _HostEvent:
-    """Stands in for `torch.cuda.Event`: always complete."""
+    """Stands in for `torch.cuda.Event`: `record()` marks the copies issued so far;
+    the host waiting on it (`synchronize()`, `query()`) runs them."""
 
     def __init__(self, *args, **kwargs):
-        pass
+        self.upto = 0
 
     def record(self, stream=None) -> None:
-        pass
+        model = active_copies()
+        self.upto = model.issued if model is not None else 0
 
     def wait(self, stream=None) -> None:
         pass
 
     def synchronize(self) -> None:
-        pass
+        model = active_copies()
+        if model is not None:
+            model.run_through(self.upto)
 
     def query(self) -> bool:
+        self.synchronize()  # a host that polls is a host that waits
         return True
 
     def elapsed_time(self, other) -> float:
@@ -186,6 +471,12 @@ def host_only_pinning(notes: list[str]):
         for name, factory in originals.items():
             setattr(torch, name, factory)
         notes.append("no CUDA here: pinned-memory requests treated as plain host memory (values are the same)")
+
+
+def _is_cpu(value) -> bool:
+    if isinstance(value, str):
+        return value == "cpu"
+    return isinstance(value, torch.device) and value.type == "cpu"
 
 
 def _is_cuda(value) -> bool:

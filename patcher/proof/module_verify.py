@@ -237,30 +237,38 @@ def _compare(reference: list, patched_fn, arguments: dict, device_param: str, de
     process, starting no child (False: another split than the training one)."""
     import multiprocessing
 
+    from patcher.proof.compare import InFlight
     from patcher.proof.host_cuda import cuda_on_host
 
     on_host = device == "cuda-on-host"
-    context = cuda_on_host() if on_host else _nothing()
+    # A split left in the training process runs the original's own code: its copies are
+    # compared as the original's are (at the end of each micro-step), not run ahead.
+    context = cuda_on_host(run_ahead=None if spawned else 0) if on_host else _nothing()
     said = io.StringIO()
     with context, contextlib.redirect_stderr(said):
         children = set(multiprocessing.active_children())
         generator = patched_fn(**arguments, **{device_param: "cuda" if on_host else "cpu"})
-        previous = None
+        previous = None  # (index, batch) compared last: the spawned path promises it one `next()` longer
+        in_flight = InFlight()
+        index = 0
         try:
             for index, expected in enumerate(reference):
                 got = next(generator)
                 if index == 0 and not spawned and set(multiprocessing.active_children()) - children:
                     return Difference(rank, f"{phase} ({device})", 0, None, "the patched loader started a producer process for a split that should run in the training process")
-                # the spawned path promises a batch one `next()` longer; in this process the
-                # original's promise holds (views of its reused buffers, until the next `next()`)
-                checks = ((index, got, "handed out"), (index - 1, previous, "after the next was taken")) if spawned else ((index, got, "handed out"),)
-                for which, batch, at in checks:
-                    if batch is None:
-                        continue
-                    difference = first_difference(reference[which], batch if device == "cpu" else _on_host(batch))
+                if spawned and previous is not None:
+                    difference = first_difference(reference[previous[0]], previous[1])
                     if difference:
-                        return Difference(rank, f"{phase} ({device}, {at})", which, difference[0], difference[1])
-                previous = got
+                        return Difference(rank, f"{phase} ({device}, after the next was taken)", previous[0], difference[0], difference[1])
+                for which, batch in in_flight.drawn(index, got):
+                    difference = first_difference(reference[which], batch)
+                    if difference:
+                        return Difference(rank, f"{phase} ({device}, handed out)", which, difference[0], difference[1])
+                    previous = which, batch
+            for which, batch in in_flight.landed():
+                difference = first_difference(reference[which], batch)
+                if difference:
+                    return Difference(rank, f"{phase} ({device}, handed out)", which, difference[0], difference[1])
         except Exception as error:
             return Difference(rank, f"{phase} ({device})", index, None, f"the patched loader raised {type(error).__name__}: {error}")
         finally:
@@ -268,10 +276,6 @@ def _compare(reference: list, patched_fn, arguments: dict, device_param: str, de
     if spawned and "runs in the training process" in said.getvalue():  # the fallback path proves nothing about the producer
         return Difference(rank, f"{phase} ({device})", 0, None, "the patched loader did not start its spawned producer: " + said.getvalue().strip())
     return None
-
-
-def _on_host(batch):
-    return tuple(v.cpu() if isinstance(v, torch.Tensor) else v for v in batch) if isinstance(batch, tuple) else batch
 
 
 class _nothing:

@@ -15,8 +15,9 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
 from patcher.proof.harness import SimulatedDist
+from patcher.proof import host_cuda
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
 
@@ -72,7 +73,7 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
     from here (a module it needs is missing, the configuration breaks its rules), and
     DrawTimeout when a batch takes longer than `timeout_s` seconds."""
     batches, reuses, leaked = {}, {}, collections.Counter()
-    with cuda_on_host(notes), GlobalRng():  # the same global random state as the patched side's
+    with cuda_on_host(notes), host_cuda.reference_side(), GlobalRng():  # the same global random state as the patched side's; copies as meant
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(True))
         loader, started_with = None, script_threads()
         try:
@@ -100,7 +101,7 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
 REBUILD_GRACE_S = 3.0
 
 
-def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, plan: Plan, rank: int, reference: Reference, configuration: Configuration, notes: list[str], timeout_s: float) -> Difference | None:
+def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, plan: Plan, rank: int, reference: Reference, configuration: Configuration, notes: list[str], timeout_s: float, calls: LoaderRecipe | None = None) -> Difference | None:
     """Run the patched script's constructions of `rank` in `configuration` and compare
     every batch with the original's; the first difference, or None. Raises
     CannotVerify when the patched loader hangs (no batch within `timeout_s` seconds).
@@ -109,7 +110,9 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     worker threads, found by `threading.enumerate()`, must be gone after it, but for
     the producer the rebuild reset and the new loader holds: `reset_producer`). Each
     batch is compared when handed out and again just before the next is taken. An
-    exception from the patched loader is a difference at that batch.
+    exception from the patched loader is a difference at that batch. calls: whose
+    `next_batch` arguments the patched loader gets (a hand-edited script's own loop;
+    None: the original's).
     """
     loader = None
     started_with = script_threads()
@@ -134,28 +137,35 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     if leaked:
                         names = ", ".join(sorted({t.name for t in leaked}))
                         return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
-                held = None
+                held = None  # (n, batch): the last batch compared, compared again before the next draw
+                in_flight = InFlight()
                 for n in range(count):
                     if held is not None and not reference.reuses[phase]:
                         _producer_caught_up(loader)
-                        diff = first_difference(reference.batches[phase][n - 1], held)
+                        diff = first_difference(reference.batches[phase][held[0]], held[1])
                         if diff is not None:
-                            return Difference(rank, phase, n - 1, diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
+                            return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
                     try:
                         with draw_deadline(timeout_s):
-                            candidate = loader.next_batch(*recipe.arguments(ns, n, plan.seq_lens))
+                            candidate = loader.next_batch(*(calls or recipe).arguments(ns, n, plan.seq_lens))
                     except DrawTimeout as error:
                         raise CannotVerify(f"the patched loader hangs here (rank {rank}, {phase} batch {n}, {configuration.label}): {error}") from None
                     except Exception as error:
                         return Difference(rank, phase, n, None, f"the patched loader raised {type(error).__name__}: {one_line(error)}")
-                    diff = first_difference(reference.batches[phase][n], candidate)
+                    for m, batch in in_flight.drawn(n, candidate):
+                        diff = first_difference(reference.batches[phase][m], batch)
+                        if diff is not None:
+                            return Difference(rank, phase, m, diff[0], diff[1])
+                        held = m, batch
+                for m, batch in in_flight.landed():
+                    diff = first_difference(reference.batches[phase][m], batch)
                     if diff is not None:
-                        return Difference(rank, phase, n, diff[0], diff[1])
-                    held = candidate
+                        return Difference(rank, phase, m, diff[0], diff[1])
+                    held = m, batch
                 if held is not None and not reference.reuses[phase]:
-                    diff = first_difference(reference.batches[phase][count - 1], held)
+                    diff = first_difference(reference.batches[phase][held[0]], held[1])
                     if diff is not None:
-                        return Difference(rank, phase, count - 1, diff[0], f"changed after it was handed out: {diff[1]}")
+                        return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out: {diff[1]}")
                 if p > 0 and rank == 0:
                     alive = script_threads() - before_build
                     reset = f"; its producer reset for the new loader, not started again ({', '.join(sorted(t.name for t in kept))})" if kept else ""

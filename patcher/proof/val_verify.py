@@ -34,15 +34,16 @@ from patcher.survey.val_survey import ValLoop, find_val_loops
 BATCH_NAMES = ("x", "y")
 
 
-def compare_val_loops(recipe: LoaderRecipe, patched_source: str, load, plan: Plan, seed: int, notes: list[str]) -> tuple[int, Difference | None]:
-    """The (x, y) batches of every evaluation loop val_prefetch rewrote, for every rank.
+def compare_val_loops(recipe: LoaderRecipe, patched_source: str, load, plan: Plan, seed: int, notes: list[str], edited: bool = False) -> tuple[int, Difference | None]:
+    """The (x, y) batches of every evaluation loop val_prefetch rewrote (`edited`: every
+    evaluation loop of a hand-edited script, paired by function and order), for every rank.
 
     load(rank) -> (original module, patched module) as that rank imports them; `plan`
     gives the ranks' Hyperparameters; validation tokens come from `seed`. Returns (batches compared, first difference or None). A loop that cannot be driven
     outside its function is noted, not failed.
     """
     try:
-        pairs = val_loop_pairs(recipe.survey, patched_source)
+        pairs = val_loop_pairs(recipe.survey, patched_source, edited)
     except HarnessError as error:
         notes.append(f"validation batches not compared: {error}")
         return 0, None
@@ -84,12 +85,26 @@ def compare_val_loops(recipe: LoaderRecipe, patched_source: str, load, plan: Pla
     return compared, None
 
 
-def val_loop_pairs(original: Survey, patched_source: str) -> list[tuple[ValLoop, Survey, cst.FunctionDef, cst.For]]:
-    """(original loop, patched survey, patched function, patched loop) for each loop the patch rewrote.
+def val_loop_pairs(original: Survey, patched_source: str, edited: bool = False) -> list[tuple[ValLoop, Survey, cst.FunctionDef, cst.For]]:
+    """(original loop, patched survey, patched function, patched loop) for each loop the
+    patch rewrote; with `edited` (a hand-edited script), the k-th loop of the same
+    function that copies a validation slice to the device, whatever its shape.
 
     Raises HarnessError when the patched script lacks one of them.
     """
     patched = survey_of(patched_source)
+    if edited:
+        theirs: dict[str, list[ValLoop]] = {}
+        for loop in find_val_loops(patched):
+            theirs.setdefault(loop.function, []).append(loop)
+        pairs, used = [], {}
+        for site in (s for s in find_val_loops(original) if s.reason is None):
+            index = used.get(site.function, 0)
+            if index >= len(theirs.get(site.function, [])):
+                raise HarnessError(f"the edited script has no loop {index + 1} copying a validation slice to the device in {site.function}")
+            used[site.function] = index + 1
+            pairs.append((site, patched, theirs[site.function][index].function_node, theirs[site.function][index].loop))
+        return pairs
     functions = {f.name.value: f for f in patched.collector.functions}
     pairs, used = [], {}
     for site in (s for s in find_val_loops(original) if s.reason is None):

@@ -35,7 +35,7 @@ from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof import module_verify
 from patcher.proof.harness import HarnessError, SimulatedDist, load_definitions, load_module, scripts_unloaded, swapped
-from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, host_only_pinning
+from patcher.proof.host_cuda import RUN_AHEAD, cuda_as_host, cuda_on_host, host_only_pinning, run_ahead_of
 from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, hparams_factory, patched_constructions
 from patcher.proof.script_eval import survey_of
@@ -74,6 +74,7 @@ class _Run:
     shard_tokens: int | None
     notes: list[str]
     started: float
+    edited: bool = False  # the patched side is a hand-edited script (no runtime of this tool)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class Driver:
 # The scripts are unloaded once verify's frame is gone: a process that verifies many would
 # otherwise keep every script's shards open (memmap caches) and its runtime's exit hooks.
 @scripts_unloaded()
-def verify(original: str | Path, patched: str | Path, batches: int | None = None, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None) -> VerifyResult:
+def verify(original: str | Path, patched: str | Path, batches: int | None = None, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None, run_ahead: int | None = None) -> VerifyResult:
     """Compare the training batches of `original` and `patched` for ranks 0..world_size-1.
 
     Both scripts are imported with `__file__` = the original's path (the patched one is
@@ -118,6 +119,10 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
     data generator's `.send()` besides those the script's own calls pass. shard_tokens:
     tokens per synthetic train shard of a loader class (default: sized from what the
     ranks read per call so that the run wraps around every shard and reshuffles).
+    run_ahead: micro-steps the host runs ahead of the GPU on the CUDA path driven with
+    host memory (`host_cuda.AsyncCopies`: an asynchronous copy from pinned memory reads
+    its source that late; the original's copies run at the call, its data as meant;
+    None: `host_cuda.RUN_AHEAD`).
 
     Returns a `VerifyResult` (identical, or the first `Difference`: rank, phase, batch,
     field). Raises `CannotVerify` (one line) when the loader cannot be driven outside
@@ -125,36 +130,39 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
     """
     # One intra-op torch thread, as torchrun gives each rank: comparing and converting
     # megabyte batches on several OpenMP threads is many times slower on a shared machine.
-    with swapped(torch.get_num_threads, torch.set_num_threads, 1):
+    run_ahead = RUN_AHEAD if run_ahead is None else run_ahead
+    with swapped(torch.get_num_threads, torch.set_num_threads, 1), run_ahead_of(run_ahead):
         started = time.perf_counter()
         notes: list[str] = []
         sources = (_importable(read_script(original).source, notes, "original"), _importable(read_script(patched).source, notes, "patched"))
         as_path = str(Path(original).resolve())
         notes.append(f"both scripts imported as if at {as_path} (__file__)")
-        prefetched = _patched_runtime(sources[1], patched)
+        edited = _hand_edited(sources[1], original, patched)
+        if edited:
+            notes.append(f"{patched} holds no runtime of patch-prefetch: verified as a hand-edited version of {original}, its own loader driven by its own calls")
+        prefetched = not edited and _patched_runtime(sources[1])
         module = DRIVERS["module"]
         try:
             loader = module.read(*sources)
         except HarnessError:  # a training script, not a data-loader module
             loader = None
         if loader is not None:  # a data-loader module (nanochat's dataloader.py)
-            run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started)
+            run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started, edited)
             result = module.run(loader, run, module.compare)
-            result.prefetched = prefetched
+            result.prefetched, result.edited, result.run_ahead = prefetched, edited, run_ahead
             return result
         notes.append("global random state (random, numpy, torch's CPU generator): each side starts from seed 0 and keeps its own, as in a process of its own")
         staged = STAGING_RUNTIME in survey_of(sources[1]).module_names
         if not prefetched and staged:
             notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")
-        elif not prefetched:
+        elif not prefetched and not edited:
             notes.append("nothing was prefetched: the patched script has no training prefetch (train_prefetch was skipped), so its training loader is the original's")
-        run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started)
+        run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started, edited)
         driver, recipe = _select_driver(run)
         if run.batches is None:
             run.batches = driver.default_batches
         result = driver.run(recipe, run, driver.compare)
-        result.prefetched = prefetched
-        result.staged = staged
+        result.prefetched, result.staged, result.edited, result.run_ahead = prefetched, staged, edited, run_ahead
         return result
 
 
@@ -167,14 +175,21 @@ class NothingToVerify(CannotVerify):
 TRAIN_RUNTIME = tuple(PRODUCERS)
 
 
-def _patched_runtime(source: str, path) -> bool:
-    """Whether `source` (the patched script) prefetches its training batches. Raises
-    NothingToVerify when it holds no runtime of this tool at all (the original given
-    twice, or an unpatched file)."""
+def _hand_edited(source: str, original, patched) -> bool:
+    """Whether `source` (the patched side) is a hand-edited version of the original: it
+    holds no runtime of this tool. Raises NothingToVerify when the two files are
+    byte-identical (a file compared with itself proves nothing)."""
     names = survey_of(source).module_names
-    if not any(name in names for name in (*(n for injected in INJECTED_NAMES.values() for n in injected), *TRAIN_RUNTIME)):
-        raise NothingToVerify(f"{path}: holds no runtime of patch-prefetch (nothing was patched), so comparing it with the original proves nothing; pass the script patch-prefetch wrote")
-    return any(name in names for name in TRAIN_RUNTIME)
+    if any(name in names for name in (*(n for injected in INJECTED_NAMES.values() for n in injected), *TRAIN_RUNTIME)):
+        return False
+    if Path(original).read_bytes() == Path(patched).read_bytes():
+        raise NothingToVerify(f"{patched}: byte-identical to {original}, so comparing them proves nothing; pass the script patch-prefetch wrote, or your edited version")
+    return True
+
+
+def _patched_runtime(source: str) -> bool:
+    """Whether `source` (this tool's output) prefetches its training batches."""
+    return any(name in survey_of(source).module_names for name in TRAIN_RUNTIME)
 
 
 def _select_driver(run: _Run) -> tuple[Driver, object]:
@@ -216,6 +231,7 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
         patched_sites = patched_constructions(patched_source, recipe, original_source)
     except HarnessError as error:
         raise CannotVerify(f"{patched}: {error}") from None
+    calls = _edited_calls(recipe, patched_source, notes) if run.edited else None
     top_level = definitions_only(original_source) != original_source
     with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, _launch_env(as_path, world_size):
 
@@ -234,8 +250,9 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
             return (load_one(original_source, rank), load_one(patched_source, rank))
 
         modules = load(0)
-        notes.append(_toggle_note(modules[1]))
-        configurations = _configurations()
+        if not run.edited:
+            notes.append(_toggle_note(modules[1]))
+        configurations = _configurations("the edited loader" if run.edited else "the default producer")
         difference = None
         try:
             plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, run.shard_tokens)
@@ -246,7 +263,7 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
                     if configuration.ranks is not None and rank not in configuration.ranks:
                         continue
                     patched_module = rank_modules[1] if not configuration.env else load_one(patched_source, rank, configuration.env)
-                    difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, notes, DRAW_TIMEOUT_S)
+                    difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, notes, DRAW_TIMEOUT_S, calls)
                     if difference is not None:
                         difference.configuration = configuration.label
                         break
@@ -257,7 +274,7 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
         notes.extend(f"patched loader run with {c.label}" + ("" if c.ranks is None else f" (rank {', '.join(map(str, c.ranks))})") for c in configurations)
         val_compared = 0
         if difference is None:
-            val_compared, difference = compare_val_loops(recipe, patched_source, lambda rank: modules if rank == 0 else load(rank), plan, run.seed, notes)
+            val_compared, difference = compare_val_loops(recipe, patched_source, lambda rank: modules if rank == 0 else load(rank), plan, run.seed, notes, run.edited)
     notes.extend(_assumption_notes(recipe))
     per_rank = plan.warmup + plan.batches
     return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - run.started, val_compared)
@@ -375,12 +392,27 @@ DRIVERS = {
 SCRIPT_DRIVERS = [driver for name, driver in DRIVERS.items() if name != "module"]
 
 
-def _configurations() -> list[Configuration]:
-    """The runs of the patched loader: the default producer on the CUDA path (host
-    memory), and the CPU device (what a laptop runs) for rank 0."""
+def _edited_calls(recipe: LoaderRecipe, edited_source: str, notes: list[str]) -> LoaderRecipe:
+    """How a hand-edited script's own training loop calls its loader: its recipe where
+    its survey finds a `next_batch` call of a training loader, else the original's (said
+    in `notes`, with the survey's reason)."""
+    try:
+        edited = LoaderRecipe.from_source(edited_source)
+    except HarnessError as error:
+        notes.append(f"the edited script's own next_batch call not found ({error}): its loader is called with the original's arguments")
+        return recipe
+    if edited.call_args != recipe.call_args:
+        notes.append(f"the edited script's loader called with its own loop's arguments: next_batch({', '.join(edited.call_args)}), the original's next_batch({', '.join(recipe.call_args)})")
+    return edited
+
+
+def _configurations(what: str) -> list[Configuration]:
+    """The runs of the patched loader (`what`: "the default producer", or "the edited
+    loader" of a hand-edited script): on the CUDA path (host memory), and on the CPU
+    device (what a laptop runs) for rank 0."""
     return [
-        Configuration("the default producer on the CUDA path (host memory)", {}, True, None),
-        Configuration("the default producer on a CPU device", {}, False, (0,)),
+        Configuration(f"{what} on the CUDA path (host memory)", {}, True, None),
+        Configuration(f"{what} on a CPU device", {}, False, (0,)),
     ]
 
 

@@ -1,0 +1,151 @@
+"""verify for a hand-edited script: no runtime of this tool, its own loader driven by its
+own calls, and the copies a GPU runs late modelled on the CPU (`host_cuda.AsyncCopies`).
+
+Each edit is one of our miniatures applied to a bundled fixture: a hand-written thread
+prefetch (exact with constant arguments; stale where the loop's arguments change), a
+pinned ring with and without its fence, and a loop that fetches the next batch before
+using the current one."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from patcher.cli import EXIT_FAILED, EXIT_NOTHING, EXIT_OK, main
+from patcher.proof.verify import verify
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+CONSTRUCTION = "train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)"
+
+THREAD_PREFETCH = '''
+
+class ThreadPrefetch:
+    """A hand-written prefetch: a daemon thread calls next_batch ahead with the first call's arguments."""
+
+    current = None
+
+    def __init__(self, loader, depth=2):
+        self.loader, self.queue, self.args = loader, queue.Queue(depth), None
+        ThreadPrefetch.current = self  # a rebuild stops the thread of the loader built before
+
+    def next_batch(self, *args):
+        if self.args is None:
+            self.args = args
+            threading.Thread(target=self._run, daemon=True).start()
+        return self.queue.get()
+
+    def shutdown(self):
+        ThreadPrefetch.current = None
+
+    def _run(self):
+        while ThreadPrefetch.current is self:
+            batch = self.loader.next_batch(*self.args)
+            while ThreadPrefetch.current is self:
+                try:
+                    self.queue.put(batch, timeout=0.05)
+                    break
+                except queue.Full:
+                    pass
+'''
+
+# The fixture's H2D, made through a pinned ring of `depth` slots; `fence`: the host waits
+# for a slot's last copy (a CUDA event) before refilling it.
+RETURN = "        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)\n"
+RING = '''        if not hasattr(self, "ring"):
+            self.ring = [torch.empty(mine.numel(), dtype=torch.int64, pin_memory=True) for _ in range({depth})]
+            self.fences = [None] * {depth}
+            self.slot = 0
+        i = self.slot
+        self.slot = (i + 1) % len(self.ring)
+        if {fence} and self.fences[i] is not None:
+            self.fences[i].synchronize()
+        self.ring[i].copy_(mine)
+        x = self.ring[i][:-1].reshape(-1, seq_len).to(self.device, non_blocking=True)
+        y = self.ring[i][1:].reshape(-1, seq_len).to(self.device, non_blocking=True)
+        if torch.cuda.is_available():
+            self.fences[i] = torch.cuda.Event()
+            self.fences[i].record()
+        return x, y
+'''
+
+FETCH = "            x, y = train_loader.next_batch(args.train_batch_tokens, args.train_seq_len, grad_accum_steps)\n"
+EARLY = '''    x, y = train_loader.next_batch(args.train_batch_tokens, args.train_seq_len, grad_accum_steps)
+'''
+
+
+def edited(tmp_path: Path, fixture: str, *edits: tuple[str, str]) -> tuple[Path, Path]:
+    """(the fixture, a copy of it with each (old, new) made once at least), as files in `tmp_path`."""
+    source = (FIXTURES / fixture).read_text()
+    original = tmp_path / fixture
+    original.write_text(source)
+    for old, new in edits:
+        assert old in source, old
+        source = source.replace(old, new)
+    changed = tmp_path / f"edited_{fixture}"
+    changed.write_text(source)
+    return original, changed
+
+
+def thread_prefetch(tmp_path: Path, fixture: str) -> tuple[Path, Path]:
+    return edited(
+        tmp_path, fixture,
+        ("import copy\n", "import copy\nimport queue\nimport threading\n"),
+        (CONSTRUCTION, CONSTRUCTION.replace("= DistributedTokenLoader(", "= ThreadPrefetch(DistributedTokenLoader(") + ")"),
+        ("\n\nclass DistributedTokenLoader:", THREAD_PREFETCH + "\n\nclass DistributedTokenLoader:"),
+    )
+
+
+def test_an_exact_hand_written_thread_prefetch_is_identical(tmp_path, capsys):
+    original, changed = thread_prefetch(tmp_path, "tokenstream_readable.py")
+    assert main(["verify", str(original), str(changed), "--batches", "24"]) == EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    assert any("holds no runtime of patch-prefetch: verified as a hand-edited version of" in line for line in out)
+    assert out[-1].startswith("identical: 56 batches and 66 validation batches over 2 ranks") and out[-1].endswith("a hand-edited script (no runtime of patch-prefetch), driven through its own loader")
+
+
+def test_a_thread_prefetch_that_keeps_the_first_calls_arguments_differs_where_the_loop_changes_them(tmp_path):
+    # The curriculum fixture's loop changes the sequence length every few steps: the
+    # batches queued ahead keep the length of the call that queued them.
+    original, changed = thread_prefetch(tmp_path, "curriculum.py")
+    result = verify(original, changed, batches=12, world_size=1)
+    assert result.edited and not result.identical
+    assert (result.difference.rank, result.difference.phase, result.difference.batch, result.difference.field) == (0, "train", 5, 0)
+    assert result.difference.what.startswith("shape (")
+
+
+@pytest.mark.parametrize("depth, fence, run_ahead, differs", [
+    (1, False, 2, True),   # one pinned buffer, refilled before its copy ran
+    (2, False, 2, True),   # a double buffer without a fence: as deep as the host runs ahead
+    (3, False, 2, False),  # deeper than the run-ahead: passes at 2 ...
+    (3, False, 3, True),   # ... and fails where the host runs 3 micro-steps ahead
+    (1, True, 4, False),   # fenced: the host waits for the slot's last copy
+])
+def test_a_pinned_ring_is_judged_by_its_fence_and_depth_against_the_run_ahead(tmp_path, depth, fence, run_ahead, differs):
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (RETURN, RING.format(depth=depth, fence=fence)))
+    result = verify(original, changed, batches=8, world_size=1, run_ahead=run_ahead)
+    assert result.run_ahead == run_ahead and result.edited
+    if differs:
+        d = result.difference
+        assert (d.rank, d.phase, d.batch, d.field) == (0, "warmup", 0, 0) and d.what.startswith("bytes differ")
+        assert d.configuration == "the edited loader on the CUDA path (host memory)"
+    else:
+        assert result.identical, result.difference
+
+
+def test_a_loop_that_fetches_the_next_batch_before_using_the_current_one(tmp_path):
+    # The first batch fetched before the loop, each next one right after the forward that
+    # uses the current: the same calls in the same order, so the same batches.
+    autocast = "            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == \"cuda\"):\n                loss = model(x, y)\n"
+    original, changed = edited(
+        tmp_path, "tokenstream_readable.py",
+        ("    elapsed_ms = 0.0\n", EARLY + "    elapsed_ms = 0.0\n"),
+        ("        for micro in range(grad_accum_steps):\n" + FETCH + autocast, "        for micro in range(grad_accum_steps):\n" + autocast + FETCH),
+    )
+    result = verify(original, changed, batches=8, world_size=1)
+    assert result.edited and result.identical, result.difference
+
+
+def test_a_copy_with_only_its_layout_changed_is_verified_not_refused(tmp_path, capsys):
+    original, changed = edited(tmp_path, "tokenstream_readable.py", ("import copy\n", "import copy  # unchanged otherwise\n"))
+    assert main(["verify", str(original), str(changed), "--batches", "8"]) == EXIT_OK
+    assert main(["verify", str(original), str(original)]) == EXIT_NOTHING

@@ -149,3 +149,12 @@ def test_a_copy_with_only_its_layout_changed_is_verified_not_refused(tmp_path, c
     original, changed = edited(tmp_path, "tokenstream_readable.py", ("import copy\n", "import copy  # unchanged otherwise\n"))
     assert main(["verify", str(original), str(changed), "--batches", "8"]) == EXIT_OK
     assert main(["verify", str(original), str(original)]) == EXIT_NOTHING
+
+
+def test_an_edited_loader_built_where_the_survey_cannot_follow_is_cannot_verify_with_the_reason(tmp_path, capsys):
+    # The rebuild replaced by resetting the loader's stream in place: no second construction to drive.
+    rebuild = "        " + CONSTRUCTION + "\n"
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (rebuild, "        train_loader.stream = TokenStream(args.train_files)\n"))
+    assert main(["verify", str(original), str(changed)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"patch-prefetch verify: cannot verify: {changed}: the edited script assigns `train_loader` from a call 1 times in main(), the original 2 times"]

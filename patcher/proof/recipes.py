@@ -118,7 +118,7 @@ class LoaderRecipe:
         return evaluate_script_code(self.survey, code, ns, scope if scope is not None else self.call_scope, assumed=self.assumed)
 
 
-def patched_constructions(source: str, recipe: LoaderRecipe, original_source: str | None = None) -> list[str]:
+def patched_constructions(source: str, recipe: LoaderRecipe, original_source: str | None = None, side: str = "patched") -> list[str]:
     """Code of the patched script's constructions that stand where the original's
     training constructions stand, in the original's order.
 
@@ -129,7 +129,7 @@ def patched_constructions(source: str, recipe: LoaderRecipe, original_source: st
     the runtime's own `loader = ...`) never count. Without `original_source`, every
     assignment of the first construction's variable to a call of its class or of an
     injected function counts. Raises HarnessError when a construction has no
-    counterpart.
+    counterpart (`side`: what the message calls the script, "patched" or "edited").
     """
     surveyed = survey_of(source)
     patched_module = surveyed.module
@@ -153,7 +153,7 @@ def patched_constructions(source: str, recipe: LoaderRecipe, original_source: st
         candidates = patched_groups.get(key, [])
         if len(candidates) != len(original_groups[key]):
             where = f"in {key[0]}()" if key[0] else "at module level"
-            raise HarnessError(f"the patched script assigns `{site.target}` from a call {len(candidates)} times {where}, the original {len(original_groups[key])} times")
+            raise HarnessError(f"the {side} script assigns `{site.target}` from a call {len(candidates)} times {where}, the original {len(original_groups[key])} times")
         found.append(surveyed.module.code_for_node(candidates[position].value))
     return found
 

@@ -228,7 +228,7 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
     original_source, patched_source = run.sources
     as_path, world_size, notes = run.as_path, run.world_size, run.notes
     try:
-        patched_sites = patched_constructions(patched_source, recipe, original_source)
+        patched_sites = patched_constructions(patched_source, recipe, original_source, "edited" if run.edited else "patched")
     except HarnessError as error:
         raise CannotVerify(f"{patched}: {error}") from None
     calls = _edited_calls(recipe, patched_source, notes) if run.edited else None

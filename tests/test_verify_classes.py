@@ -96,7 +96,7 @@ def test_a_module_the_loader_imports_lazily_is_cannot_verify_not_a_difference(tm
     code = main(["verify", str(original), str(out), "--batches", "4"])
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT
-    assert "cannot verify: needs sentencepiece" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "cannot verify: needs sentencepiece" in err and "pip install sentencepiece" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_harness_failure_is_exit_2_in_one_line(tmp_path, capsys, monkeypatch):

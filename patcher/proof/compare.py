@@ -410,7 +410,8 @@ def harness_step(step, what: str):
     except HarnessError as error:
         raise CannotVerify(str(error)) from None
     except ModuleNotFoundError as error:
-        raise CannotVerify(f"needs {error.name or error}: {what} imports it and it is not installed here") from None
+        name = (error.name or str(error)).split(".")[0]
+        raise CannotVerify(f"needs {error.name or error}: {what} imports it and it is not installed here; install it (pip install {name}, or the package that provides it) and verify again") from None
     except Exception as error:
         raise CannotVerify(f"{what} fails here: {type(error).__name__}: {one_line(error)}") from None
 

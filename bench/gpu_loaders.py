@@ -52,8 +52,9 @@ every batch of the patched side is compared with the original's on the CPU
 (`torch.equal`, `np.array_equal`, `==`).
 
 `--dry-run`: tiny sizes, run in seconds on a CPU under `cuda_on_host` (the scripts'
-CUDA paths with host memory; streams and events synchronous stand-ins); no GPU load
-there (load_ms 0; the JSON says so). With real CUDA, `--dry-run` keeps the tiny sizes
+CUDA paths with host memory; a copy from pinned memory runs when its result is first
+read, here the clone at hand-out, so the dry run proves the values, not the timing:
+`verify --run-ahead` models that); no GPU load there (load_ms 0; the JSON says so). With real CUDA, `--dry-run` keeps the tiny sizes
 and the GPU load.
 """
 

@@ -334,7 +334,7 @@ STAGING_RUNTIME = "_pinned_h2d"
 def _compare_generator_configurations(driver_compare, recipe, modules, rank, world_size, counts, plan, notes) -> Difference | None:
     """One rank's generators compared. Where the patched script stages its generator's
     H2D copies (`_pinned_h2d`), on the CUDA path driven with host memory (pinned ring
-    buffers, copy stream, fences; each copy keeps viewing its buffer) for every rank,
+    buffers, copy stream, fences; pinned copies read late, `--run-ahead`) for every rank,
     then with CUDA unavailable (the original calls) for rank 0. `plan`: the sends and
     the marked shards (`patcher.proof.generator_plan.GeneratorPlan`)."""
 

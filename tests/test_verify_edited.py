@@ -158,3 +158,27 @@ def test_an_edited_loader_built_where_the_survey_cannot_follow_is_cannot_verify_
     assert main(["verify", str(original), str(changed)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"patch-prefetch verify: cannot verify: {changed}: the edited script assigns `train_loader` from a call 1 times in main(), the original 2 times"]
+
+
+# A data generator's own H2D copy routed through pinned memory by hand (the generator
+# driver): a fresh pinned block per batch is exact; one block per shape, refilled by the
+# next item while its copy is still in flight, is not.
+INPUTS_COPY = "            inputs.to(device=device, non_blocking=True),\n"
+YIELD = "        new_args = yield (\n"
+
+
+@pytest.mark.parametrize("pinned, identical", [
+    ("torch.empty_like(inputs, pin_memory=True)", True),
+    ("_pinned_inputs.setdefault((inputs.shape, inputs.dtype), torch.empty_like(inputs, pin_memory=True))", False),
+])
+def test_a_generator_staged_by_hand(tmp_path, pinned, identical):
+    original, changed = edited(
+        tmp_path, "generator_shards.py",
+        ("import threading\n", "import threading\n\n_pinned_inputs = {}\n"),
+        (YIELD, f"        pinned = {pinned}\n        pinned.copy_(inputs)\n" + YIELD),
+        (INPUTS_COPY, "            pinned.to(device=device, non_blocking=True),\n"),
+    )
+    result = verify(original, changed, batches=16, world_size=1)
+    assert result.edited and result.identical is identical, result.difference
+    if not identical:
+        assert (result.difference.phase, result.difference.batch, result.difference.field) == ("train", 0, 0)

@@ -145,6 +145,44 @@ def test_a_loop_that_fetches_the_next_batch_before_using_the_current_one(tmp_pat
     assert result.edited and result.identical, result.difference
 
 
+# The fixture's loader as nanochat's: one device buffer, refilled at each call, its views
+# handed out (a batch holds until the next call).
+DEVICE_BUFFER = """        if not hasattr(self, "on_device"):
+            self.on_device = torch.empty(mine.numel(), dtype=torch.int64, device=self.device)
+        self.on_device.copy_(mine)
+        return self.on_device[:-1].reshape(-1, seq_len), self.on_device[1:].reshape(-1, seq_len)
+"""
+AUTOCAST = "            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == \"cuda\"):\n                loss = model(x, y)\n"
+
+
+@pytest.mark.parametrize("fetch_first", [False, True])
+def test_a_loop_that_fetches_the_next_batch_before_using_a_batch_that_holds_until_the_next_call(tmp_path, fetch_first):
+    # Both sides' loader hands out views of its device buffer. The original loop uses
+    # each batch before the next call; the edited one fetches first, so the model
+    # trains on the next batch's data.
+    loop = "        for micro in range(grad_accum_steps):\n" + FETCH + AUTOCAST
+    early = ("        for micro in range(grad_accum_steps):\n" + FETCH.replace("x, y =", "next_x, next_y =")
+             + "            x, y = x_held, y_held\n" + AUTOCAST + "            x_held, y_held = next_x, next_y\n")
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (RETURN, DEVICE_BUFFER))
+    source = changed.read_text()
+    original.write_text(source)  # the original: the same loader, its own loop
+    if fetch_first:
+        assert source.count(loop) == 1
+        source = source.replace(loop, early).replace("    elapsed_ms = 0.0\n", "    x_held, y_held = train_loader.next_batch(args.train_batch_tokens, args.train_seq_len, grad_accum_steps)\n    elapsed_ms = 0.0\n")
+    else:
+        source = source.replace("import copy\n", "import copy  # the loop as it was\n")
+    changed.write_text(source)
+    result = verify(original, changed, batches=8, world_size=1)
+    assert result.edited
+    if not fetch_first:
+        assert result.identical, result.difference
+        return
+    d = result.difference
+    line = source[: source.index("x, y = x_held, y_held")].count("\n") + 1  # where the loop reads the batch it holds
+    assert (d.phase, d.batch, d.field) == ("train", 0, 0), d
+    assert d.what == f"bytes differ: first at [0, 0]: 1 vs 16 (the edited loop fetches the next batch before it uses this one, line {line})"
+
+
 def test_a_copy_with_only_its_layout_changed_is_verified_not_refused(tmp_path, capsys):
     original, changed = edited(tmp_path, "tokenstream_readable.py", ("import copy\n", "import copy  # unchanged otherwise\n"))
     assert main(["verify", str(original), str(changed), "--batches", "8"]) == EXIT_OK

@@ -258,7 +258,10 @@ class InFlight:
     micro-step's copy rewrites its device memory), and the rest when the phase ends (a
     synchronize). Outside the model (a CPU run) each batch is compared as it is drawn."""
 
-    def __init__(self):
+    def __init__(self, use_delay: int = 0):
+        # use_delay: draws between a batch's and the loop's use of it (1: the loop fetches
+        # the next batch first, so the next micro-step's copies come before that use).
+        self.use_delay = use_delay
         self.held: collections.deque = collections.deque()  # [micro-step, batch index, *batch]
         self.model = host_cuda.active_copies()
         self.run_ahead = self.model.run_ahead if self.model is not None else 0
@@ -270,7 +273,7 @@ class InFlight:
         before it are what the GPU computed on; keep them as they are now (device memory
         a later micro-step reuses is written in stream order after their use)."""
         for i, (step, n, *batch) in enumerate(self.held):
-            if step < tick and not isinstance(batch[-1], _Landed):
+            if step + self.use_delay < tick and not isinstance(batch[-1], _Landed):
                 self.held[i] = (step, n, *batch[:-1], _Landed(_snapshot(batch[-1])))
 
     def drawn(self, n: int, *batch) -> list:
@@ -282,7 +285,7 @@ class InFlight:
             self.model.tick()
             self.held.append((step, n, *batch))
             due = []
-            while self.held and self.held[0][0] <= self.model.clock - 1 - self.run_ahead:
+            while self.held and self.held[0][0] + self.use_delay <= self.model.clock - 1 - self.run_ahead:
                 due.append(_unwrapped(self.held.popleft()[1:]))
             return due
 

@@ -15,10 +15,11 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+from patcher.proof import host_cuda
 from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
 from patcher.proof.harness import SimulatedDist
-from patcher.proof import host_cuda
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
+from patcher.proof.loop_order import early_fetch_line
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
 
 
@@ -116,6 +117,9 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     """
     loader = None
     started_with = script_threads()
+    # A hand-edited loop that fetches the next batch before it uses this one: each batch
+    # must hold across the next call, and is compared where the loop uses it.
+    early_at = _early_fetches(calls) if calls is not None else {}
     with contextlib.ExitStack() as context:
         context.enter_context(GlobalRng())  # the same global random state as the original's side
         if configuration.host_cuda:
@@ -138,13 +142,15 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                         names = ", ".join(sorted({t.name for t in leaked}))
                         return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
                 held = None  # (n, batch): the last batch compared, compared again before the next draw
-                in_flight = InFlight()
+                early = early_at.get(index)
+                early_words = f" (the edited loop fetches the next batch before it uses this one, line {early})" if early else ""
+                in_flight = InFlight(use_delay=1 if early else 0)
                 for n in range(count):
-                    if held is not None and not reference.reuses[phase]:
+                    if held is not None and (early or not reference.reuses[phase]):
                         _producer_caught_up(loader)
                         diff = first_difference(reference.batches[phase][held[0]], held[1])
                         if diff is not None:
-                            return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
+                            return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, before batch {n} was taken{early_words}: {diff[1]}")
                     try:
                         with draw_deadline(timeout_s):
                             candidate = loader.next_batch(*(calls or recipe).arguments(ns, n, plan.seq_lens))
@@ -155,14 +161,14 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     for m, batch in in_flight.drawn(n, candidate):
                         diff = first_difference(reference.batches[phase][m], batch)
                         if diff is not None:
-                            return Difference(rank, phase, m, diff[0], diff[1])
+                            return Difference(rank, phase, m, diff[0], diff[1] + early_words)
                         held = m, batch
                 for m, batch in in_flight.landed():
                     diff = first_difference(reference.batches[phase][m], batch)
                     if diff is not None:
-                        return Difference(rank, phase, m, diff[0], diff[1])
+                        return Difference(rank, phase, m, diff[0], diff[1] + early_words)
                     held = m, batch
-                if held is not None and not reference.reuses[phase]:
+                if held is not None and (early or not reference.reuses[phase]):
                     diff = first_difference(reference.batches[phase][held[0]], held[1])
                     if diff is not None:
                         return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out: {diff[1]}")
@@ -174,6 +180,21 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
             close(loader)
             still_alive(script_threads() - started_with, REBUILD_GRACE_S)
     return None
+
+
+def _early_fetches(calls: LoaderRecipe) -> dict[int, int]:
+    """For each construction of a hand-edited script (by index), the line where the loop
+    that draws from it uses a batch after fetching the next (`loop_order`); the calls
+    between one construction and the next are that construction's."""
+    sites = sorted(calls.constructions, key=lambda c: c.line)
+    found = {}
+    for index, site in enumerate(sites):
+        end = sites[index + 1].line if index + 1 < len(sites) else float("inf")
+        mine = [c for c in calls.survey.calls_on(site) if site.line < c.line < end]
+        line = early_fetch_line(calls.survey, mine)
+        if line is not None:
+            found[index] = line
+    return found
 
 
 def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:

@@ -38,6 +38,11 @@ def test_report_has_the_documented_keys_and_consistent_values(tmp_path):
     assert isinstance(report["main_thread_slowdown_pct"], float)
     assert len(list(tmp_path.glob("fineweb_train_*.bin"))) == 3  # kept for the next run
     assert report["torch_threads"] == 1 and torch.get_num_threads() == threads_before  # restored
+    # On the CUDA path the original's two `.to(device, non_blocking=True)` copy from
+    # pageable memory (each makes the host wait on a GPU); the patched hand-out stages
+    # each tensor in pinned memory and copies asynchronously.
+    census = {k: report[k] for k in report if "copies_per_batch" in k}
+    assert census == {"blocking_copies_per_batch_original": 2.0, "async_copies_per_batch_original": 0.0, "blocking_copies_per_batch_patched": 0.0, "async_copies_per_batch_patched": 2.0}
 
 
 def test_json_output_and_idle_mode(tmp_path, capsys):

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from patcher.proof.harness import HarnessError, load_module, scripts_unloaded, swapped
-from patcher.proof.host_cuda import host_only_pinning
+from patcher.proof.host_cuda import active_copies, cuda_on_host, host_only_pinning
 from patcher.proof.recipes import LoaderRecipe, hparams_factory, patched_constructions
 from patcher.patch import patch_source
 from patcher.proof.shards import write_shards
@@ -146,7 +146,9 @@ def run_bench(
         # Best of a few alternating rounds: the rate a side can reach on this machine.
         rounds = [[_producer_rate(make, args, producer_batches, patched=make is build[1]) for make in build] for _ in range(3)]
         rates = [max(side) for side in zip(*rounds)]
+        census = copy_census(setup)
     report = _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, work, rates)
+    report.update(census)
     report.update(step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
     report["ops_per_step"] = ops
     report["torch_threads"] = threads_used
@@ -161,11 +163,12 @@ class BenchLoaders:
     """What `bench_loaders` yields.
 
     build: `[make_original, make_default_patch]`, each `() -> loader`; args: the
-    `next_batch` arguments of rank 0; spaces: the two scripts' namespaces.
+    `next_batch` arguments of rank 0; spaces: the two scripts' namespaces; on_cuda:
+    the same two builders for a CUDA device (call them inside `cuda_on_host`).
     """
 
-    def __init__(self, build, args, spaces):
-        self.build, self.args, self.spaces = build, args, spaces
+    def __init__(self, build, args, spaces, on_cuda=None):
+        self.build, self.args, self.spaces, self.on_cuda = build, args, spaces, on_cuda
 
 
 @contextlib.contextmanager
@@ -206,7 +209,41 @@ def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed
             lambda: recipe.build(recipe.constructions[0], spaces[0]),
             lambda: _with_depth(recipe.evaluate(patched_site, spaces[1], binding), queue_depth),
         ]
-        yield BenchLoaders(build, args, spaces)
+
+        def cuda_spaces():
+            return [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cuda", 0)) for mod in modules]
+
+        on_cuda = [
+            lambda: recipe.build(recipe.constructions[0], cuda_spaces()[0]),
+            lambda: _with_depth(recipe.evaluate(patched_site, cuda_spaces()[1], binding), queue_depth),
+        ]
+        yield BenchLoaders(build, args, spaces, on_cuda)
+
+
+def copy_census(setup: BenchLoaders, batches: int = 6) -> dict:
+    """H2D copies per `next_batch` of each side on the CUDA path driven with host memory
+    (`host_cuda.AsyncCopies`): {"blocking_copies_per_batch_original", ..._patched,
+    "async_copies_per_batch_original", ..._patched}. A blocking copy (from pageable
+    memory, or not `non_blocking`) makes the host wait on a GPU: behind queued kernels a
+    pageable 8 MB `.to("cuda")` took 21.3 ms (docs/measurements.md); an asynchronous one
+    from pinned memory returns at once. The loaders are drawn `batches` times after one
+    draw left out (a producer's first batch)."""
+    census = {}
+    with cuda_on_host(run_ahead=0):
+        model = active_copies()
+        for make, name in zip(setup.on_cuda, ("original", "patched")):
+            loader = make()
+            try:
+                loader.next_batch(*setup.args)
+                blocking, issued = model.blocking, model.issued
+                for _ in range(batches):
+                    loader.next_batch(*setup.args)
+                    model.drain()
+                census[f"blocking_copies_per_batch_{name}"] = round((model.blocking - blocking) / batches, 2)
+                census[f"async_copies_per_batch_{name}"] = round((model.issued - issued - (model.blocking - blocking)) / batches, 2)
+            finally:
+                _close(loader)
+    return census
 
 
 def _with_depth(loader, depth: int):
@@ -515,7 +552,7 @@ def _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, 
 # What a figure of this bench can tell, said under its summary line.
 CPU_FIGURE_NOTE = (
     "(a CPU figure: it tells whether the producer takes the batch work off the training loop and what it costs "
-    "that loop; it cannot show the GPU-side saving, the host's wait for pageable H2D copies: "
+    "that loop; it counts the copies that make the host wait on a GPU but cannot time that wait: "
     "on a GPU, run `patch-prefetch ab ORIGINAL PATCHED`)"
 )
 
@@ -546,11 +583,18 @@ def print_table(report: dict, stream) -> None:
     for name in ("original", "patched"):
         row = [report[f"{k}_{kind}_ms_{name}"] for kind in ("step", "data") for k in ("mean", "median", "p99")]
         print(f"  {name:22} {row[0]:9.3f} {row[1]:9.3f} {row[2]:9.3f}   {row[3]:9.3f} {row[4]:9.3f} {row[5]:9.3f}", file=stream)
+    if "blocking_copies_per_batch_original" in report:
+        print(f"  H2D copies per batch on the CUDA path: original {_copies(report, 'original')}; patched {_copies(report, 'patched')} "
+              "(on a GPU a blocking copy waits for the work queued before it; docs/measurements.md)", file=stream)
     verdict, advice = _verdict(report)
     print(f"  verdict: {verdict}", file=stream)
     if advice:
         print(f"  advice: {advice}", file=stream)
     print(f"  {CPU_FIGURE_NOTE}", file=stream)
+
+
+def _copies(report: dict, side: str) -> str:
+    return f"{report[f'blocking_copies_per_batch_{side}']:g} blocking, {report[f'async_copies_per_batch_{side}']:g} asynchronous from pinned memory"
 
 
 def _ratio(patched: float, original: float, verb: str) -> str:

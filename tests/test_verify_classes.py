@@ -8,9 +8,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from patcher.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, main
-from patcher.proof.recipes import LoaderRecipe, patched_constructions
+from patcher.proof.harness import load_module, unload
+from patcher.proof.recipes import LoaderRecipe, hparams_factory, patched_constructions
+from patcher.proof.shards import write_shards
 from patcher.patch import patch_source
 from patcher.read.source import read_script, render
 from patcher.proof.verify import CannotVerify, verify
@@ -185,3 +188,101 @@ def test_a_loader_the_script_reads_beyond_next_batch_is_verified_without_settlin
     assert "class _SettlingLoader" in out.read_text(encoding="utf-8")
     result = verify(original, out, batches=16)
     assert result.identical, result.difference
+
+
+def test_minified_locals_that_shadow_module_aliases_stand_for_the_run(tmp_path):
+    # main() binds B = Hyperparameters(), p (rank), S (world size), U (device), T = 8 // S,
+    # and the module binds the same letters to builtins: the construction and the
+    # next_batch call must read main()'s values, rank by rank
+    original, out = patch_to(tmp_path, "shadowed_locals")
+    result = verify(original, out, batches=8)
+    assert result.identical, result.difference
+    source = read_script(original).source
+    recipe = LoaderRecipe.from_source(source)
+    write_shards(tmp_path / "data", train_shards=2, val_shards=0, tokens_per_shard=4096, vocab_size=256)
+    module = load_module(source, str(original))
+    try:
+        ns = recipe.namespace(module, hparams_factory(recipe, module, 2, str(tmp_path / "data"))(1), 1, 2, torch.device("cpu"))
+        loader = recipe.build(recipe.constructions[0], ns)
+        assert (loader.rank, loader.world_size) == (1, 2)
+        assert recipe.arguments(ns, 0) == (512, 64, 4)
+    finally:
+        unload(module)
+
+
+def test_a_definition_that_reads_a_name_nothing_binds_names_its_line(tmp_path, capsys):
+    # the script's own class body reads `run_id` before any statement binds it: running
+    # the script fails there too, and the reason says where and what to do
+    original, out = patch_to(tmp_path, "unbound_at_definition")
+    line = 1 + read_script(original).source.splitlines().index('    run_id: str = run_id  # was f"{uuid.uuid4()}"')
+    with pytest.raises(CannotVerify, match=f"line {line} \\(`class Hyperparameters`\\) reads it before any statement of the script binds it.*bind `run_id` above line {line}"):
+        verify(original, out, batches=4)
+    code = main(["verify", str(original), str(out), "--batches", "4"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_definition_that_reads_a_name_only_the_run_binds_names_both_lines(tmp_path):
+    source = read_script(FIXTURES / "unbound_at_definition.py").source
+    source = source.replace("\n@dataclass(", '\nif os.environ.get("RANK", "0") == "0":\n    run_id = time.strftime("%H%M%S")\n\n\n@dataclass(', 1)
+    original = tmp_path / "bound_by_the_run.py"
+    original.write_text(source)
+    out = tmp_path / "bound_by_the_run_patched.py"
+    out.write_text(patch_source(source).source)
+    binding = 1 + source.splitlines().index('if os.environ.get("RANK", "0") == "0":')
+    with pytest.raises(CannotVerify, match=f"reads it, and only line {binding}, which runs with the training .* binds it"):
+        verify(original, out, batches=4)
+
+
+def test_a_hyperparameters_class_with_a_name_of_its_own_is_found_by_its_use(tmp_path):
+    # `class HP` built as `args = HP()` in main(): its train_files point at the synthetic shards
+    original, out = patch_to(tmp_path, "short_hparams_name")
+    result = verify(original, out, batches=8)
+    assert result.identical, result.difference
+    assert any("gradient accumulation 3" in note and "next_batch(384, 64, 3)" in note for note in result.notes)
+
+
+def test_a_per_step_token_count_is_told_by_the_parameter_it_is_passed_to(tmp_path):
+    # `cur` (a batch-size warm-up) is passed as next_batch's `global_tokens`: driven with
+    # the Hyperparameters batch size and half of it, changing during the run
+    original, out = patch_to(tmp_path, "batch_warmup")
+    result = verify(original, out, batches=12)
+    assert result.identical, result.difference
+    assert "per-step argument(s) ['cur'] driven with [[384, 768]], changing every 5 calls" in result.notes
+
+
+def test_a_nested_configuration_points_at_the_synthetic_shards(tmp_path):
+    # the loader is built from `config.data.train_glob` (config = ExperimentConfig.from_env()
+    # in main()), and the batch-size warm-up's token count is assigned in the loop from
+    # `config.train.train_batch_tokens`: its first value and half of it drive the loader
+    original, out = patch_to(tmp_path, "nested_config")
+    result = verify(original, out, batches=8)
+    assert result.identical, result.difference
+    assert any("['effective_batch_tokens', 'config.train.train_seq_len'] driven with [[6144, 12288], [512, 1024]]" in note for note in result.notes)
+
+
+def test_a_script_that_locates_its_repository_says_where_and_verifies_inside_one(tmp_path):
+    # outside a repository the script's own import fails: the reason names its line and
+    # what to do; inside one (records/ and data/cached_challenge_fineweb.py above it) it verifies
+    original, out = patch_to(tmp_path, "repository_anchor")
+    line = 1 + read_script(original).source.splitlines().index('    raise FileNotFoundError(f"Could not locate repository above {start}")')
+    with pytest.raises(CannotVerify, match=f"Could not locate repository above .* \\(line {line}, run when the script is imported; .* run it on the script where it runs, in its repository\\)"):
+        verify(original, out, batches=4)
+    repository = tmp_path / "repository"
+    (repository / "records" / "run").mkdir(parents=True)
+    (repository / "data").mkdir()
+    (repository / "data" / "cached_challenge_fineweb.py").write_text("")
+    inside = repository / "records" / "run" / "train_gpt.py"
+    inside.write_bytes(original.read_bytes())
+    result = verify(inside, out, batches=4)
+    assert result.identical, result.difference
+
+
+def test_a_loader_built_by_a_factory_function_says_there_is_nothing_prefetched_to_verify(tmp_path, capsys):
+    original, out = patch_to(tmp_path, "factory_built", extra="\n# edited by hand\n")
+    line = 1 + read_script(original).source.splitlines().index("class DistributedTokenLoader:")
+    with pytest.raises(CannotVerify, match=f"DistributedTokenLoader defined \\(line {line}\\) but never built as `name = DistributedTokenLoader\\(...\\)`, so patch-prefetch leaves the training loader as it is"):
+        verify(original, out, batches=4)
+    code = main(["verify", str(original), str(out), "--batches", "4"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1 and "Traceback" not in err

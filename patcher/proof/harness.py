@@ -26,6 +26,7 @@ import libcst.matchers as m
 import torch
 
 from patcher.check.stubs import StubFinder
+from patcher.read.source import read_script
 
 
 _PREFIX = "_patch_prefetch_script_"  # the names of loaded script modules: _PREFIX + a count
@@ -134,8 +135,30 @@ def load_module(source: str, filename: str) -> types.ModuleType:
     what the script raises."""
     module = _new_module(filename)
     with stub_missing_imports(filename), exit_hooks_held(module.__name__):
-        exec(compile(source, filename, "exec"), module.__dict__)
+        try:
+            exec(compile(source, filename, "exec"), module.__dict__)
+        except Exception as error:
+            _say_where(error, filename)
+            raise
     return module
+
+
+def _say_where(error: Exception, filename: str) -> None:
+    """Add to the message of `error`, raised while the script compiled as `filename` was
+    imported, the script's line that raised it and, for a file or directory it did not
+    find (a script that locates its repository or data from its own path), what to do.
+    Only an exception whose arguments are one message is changed."""
+    line, tb = None, error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno  # the innermost line of the script itself
+        tb = tb.tb_next
+    if line is None or len(error.args) != 1 or not isinstance(error.args[0], str):
+        return
+    advice = ""
+    if isinstance(error, OSError):
+        advice = f"; verify imports both scripts as if they stood at {filename}: run it on the script where it runs, in its repository"
+    error.args = (f"{error.args[0]} (line {line}, run when the script is imported{advice})",)
 
 
 def load_definitions(source: str, filename: str) -> types.ModuleType:
@@ -154,10 +177,62 @@ def load_definitions(source: str, filename: str) -> types.ModuleType:
             code = compile(parsed.with_changes(body=[stmt]).code, filename, "exec")
             try:
                 exec(code, module.__dict__)
+            except NameError as error:
+                if not m.matches(stmt, m.SimpleStatementLine(body=[m.Assign() | m.AnnAssign() | m.AugAssign() | m.Expr()])):
+                    reason = _unbound_name_reason(error, parsed.code_for_node(stmt), filename, len(parsed.header))
+                    if reason is None:
+                        raise
+                    raise NameError(reason, name=error.name) from None
             except Exception:
                 if not m.matches(stmt, m.SimpleStatementLine(body=[m.Assign() | m.AnnAssign() | m.AugAssign() | m.Expr()])):
                     raise
     return module
+
+
+def _unbound_name_reason(error: NameError, statement: str, filename: str, header_lines: int = 0) -> str | None:
+    """Where a definition of the script at `filename` (a top-level function or class,
+    `statement` its code) reads a name that is not bound when it runs, and what to do:
+    nothing in the script binds the name before that line (running the script fails there
+    too), or only a statement that runs with the training does (`if master_process:
+    run_id = ...`, which a definitions-only import does not run). None where the
+    statement or the line cannot be found in the script (a wrapped payload that differs).
+    header_lines: the comment and blank lines compiled above `statement`."""
+    name = getattr(error, "name", None)
+    tb = error.__traceback__
+    offset = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            offset = tb.tb_lineno - header_lines  # the innermost frame of the script: the statement's own line
+        tb = tb.tb_next
+    try:
+        original = cst.parse_module(read_script(filename).source)
+    except Exception:  # not readable as it stands: the plain NameError
+        return None
+    line = 1 + len(original.header)  # the comment and blank lines above the first statement
+    binding = None
+    for top in original.body:
+        code = original.code_for_node(top)
+        if code == statement:
+            where = line + (offset - 1 if offset is not None else len(top.leading_lines))
+            label = f"`{'class' if isinstance(top, cst.ClassDef) else 'def'} {top.name.value}`" if isinstance(top, (cst.ClassDef, cst.FunctionDef)) else "a top-level statement"
+            if binding is None:
+                return f"name '{name}' is not defined: line {where} ({label}) reads it before any statement of the script binds it, so running the script fails there too; bind `{name}` above line {where}"
+            return f"name '{name}' is not defined: line {where} ({label}) reads it, and only line {binding}, which runs with the training (verify imports the definitions of a script that trains at top level), binds it; bind `{name}` above line {where} with a value that does not need the run"
+        if binding is None and name is not None and _binds(top, name):
+            binding = line + len(top.leading_lines)
+        line += code.count("\n")
+    return None
+
+
+def _binds(statement: cst.CSTNode, name: str) -> bool:
+    """Whether a top-level statement binds `name` in the module (an assignment, an import,
+    a definition, directly or in an if / for / with / try block; not inside a function or class)."""
+    if isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+        return statement.name.value == name
+    target = m.Name(name)
+    bound = m.AssignTarget(target=target) | m.AnnAssign(target=target) | m.AugAssign(target=target) | m.For(target=target) | m.AsName(name=target) | m.ImportAlias(name=target, asname=None)
+    nested = {id(node) for inner in m.findall(statement, m.FunctionDef() | m.ClassDef()) for node in m.findall(inner, bound)}
+    return any(id(node) not in nested for node in m.findall(statement, bound))
 
 
 @contextlib.contextmanager

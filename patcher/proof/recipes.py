@@ -13,6 +13,8 @@ script sends.
 
 from __future__ import annotations
 
+import inspect
+import os
 import types
 from dataclasses import dataclass, field
 
@@ -20,7 +22,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import small_statements
-from patcher.proof.harness import HarnessError, hparams_for
+from patcher.proof.harness import HarnessError, hparams_for, point_at_shards
 from patcher.proof.script_eval import evaluate_script_code, names_imported, survey_of
 from patcher.survey.survey import Construction, Survey
 
@@ -67,19 +69,90 @@ class LoaderRecipe:
         """Names the construction and call expressions may use, as `main()` would have them."""
         ns = dict(module.__dict__)
         ns.update(args=hparams, h=hparams, hparams=hparams, rank=rank, world_size=world_size, local_rank=0, device=device, distributed=world_size > 1)
+        accum = self._bind_locals(module, ns)
         if "grad_accum_steps" not in ns:
             # the script's own computation where the call's function makes one
             # (`grad_accum_steps = 8 // world_size`), else the Hyperparameters', else 8 // world_size
             try:
-                if self.call_scope is None or self.call_scope.resolve("grad_accum_steps") in (None, self.survey.collector.module_scope):
+                if self.call_scope is None or self.call_scope.resolve(accum) in (None, self.survey.collector.module_scope):
                     raise HarnessError("no local grad_accum_steps")
-                value = evaluate_script_code(self.survey, "grad_accum_steps", ns, self.call_scope)
+                value = evaluate_script_code(self.survey, accum, ns, self.call_scope)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise HarnessError("not a positive int")
             except (HarnessError, Exception):
                 value = getattr(hparams, "grad_accum_steps", max(1, 8 // world_size))
-            ns["grad_accum_steps"] = value
+            ns["grad_accum_steps"] = ns[accum] = value
+        self._point_configs(ns)
         return ns
+
+    def _point_configs(self, ns: dict) -> None:
+        """A configuration object the loader's construction reads its data path from, made
+        by a local's assignment (`config = ExperimentConfig.from_env()`, read as
+        `config.data.train_glob`), is evaluated into `ns` and its shard patterns, and those
+        of the objects it holds, pointed at the synthetic shards, as the Hyperparameters'
+        are (`hparams_for`)."""
+        shards = str(getattr(ns.get("args"), "train_files", ""))
+        site = self.constructions[0]
+        scope = site.binding
+        if "*" not in shards or scope is None or scope is self.survey.collector.module_scope:
+            return
+        for arg in site.call.args:
+            root = arg.value
+            while isinstance(root, cst.Attribute):
+                root = root.value
+            if root is arg.value or not isinstance(root, cst.Name) or root.value in _STAND_INS or scope.resolve(root.value) is not scope:
+                continue
+            try:
+                config = self._eval_constant(root.value, ns, scope=scope)
+            except Exception:  # evaluating the construction itself says why
+                continue
+            _point_config_at_shards(config, os.path.dirname(shards), shards)
+
+    def _bind_locals(self, module: types.ModuleType, ns: dict) -> str:
+        """Stand in `ns` for the locals of the function that builds and calls the loader
+        where their names differ from the stand-ins' (a minified `main()`: `B =
+        Hyperparameters()`, `p`, `S`, `U` passed as rank, world size and device) or
+        shadow a module-level name (`B = float` at the top): a local passed where the
+        loader's `__init__` or `next_batch` takes `rank`, `world_size`, `local_rank` or
+        `device` is that stand-in, one assigned a Hyperparameters instance is `args`,
+        and any other local with one plain assignment is dropped from `ns`, so that it
+        is evaluated from that assignment, not read from the module's global of the same
+        name. Returns the name `next_batch` gets its gradient accumulation from (the
+        local passed for `grad_accum_steps`, else that name)."""
+        cls = module.__dict__.get(self.constructions[0].class_name)
+        roles: dict[str, str] = {}
+        sites = [(self.constructions[0].binding, self.constructions[0].call.args, _parameters(cls, False))]
+        sites.append((self.call_scope, [cst.Arg(cst.parse_expression(code)) for code in self.call_args], _parameters(getattr(cls, "next_batch", None), True)))
+        accum = "grad_accum_steps"
+        for scope, args, params in sites:
+            if scope is None or scope is self.survey.collector.module_scope:
+                continue
+            for position, arg in enumerate(args):
+                param = arg.keyword.value if arg.keyword is not None else (params[position] if position < len(params) else None)
+                if not isinstance(arg.value, cst.Name) or param not in _STAND_INS or arg.value.value in _STAND_INS:
+                    continue
+                if scope.resolve(arg.value.value) is scope:
+                    roles[arg.value.value] = param
+                    if param == "grad_accum_steps":
+                        accum = arg.value.value
+            hp = self.survey.hyperparameters or _hyperparameters_by_use(self, module)
+            for name, bindings in scope.bindings.items():
+                # one plain assignment; a comprehension's variable of the same name (which
+                # the survey binds in the function too) does not change it after
+                assigns = [value for kind, value in bindings if kind == "assign"]
+                if name in _STAND_INS or name in roles or len(assigns) != 1 or any(kind not in ("assign", "loop") for kind, _ in bindings):
+                    continue
+                value = assigns[0]
+                if hp is not None and m.matches(value, m.Call(func=m.Name(hp.name), args=[])):
+                    roles[name] = "args"
+                elif name in ns and ns.get(name) is module.__dict__.get(name):
+                    del ns[name]  # a module-level name this function's own assignment shadows
+        for name, role in roles.items():
+            if role == "grad_accum_steps":
+                ns.pop(name, None)  # evaluated from the script's own computation
+            elif role in ns:
+                ns[name] = ns[role]
+        return accum
 
     def build(self, site: Construction, ns: dict):
         """Evaluate construction `site`'s expression (the script's own code) in `ns`."""
@@ -92,14 +165,26 @@ class LoaderRecipe:
     def arguments(self, ns: dict, step: int, seq_lens: list[int] | None = None) -> tuple:
         """`next_batch` arguments for `step`: run constants evaluated; a per-step one
         cycles every 5 calls through `seq_lens` (a sequence length) or through the
-        Hyperparameters batch size and half of it (a token count)."""
+        Hyperparameters batch size and half of it (a token count; without one, the first
+        value the script assigns to the argument and half of it). What an argument is
+        comes from its code, else from the name of the `next_batch` parameter it is
+        passed to. Raises HarnessError for a per-step argument with no schedule."""
         values = []
+        params = _parameters(getattr(ns.get(self.constructions[0].class_name), "next_batch", None), True)
         for index, code in enumerate(self.call_args):
             if index in self.varying:
-                schedule = seq_lens if "seq" in code or "len" in code else None
+                # what the argument is, told by its code, else by the parameter it is
+                # passed to (`cur_batch` passed as `global_tokens`: a token count)
+                kind = code if any(word in code for word in ("seq", "len", "tok")) or index >= len(params) else params[index]
+                schedule = seq_lens if "seq" in kind or "len" in kind else None
                 hp = ns.get("args", ns.get("h"))
-                if "tok" in code and hasattr(hp, "train_batch_tokens"):
+                if "tok" in kind and hasattr(hp, "train_batch_tokens"):
                     schedule = [hp.train_batch_tokens, hp.train_batch_tokens // 2]
+                elif "tok" in kind:
+                    # no Hyperparameters batch size (`config.train.train_batch_tokens`):
+                    # the first value the script assigns to the argument, and half of it
+                    full = self._first_int_assignment(code, ns)
+                    schedule = [full, full // 2] if full else schedule
                 if not schedule:
                     # neither a sequence length nor a token count (`grad_accum_steps =
                     # math.gcd(...)`): its value in a fresh run, from its assignment
@@ -113,9 +198,52 @@ class LoaderRecipe:
                 values.append(self._eval_constant(code, ns))
         return tuple(values)
 
+    def _first_int_assignment(self, code: str, ns: dict) -> int | None:
+        """The first positive int that an assignment to the local `code` in the calling
+        function evaluates to outside the script (in source order), else None."""
+        owner = self.call_scope.resolve(code) if self.call_scope is not None and code.isidentifier() else None
+        for kind, value in owner.bindings.get(code, []) if owner is not None else []:
+            if kind != "assign" or value is None:
+                continue
+            try:
+                result = evaluate_script_code(self.survey, self.survey.module.code_for_node(value), ns, owner)
+            except Exception:  # this assignment needs what only the run has (the step, a schedule)
+                continue
+            if isinstance(result, int) and not isinstance(result, bool) and result > 0:
+                return result
+        return None
+
     def _eval_constant(self, code: str, ns: dict, scope=None):
         """Evaluate a run-constant expression; a local it names is evaluated from its one assignment."""
         return evaluate_script_code(self.survey, code, ns, scope if scope is not None else self.call_scope, assumed=self.assumed)
+
+
+def _point_config_at_shards(config, data_dir: str, pattern: str, depth: int = 0) -> None:
+    """`point_at_shards` on a configuration object and on the objects its attributes hold
+    (`config.data`), two levels down; a plain value, a module or a class is left alone."""
+    if depth > 2 or isinstance(config, (str, bytes, int, float, bool, type, types.ModuleType, list, tuple, dict)) or config is None:
+        return
+    try:
+        point_at_shards(config, data_dir, pattern)
+    except HarnessError:  # no train_files of its own: its parts may hold the patterns
+        pass
+    for name in dir(config):
+        if not name.startswith("_"):
+            _point_config_at_shards(getattr(config, name, None), data_dir, pattern, depth + 1)
+
+
+# The names `namespace` stands in for, as `main()` would have them.
+_STAND_INS = frozenset({"args", "h", "hparams", "rank", "world_size", "local_rank", "device", "distributed", "grad_accum_steps"})
+
+
+def _parameters(function, method: bool) -> list[str]:
+    """The positional parameter names of `function` (a class: its `__init__`'s; `method`:
+    without the first, `self`), [] when it has no readable signature."""
+    try:
+        names = [p.name for p in inspect.signature(function).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return []
+    return names[1:] if method and not isinstance(function, type) else names
 
 
 def patched_constructions(source: str, recipe: LoaderRecipe, original_source: str | None = None, side: str = "patched") -> list[str]:
@@ -226,6 +354,12 @@ class IteratorRecipe:
         sites = [i for i in surveyed.iterators if i.training or i.staged]
         if not sites:
             reasons = sorted({i.reason for i in surveyed.iterators if i.reason})
+            if not reasons and surveyed.loader_classes and not surveyed.constructions:
+                # a loader class built some other way (a factory function's `return Cls(...)`):
+                # the patch leaves it as it is, so no prefetch of it to verify
+                names = ", ".join(surveyed.loader_classes)
+                first = next(iter(surveyed.loader_classes))
+                reasons = [f"{names} defined (line {surveyed.loader_classes[first].line}) but never built as `name = {first}(...)`, so patch-prefetch leaves the training loader as it is and there is no prefetch of it to verify; build it as `train_loader = {first}(...)` in the training function to have it prefetched and verified"]
             raise HarnessError("; ".join(reasons) or "no training loader or data generator found")
         target = sites[0].target
         codes = [surveyed.module.code_for_node(i.call) for i in sites if i.target == target]
@@ -292,4 +426,18 @@ def _sent_value_codes(surveyed: Survey, sends: list[cst.Call]) -> list[str]:
 def hparams_factory(recipe: LoaderRecipe, module, world_size: int, data_dir: str):
     """`rank -> Hyperparameters instance` for a simulated world of `world_size` ranks,
     the script's data paths pointed at the synthetic shards in `data_dir`."""
-    return hparams_for(recipe.survey.hyperparameters, module, world_size, data_dir)
+    return hparams_for(recipe.survey.hyperparameters or _hyperparameters_by_use(recipe, module), module, world_size, data_dir)
+
+
+def _hyperparameters_by_use(recipe: LoaderRecipe, module) -> types.SimpleNamespace | None:
+    """The script's hyperparameters class where the survey found none by its name: the
+    class the function that calls the loader instantiates, without arguments, as `args`,
+    `h` or `hparams` (`args = HP()`), when the script defines it; else None."""
+    scope = recipe.call_scope
+    if scope is None:
+        return None
+    for name in ("args", "h", "hparams"):
+        assigns = [value for kind, value in scope.bindings.get(name, []) if kind == "assign"]
+        if len(assigns) == 1 and m.matches(assigns[0], m.Call(func=m.Name(), args=[])) and isinstance(module.__dict__.get(assigns[0].func.value), type):
+            return types.SimpleNamespace(name=assigns[0].func.value)
+    return None

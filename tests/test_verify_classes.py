@@ -21,13 +21,54 @@ from patcher.proof.verify import CannotVerify, verify
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "verify"
 
 
-def patch_to(directory: Path, name: str, extra: str = "") -> tuple[Path, Path]:
-    """(the fixture, its patched output in `directory`, `extra` appended to it)."""
+def patch_to(directory: Path, name: str, extra: str = "", edits: tuple = ()) -> tuple[Path, Path]:
+    """(the fixture, its patched output in `directory`, `extra` appended to it). With
+    `edits` ((old, new) pairs, every `old` replaced, found at least once), the fixture is a variant of
+    `name` written into `directory` first: one miniature, one shape changed."""
     original = FIXTURES / f"{name}.py"
+    if edits:
+        source = original.read_text()
+        for old, new in edits:
+            assert source.count(old) >= 1, old
+            source = source.replace(old, new)
+        original = Path(directory) / f"{name}.py"
+        original.write_text(source)
     script = read_script(original)
     out = Path(directory) / f"{name}_patched.py"
     out.write_text(render(script, patch_source(script.source).source, rewrap=False) + extra)
     return original, out
+
+
+# Variants of fixtures/verify/own_configuration.py, one shape each.
+# It locates its repository when imported: it walks up from its own file to the directory
+# holding `records/` and `data/cached_challenge_fineweb.py`, and raises FileNotFoundError
+# where there is none (a copy outside its repository).
+REPOSITORY_ANCHOR = (
+    ("import os\n", "import os\nfrom pathlib import Path\n"),
+    (
+        "\n\nclass Hyperparameters:",
+        "\n\ndef find_repository(start):\n"
+        "    for candidate in (start, *start.parents):\n"
+        "        if (candidate / \"records\").is_dir() and (candidate / \"data\" / \"cached_challenge_fineweb.py\").is_file():\n"
+        "            return candidate\n"
+        "    raise FileNotFoundError(f\"Could not locate repository above {start}\")\n\n\n"
+        "REPOSITORY = find_repository(Path(__file__).resolve().parent)\n\n\nclass Hyperparameters:",
+    ),
+    ('os.environ.get("DATA_PATH", "./data")', 'os.environ.get("DATA_PATH", str(REPOSITORY / "data"))'),
+)
+SHORT_HPARAMS_NAME = (("class Hyperparameters:", "class HP:"), ("    args = Hyperparameters()", "    args = HP()"))
+BATCH_WARMUP = (
+    ('int(os.environ.get("TRAIN_BATCH_TOKENS", 384))', 'int(os.environ.get("TRAIN_BATCH_TOKENS", 768))\n    batch_warmup_steps = int(os.environ.get("BATCH_WARMUP_STEPS", 6))'),
+    (
+        "    for step in range(args.iterations):\n        inputs, targets = train_loader.next_batch(args.train_batch_tokens, args.train_seq_len, grad_accum_steps)",
+        "    for step in range(args.iterations):\n        cur = args.train_batch_tokens\n        if step < args.batch_warmup_steps:\n            cur = args.train_batch_tokens // 2\n"
+        "        inputs, targets = train_loader.next_batch(cur, args.train_seq_len, grad_accum_steps)",
+    ),
+)
+FACTORY_BUILT = (
+    ("\n\ndef main(", "\n\ndef build_train_loader(args, rank, world_size, device):\n    return DistributedTokenLoader(args.train_files, rank, world_size, device)\n\n\ndef main("),
+    ("    train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)", "    train_loader = build_train_loader(args, rank, world_size, device)"),
+)
 
 
 def test_names_bound_inside_main_and_under_the_main_guard(tmp_path):
@@ -236,7 +277,7 @@ def test_a_definition_that_reads_a_name_only_the_run_binds_names_both_lines(tmp_
 
 def test_a_hyperparameters_class_with_a_name_of_its_own_is_found_by_its_use(tmp_path):
     # `class HP` built as `args = HP()` in main(): its train_files point at the synthetic shards
-    original, out = patch_to(tmp_path, "short_hparams_name")
+    original, out = patch_to(tmp_path, "own_configuration", edits=SHORT_HPARAMS_NAME)
     result = verify(original, out, batches=8)
     assert result.identical, result.difference
     assert any("gradient accumulation 3" in note and "next_batch(384, 64, 3)" in note for note in result.notes)
@@ -245,7 +286,7 @@ def test_a_hyperparameters_class_with_a_name_of_its_own_is_found_by_its_use(tmp_
 def test_a_per_step_token_count_is_told_by_the_parameter_it_is_passed_to(tmp_path):
     # `cur` (a batch-size warm-up) is passed as next_batch's `global_tokens`: driven with
     # the Hyperparameters batch size and half of it, changing during the run
-    original, out = patch_to(tmp_path, "batch_warmup")
+    original, out = patch_to(tmp_path, "own_configuration", edits=BATCH_WARMUP)
     result = verify(original, out, batches=12)
     assert result.identical, result.difference
     assert "per-step argument(s) ['cur'] driven with [[384, 768]], changing every 5 calls" in result.notes
@@ -264,7 +305,7 @@ def test_a_nested_configuration_points_at_the_synthetic_shards(tmp_path):
 def test_a_script_that_locates_its_repository_says_where_and_verifies_inside_one(tmp_path):
     # outside a repository the script's own import fails: the reason names its line and
     # what to do; inside one (records/ and data/cached_challenge_fineweb.py above it) it verifies
-    original, out = patch_to(tmp_path, "repository_anchor")
+    original, out = patch_to(tmp_path, "own_configuration", edits=REPOSITORY_ANCHOR)
     line = 1 + read_script(original).source.splitlines().index('    raise FileNotFoundError(f"Could not locate repository above {start}")')
     with pytest.raises(CannotVerify, match=f"Could not locate repository above .* \\(line {line}, run when the script is imported; .* run it on the script where it runs, in its repository\\)"):
         verify(original, out, batches=4)
@@ -279,7 +320,7 @@ def test_a_script_that_locates_its_repository_says_where_and_verifies_inside_one
 
 
 def test_a_loader_built_by_a_factory_function_says_there_is_nothing_prefetched_to_verify(tmp_path, capsys):
-    original, out = patch_to(tmp_path, "factory_built", extra="\n# edited by hand\n")
+    original, out = patch_to(tmp_path, "own_configuration", extra="\n# edited by hand\n", edits=FACTORY_BUILT)
     line = 1 + read_script(original).source.splitlines().index("class DistributedTokenLoader:")
     with pytest.raises(CannotVerify, match=f"DistributedTokenLoader defined \\(line {line}\\) but never built as `name = DistributedTokenLoader\\(...\\)`, so patch-prefetch leaves the training loader as it is"):
         verify(original, out, batches=4)

@@ -238,6 +238,8 @@ def test_minified_locals_that_shadow_module_aliases_stand_for_the_run(tmp_path):
     original, out = patch_to(tmp_path, "shadowed_locals")
     result = verify(original, out, batches=8)
     assert result.identical, result.difference
+    # `T` is passed to next_batch's grad_accum_steps: the shards are sized for 4, not 1
+    assert any("next_batch(512, 64, 4) (global tokens 512, gradient accumulation 4:" in note for note in result.notes)
     source = read_script(original).source
     recipe = LoaderRecipe.from_source(source)
     write_shards(tmp_path / "data", train_shards=2, val_shards=0, tokens_per_shard=4096, vocab_size=256)

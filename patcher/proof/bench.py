@@ -205,19 +205,17 @@ def bench_loaders(script, shards: int = 3, shard_tokens: int = 100_000_000, seed
         spaces = [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cpu")) for mod in modules]
         args = recipe.arguments(spaces[0], 0, [getattr(make_hp(0), "train_seq_len", 1024)])
         binding = recipe.constructions[0].binding
-        build = [
-            lambda: recipe.build(recipe.constructions[0], spaces[0]),
-            lambda: _with_depth(recipe.evaluate(patched_site, spaces[1], binding), queue_depth),
-        ]
 
-        def cuda_spaces():
-            return [recipe.namespace(mod, make_hp(0), 0, WORLD_SIZE, torch.device("cuda", 0)) for mod in modules]
+        def builders(space_of):
+            """[make_original, make_default_patch], each side built in `space_of(side)`."""
+            return [
+                lambda: recipe.build(recipe.constructions[0], space_of(0)),
+                lambda: _with_depth(recipe.evaluate(patched_site, space_of(1), binding), queue_depth),
+            ]
 
-        on_cuda = [
-            lambda: recipe.build(recipe.constructions[0], cuda_spaces()[0]),
-            lambda: _with_depth(recipe.evaluate(patched_site, cuda_spaces()[1], binding), queue_depth),
-        ]
-        yield BenchLoaders(build, args, spaces, on_cuda)
+        # On CUDA a side's namespace is made when its loader is built (inside `cuda_on_host`).
+        on_cuda = builders(lambda side: recipe.namespace(modules[side], make_hp(0), 0, WORLD_SIZE, torch.device("cuda", 0)))
+        yield BenchLoaders(builders(spaces.__getitem__), args, spaces, on_cuda)
 
 
 def copy_census(setup: BenchLoaders, batches: int = 6) -> dict:

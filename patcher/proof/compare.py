@@ -309,9 +309,9 @@ class _Landed:
 
 
 def _snapshot(batch):
-    """A private copy of `batch` that reads no pending copy (they have run, or are not its own)."""
+    """`copy_batch` of `batch` that reads no pending copy (they have run, or are not its own)."""
     with torch._C.DisableTorchFunctionSubclass():
-        return _each_leaf(batch, lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
+        return copy_batch(batch)
 
 
 def _unwrapped(item: tuple) -> tuple:

@@ -37,7 +37,7 @@ import torch
 
 from patcher.families import registry
 from patcher.families.base import ModuleLoader
-from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_difference
+from patcher.proof.compare import CannotVerify, Difference, InFlight, VerifyResult, first_difference
 
 # What the harness supplies for helpers the module imports from its own package.
 STUBS = {
@@ -237,7 +237,6 @@ def _compare(reference: list, patched_fn, arguments: dict, device_param: str, de
     process, starting no child (False: another split than the training one)."""
     import multiprocessing
 
-    from patcher.proof.compare import InFlight
     from patcher.proof.host_cuda import cuda_on_host
 
     on_host = device == "cuda-on-host"

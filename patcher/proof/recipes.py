@@ -170,12 +170,11 @@ class LoaderRecipe:
         comes from its code, else from the name of the `next_batch` parameter it is
         passed to. Raises HarnessError for a per-step argument with no schedule."""
         values = []
-        params = _parameters(getattr(ns.get(self.constructions[0].class_name), "next_batch", None), True)
         for index, code in enumerate(self.call_args):
             if index in self.varying:
                 # what the argument is, told by its code, else by the parameter it is
                 # passed to (`cur_batch` passed as `global_tokens`: a token count)
-                kind = code if any(word in code for word in ("seq", "len", "tok")) or index >= len(params) else params[index]
+                kind = code if any(word in code for word in ("seq", "len", "tok")) else self.parameter_of(index) or code
                 schedule = seq_lens if "seq" in kind or "len" in kind else None
                 hp = ns.get("args", ns.get("h"))
                 if "tok" in kind and hasattr(hp, "train_batch_tokens"):
@@ -197,6 +196,13 @@ class LoaderRecipe:
             else:
                 values.append(self._eval_constant(code, ns))
         return tuple(values)
+
+    def parameter_of(self, index: int) -> str:
+        """The name of the loader's `next_batch` parameter that argument `index` of the
+        training loop's call is passed to (surveyed), "" where there is none."""
+        loader = self.survey.loader_classes.get(self.constructions[0].class_name)
+        params = loader.next_batch_params if loader is not None else []
+        return params[index] if index < len(params) else ""
 
     def _first_int_assignment(self, code: str, ns: dict) -> int | None:
         """The first positive int that an assignment to the local `code` in the calling

@@ -531,10 +531,7 @@ def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, s
 def _grad_accum(recipe: LoaderRecipe, args: tuple) -> int:
     """The gradient accumulation steps of a call: the argument whose code names them, or
     that is passed to a `next_batch` parameter named for them (`grad_accum_steps`), else 1."""
-    loader = recipe.survey.loader_classes.get(recipe.constructions[0].class_name)
-    params = list(loader.next_batch_params) if loader is not None else []
     for index, (code, value) in enumerate(zip(recipe.call_args, args)):
-        named = "accum" in code or (index < len(params) and "accum" in params[index])
-        if named and isinstance(value, int) and value > 0:
+        if ("accum" in code or "accum" in recipe.parameter_of(index)) and isinstance(value, int) and value > 0:
             return value
     return 1

@@ -47,8 +47,8 @@ def pytest_configure(config):
 @pytest.fixture
 def one_torchrun_at_a_time():
     """Held while a test runs torchrun jobs: two 2-rank CPU jobs of two test workers at
-    once on a 2-core machine made a rank abort (SIGABRT) now and then. A lock file that
-    every worker locks in turn (flock), released when the test ends."""
+    once put four ranks on a 2-core machine. A lock file that every worker locks in turn
+    (flock), released when the test ends."""
     import fcntl
     import tempfile
 

@@ -178,6 +178,24 @@ def test_a_loader_that_uses_a_thread_pool_prefetches_on_a_thread_and_says_so(env
     assert seconds < RUN_S
 
 
+# A loader slower than a training step: whenever the loop ends, the producer is inside a
+# torch op that released the GIL.
+SLOW_BATCH = ("        mine = chunk[self.rank * span : (self.rank + 1) * span].long()\n",
+              "        mine = chunk[self.rank * span : (self.rank + 1) * span].long()\n        torch.ones(2000, 2000) @ torch.ones(2000, 2000)\n")
+
+
+def test_a_producer_thread_inside_a_torch_op_at_exit_lets_the_run_exit_cleanly(env, tmp_path):
+    # A daemon thread that takes the GIL back while Python finalizes is ended by
+    # pthread_exit, which a C++ frame turns into std::terminate: exit code 134 after
+    # every line of a finished run. The exit hook stops the thread and joins it.
+    env = dict(env, ITERATIONS="3")
+    original, patched = run_both(*scripts(tmp_path, unseen=(*SHARD_POOL, SLOW_BATCH)), env, tmp_path)
+    original_code, _ = original.finish()
+    patched_code, _ = patched.finish()
+    assert prefetch_lines(patched) and prefetch_lines(patched)[0].endswith(FALLBACK)
+    assert_same_end(original, patched, original_code, patched_code)
+
+
 # --------------------------------------------------------------------------- 2. the script's signal handlers
 
 SIGTERM_HANDLER = ("    master_process = rank == 0\n", '    master_process = rank == 0\n    signal.signal(signal.SIGTERM, lambda signum, frame: print("SIGTERM: carrying on", flush=True))\n')

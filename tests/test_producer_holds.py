@@ -327,19 +327,13 @@ def test_two_ranks_under_torchrun_train_on_the_originals_batches(data, runs, tmp
         source = source.replace(old, new)
     original, patched = patched_copy(source, tmp_path)
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    # One job after the other: with both 2-rank jobs running at once on a 2-core machine,
-    # a rank of the original job sometimes aborted (SIGABRT) after its first steps.
-    # Run alone, the original's job still aborted so once in a clean-clone run of the
-    # suite: what this test is about is the patched run, so the original's job gets one
-    # more try after a SIGABRT, and the patched job none.
+    # One job after the other: two 2-rank jobs at once on a 2-core machine are slow.
+    # (A rank that exited while gloo's worker thread still held a reduction's tensors
+    # aborted, SIGABRT, in 1 run of 20: the fixture keeps its work handles until exit.)
     outcomes, results = [], []
     for script in (original, patched):
-        for attempt in range(2 if script is original else 1):
-            outcomes.append(runs([*torchrun, str(script)], data))
-            result = outcomes[-1].finish(60)
-            if result[0] == 0 or "SIGABRT" not in result[2]:
-                break
-        results.append(result)
+        outcomes.append(runs([*torchrun, str(script)], data))
+        results.append(outcomes[-1].finish(60))
     code_o, lines_o, err_o = results[0]
     if code_o != 0 and not any(STEP.match(line) for line in lines_o):
         pytest.skip(f"torchrun cannot start two CPU ranks here: {err_o.strip().splitlines()[-1:]}")

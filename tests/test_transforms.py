@@ -67,7 +67,7 @@ def test_runtime_in_a_minified_script_takes_its_tabs_and_no_docstrings():
     from test_feature_env_toggles import MINIFIED
 
     result = patch_source(MINIFIED)  # the script's own lines: test_feature_env_toggles.py
-    assert "\n\tdef shutdown(self,wait=True):" in result.runtime  # runtime indented with the script's tabs
+    assert "\n\tdef shutdown(self,until=float('inf')):" in result.runtime  # runtime indented with the script's tabs
     assert '"""' not in result.source.split("# patch-prefetch ", 1)[1].split("class Hyperparameters", 1)[0]  # no docstrings
     compile(result.source, "minified", "exec")
 

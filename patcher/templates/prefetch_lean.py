@@ -94,13 +94,13 @@ import types
 
 import torch
 
-from patcher.templates.staging import _POLL_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
+from patcher.templates.staging import _EXIT_WAIT_S, _POLL_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
 
 # One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}
-# At exit the children are killed and reaped (in the process that forked them only).
-# (A producer thread is told to stop, not waited for: it may be inside the loader.)
-atexit.register(lambda: [loader.shutdown(False) for loader in _live_prefetchers.values()])
+# At exit the children are killed and reaped (in the process that forked them only), and
+# each producer thread is stopped and joined, for at most `_EXIT_WAIT_S`.
+atexit.register(lambda: [loader.shutdown(time.monotonic() + _EXIT_WAIT_S) for loader in _live_prefetchers.values()])
 
 
 def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
@@ -234,13 +234,14 @@ class _PrefetchLoader:
         `shutdown`.
         """
         on_thread, made = self.pid is False, 0
+        alive = lambda: self.pid is False if on_thread else os.getppid() == self.parent
         try:
-            while True:
+            while alive():  # before each batch too: a thread stopped at exit builds no more
                 polls = 0
                 # 5 ms of polling (a release then wakes no sleeper), then sleeps on the
                 # semaphore, waking every `_POLL_S` to see whether the training process is there.
                 while not self.free.acquire(timeout=_POLL_S if polls > 9 else 0):
-                    if self.pid is not False if on_thread else os.getppid() != self.parent:
+                    if not alive():
                         return
                     polls += 1
                     if polls < 10:
@@ -306,14 +307,15 @@ class _PrefetchLoader:
         self.taken = made
         return True
 
-    def shutdown(self, wait=True):
-        """Kill the child process and reap it, or stop the producer thread (and, with
-        `wait`, join it: it ends within 50 ms of waiting for a slot, after the batch it
-        builds). Returns the child's exit code (negative: the signal that ended it), None
-        where there is no child of this process: a process that the script forked from
-        the training process must not touch its producer."""
+    def shutdown(self, until=float("inf")):
+        """Kill the child process and reap it, or stop the producer thread and join it
+        (it ends within 50 ms of waiting for a slot, after the batch it builds), until
+        the `time.monotonic()` deadline `until` at most. Returns the
+        child's exit code (negative: the signal that ended it), None where there is no
+        child of this process: a process that the script forked from the training
+        process must not touch its producer."""
         pid, self.pid = self.pid, 0
-        while pid is False and wait and self.thread.is_alive():
+        while pid is False and self.thread.is_alive() and time.monotonic() < until:
             for conn in self.value_conn, self.conn:  # a thread blocked writing a value or an error larger than the pipe's buffer ends once it is read
                 while conn.poll():
                     conn.recv()

@@ -65,7 +65,7 @@ import warnings
 import torch
 
 from patcher.templates.copy_stream import _h2d
-from patcher.templates.staging import _POLL_S, _each_tensor, _stage
+from patcher.templates.staging import _EXIT_WAIT_S, _POLL_S, _each_tensor, _stage
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
@@ -85,10 +85,7 @@ def _stop_workers(stopping, wait):
         _running_workers.discard(worker)
 
 
-# A daemon thread still inside a torch op while Python finalizes aborts the process. Long
-# enough for a batch or a shard load in progress, short enough that Ctrl-C with a worker
-# stuck in a read still ends the process promptly.
-atexit.register(lambda: _stop_workers(list(_running_workers), 3))
+atexit.register(lambda: _stop_workers(list(_running_workers), _EXIT_WAIT_S))
 
 
 def _start_worker(worker):

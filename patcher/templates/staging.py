@@ -11,8 +11,9 @@ generators (`patcher/templates/pinned_staging.py`) and the spawned generator
   completed, then queued on the copy stream (`wait_stream`, `record_stream`); `_stage`:
   a fresh (pinned) host copy for a batch queued on a thread.
 - A producer's life: its signal handlers and threads (`_producer_setup`), how its
-  exception travels (`_producer_error` there, `_rebuilt` here), and how often a waiter
-  wakes to see whether the other side is still there (`_POLL_S`).
+  exception travels (`_producer_error` there, `_rebuilt` here), how often a waiter
+  wakes to see whether the other side is still there (`_POLL_S`), and how long a
+  producer thread is waited for at exit (`_EXIT_WAIT_S`).
 """
 
 import dataclasses
@@ -26,6 +27,11 @@ from patcher.templates.copy_stream import _h2d
 # Every producer and its caller: a wait for a batch, or for room, wakes this often (s)
 # to see whether the other side is still there (an idle producer wakes 20 times a second).
 _POLL_S = 0.05
+# At exit, the most a producer thread is waited for (s), all of them together: a daemon
+# thread still inside a torch op when Python finalizes aborts the process (std::terminate,
+# exit code 134). Long enough for a batch or a shard load in progress, short enough that
+# Ctrl-C with a producer stuck in a read still ends the process promptly.
+_EXIT_WAIT_S = 3
 
 
 def _each_leaf(item, fn):

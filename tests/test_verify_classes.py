@@ -56,6 +56,9 @@ REPOSITORY_ANCHOR = (
     ),
     ('os.environ.get("DATA_PATH", "./data")', 'os.environ.get("DATA_PATH", str(REPOSITORY / "data"))'),
 )
+# The loader walks its shards once, as a run over real shards does (80 and more of them,
+# never all read): synthetic shards sized for the run to wrap around run out.
+NO_WRAP = (("self.shard = (self.shard + 1) % len(self.paths)", "self.shard += 1"),)
 SHORT_HPARAMS_NAME = (("class Hyperparameters:", "class HP:"), ("    args = Hyperparameters()", "    args = HP()"))
 BATCH_WARMUP = (
     ('int(os.environ.get("TRAIN_BATCH_TOKENS", 384))', 'int(os.environ.get("TRAIN_BATCH_TOKENS", 768))\n    batch_warmup_steps = int(os.environ.get("BATCH_WARMUP_STEPS", 6))'),
@@ -329,3 +332,23 @@ def test_a_loader_built_by_a_factory_function_says_there_is_nothing_prefetched_t
     code = main(["verify", str(original), str(out), "--batches", "4"])
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_loader_that_does_not_wrap_around_verifies_on_shards_it_reads_once(tmp_path):
+    # 40 calls of 128 tokens over 4 shards of 768: the loader ran out at batch 23, and
+    # the shards are sized again for the run to read each once
+    original, out = patch_to(tmp_path, "own_configuration", edits=NO_WRAP)
+    result = verify(original, out, batches=40)
+    assert result.identical, result.difference
+    [note] = [n for n in result.notes if "does not wrap around" in n]
+    assert note.startswith("the original loader's batch 23 (train) on rank 0 fails here: IndexError: list index out of range, on 4 synthetic shards of 768 tokens: the loader walks its shards once"), note
+    assert "its wrap-around is not exercised" in note
+    assert [n for n in result.notes if n.startswith("4 shards x ")] == ["4 shards x 1600 tokens; next_batch(384, 64, 3) (global tokens 384, gradient accumulation 3: 128 tokens read per call by 2 ranks, the shards read 0.8 times in 40 calls); 4 warm-up + 40 batches per rank"]
+
+
+def test_shards_a_user_sized_too_small_for_a_loader_that_does_not_wrap_name_the_size_it_needs(tmp_path, capsys):
+    original, out = patch_to(tmp_path, "own_configuration", edits=NO_WRAP)
+    code = main(["verify", str(original), str(out), "--batches", "40", "--shard-tokens", "700"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT, err
+    assert "IndexError: list index out of range, on 4 synthetic shards of 700 tokens: the loader reads past the end of its data, and --shard-tokens 700 holds less than the run reads; a loader that does not wrap around needs --shard-tokens 1600 or more" in err

@@ -28,13 +28,23 @@ class Plan:
     """How a loader class is driven on every rank: `hparams_for(rank)` -> that rank's
     Hyperparameters instance (on the synthetic shards), the world size, the batches of
     the warm-up (0 where the script builds its loader once) and after the rebuild, and
-    the sequence lengths a per-step `next_batch` argument cycles through."""
+    the sequence lengths a per-step `next_batch` argument cycles through. shard_tokens:
+    tokens per synthetic train shard (4 of them); read_once_tokens: the size at which
+    the longest phase reads no shard twice (what a loader that does not wrap around needs)."""
 
     hparams_for: object
     world_size: int
     warmup: int
     batches: int
     seq_lens: list[int]
+    shard_tokens: int = 0
+    read_once_tokens: int = 0
+
+
+class ShardsRanOut(CannotVerify):
+    """The original's loader failed as reading past the end of its data does
+    (IndexError, StopIteration, EOFError after at least one batch): a loader that walks
+    its shards once, as a run over real shards does, and does not wrap around."""
 
 
 @dataclass
@@ -86,8 +96,9 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
                 for n in range(count):
                     if drawn and not changed and first_difference(copies[-1], drawn[-1]) is not None:
                         changed = True
+                    what = f"the original loader's batch {n} ({phase}) on rank {rank}"
                     with draw_deadline(timeout_s):
-                        batch = harness_step(lambda: loader.next_batch(*recipe.arguments(ns, n, plan.seq_lens)), f"the original loader's batch {n} ({phase}) on rank {rank}")
+                        batch = harness_step(lambda: _draw_original(loader, recipe.arguments(ns, n, plan.seq_lens), n, plan, what), what)
                     drawn.append(batch)
                     copies.append(copy_batch(batch))
                 batches[phase], reuses[phase] = copies, changed
@@ -96,6 +107,17 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
         finally:
             close(loader)
     return Reference(batches, reuses, leaked)
+
+
+def _draw_original(loader, arguments: tuple, n: int, plan: Plan, what: str):
+    """`loader.next_batch(*arguments)`; raises ShardsRanOut where batch `n` > 0 fails as
+    reading past the end of the data does."""
+    try:
+        return loader.next_batch(*arguments)
+    except (IndexError, StopIteration, EOFError) as error:
+        if not n:
+            raise
+        raise ShardsRanOut(f"{what} fails here: {type(error).__name__}: {one_line(error)}, on 4 synthetic shards of {plan.shard_tokens} tokens") from None
 
 
 # A replaced loader's worker threads have this long to end (its shutdown waits 1 s).

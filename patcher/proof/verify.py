@@ -18,6 +18,7 @@ rank's comparison), `val_verify` (evaluation loops), `module_verify` (a data-loa
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof import module_verify
 from patcher.proof.harness import HarnessError, SimulatedDist, load_definitions, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import RUN_AHEAD, cuda_as_host, cuda_on_host, host_only_pinning, run_ahead_of
-from patcher.proof.rank_compare import Configuration, Plan, compare_generator_rank, compare_loader_rank, reference_batches
+from patcher.proof.rank_compare import Configuration, Plan, ShardsRanOut, compare_generator_rank, compare_loader_rank, reference_batches
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, hparams_factory, patched_constructions
 from patcher.proof.script_eval import survey_of
 from patcher.proof.val_verify import compare_val_loops
@@ -253,22 +254,24 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
         if not run.edited:
             notes.append(_toggle_note(modules[1]))
         configurations = _configurations("the edited loader" if run.edited else "the default producer")
-        difference = None
+        difference, shard_tokens, noted = None, run.shard_tokens, len(notes)
         try:
-            plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, run.shard_tokens)
-            for rank in range(world_size):
-                rank_modules = modules if rank == 0 else load(rank)
-                reference = reference_batches(recipe, rank_modules[0], plan, rank, notes, DRAW_TIMEOUT_S)
-                for configuration in configurations:
-                    if configuration.ranks is not None and rank not in configuration.ranks:
-                        continue
-                    patched_module = rank_modules[1] if not configuration.env else load_one(patched_source, rank, configuration.env)
-                    difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, notes, DRAW_TIMEOUT_S, calls)
-                    if difference is not None:
-                        difference.configuration = configuration.label
-                        break
-                if difference is not None:
+            while True:
+                plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, shard_tokens)
+                try:
+                    difference = _compare_ranks(recipe, run, plan, modules, load, load_one, patched_sites, configurations, compare, calls)
                     break
+                except ShardsRanOut as error:
+                    # Shards sized to wrap around are read through by a loader that walks
+                    # them once: sized again, once, for the run to read each once.
+                    if shard_tokens is not None:
+                        raise CannotVerify(f"{original}: {error}: " + (
+                            f"the loader reads past the end of its data, and --shard-tokens {shard_tokens} holds less than the run reads; a loader that does not wrap around needs --shard-tokens {plan.read_once_tokens} or more"
+                            if shard_tokens < plan.read_once_tokens else
+                            "the loader reads past the end of its data although the shards hold what the run reads: it expects data these shards lack (more shards, another layout)")) from None
+                    del notes[noted:]
+                    notes.append(f"{error}: the loader walks its shards once and does not wrap around (a run over real shards never reads them all), so the shards are sized for the run to read each once, and its wrap-around is not exercised")
+                    shard_tokens = plan.read_once_tokens
         except HarnessError as error:
             raise CannotVerify(f"{original}: {error}") from None
         notes.extend(f"patched loader run with {c.label}" + ("" if c.ranks is None else f" (rank {', '.join(map(str, c.ranks))})") for c in configurations)
@@ -278,6 +281,23 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
     notes.extend(_assumption_notes(recipe))
     per_rank = plan.warmup + plan.batches
     return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - run.started, val_compared)
+
+
+def _compare_ranks(recipe: LoaderRecipe, run: _Run, plan: Plan, modules, load, load_one, patched_sites, configurations, compare, calls) -> Difference | None:
+    """Each rank's original batches (`reference_batches`), then `compare` for every
+    configuration of the patched loader that runs on that rank; the first difference."""
+    for rank in range(run.world_size):
+        rank_modules = modules if rank == 0 else load(rank)
+        reference = reference_batches(recipe, rank_modules[0], plan, rank, run.notes, DRAW_TIMEOUT_S)
+        for configuration in configurations:
+            if configuration.ranks is not None and rank not in configuration.ranks:
+                continue
+            patched_module = rank_modules[1] if not configuration.env else load_one(run.sources[1], rank, configuration.env)
+            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls)
+            if difference is not None:
+                difference.configuration = configuration.label
+                return difference
+    return None
 
 
 def _verify_generator(recipe: IteratorRecipe, run: _Run, compare) -> VerifyResult:
@@ -525,7 +545,8 @@ def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, s
     if recipe.varying:
         used = [sorted({a[i] for a in calls}) for i in recipe.varying]
         notes.append(f"per-step argument(s) {[recipe.call_args[i] for i in recipe.varying]} driven with {used}, changing every 5 calls")
-    return Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [])
+    read_once_tokens = math.ceil(read_per_call * longest * 1.25 / 4)  # a quarter of the run each, and a margin
+    return Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [], tokens_per_shard, read_once_tokens)
 
 
 def _grad_accum(recipe: LoaderRecipe, args: tuple) -> int:

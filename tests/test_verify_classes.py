@@ -352,3 +352,24 @@ def test_shards_a_user_sized_too_small_for_a_loader_that_does_not_wrap_name_the_
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT, err
     assert "IndexError: list index out of range, on 4 synthetic shards of 700 tokens: the loader reads past the end of its data, and --shard-tokens 700 holds less than the run reads; a loader that does not wrap around needs --shard-tokens 1600 or more" in err
+
+
+def test_a_generator_built_in_main_from_its_locals_is_drawn_on_shards_an_item_fits_in(tmp_path):
+    # `args = Hyperparameters()` and `rank = int(os.environ.get("RANK", 0))` in main(); an
+    # item of 64 x 1024 tokens cut from one shard at a time: the short draw's shards of
+    # 40,960 tokens end the generator before its first item, so it is drawn again on
+    # shards 16 times larger
+    original, out = patch_to(tmp_path, "batch_of_sequences")
+    result = verify(original, out, batches=8)
+    assert result.identical, result.difference
+    assert "the original generator ends (StopIteration) before its first item on shards of 40960 tokens (its items hold more than its arguments say): drawn on shards of 655360" in result.notes
+
+
+def test_a_generator_built_from_the_environments_rank_is_built_as_each_rank(tmp_path):
+    # the patched generator cuts rank 0's slice on every rank: rank 1 differs
+    original, out = patch_to(tmp_path, "batch_of_sequences")
+    source = out.read_text()
+    assert source.count("tokens[start + rank * span : start + (rank + 1) * span + 1]") == 1
+    out.write_text(source.replace("tokens[start + rank * span : start + (rank + 1) * span + 1]", "tokens[start : start + span + 1]"))
+    result = verify(original, out, batches=4)
+    assert not result.identical and result.difference.rank == 1, result.difference

@@ -66,7 +66,7 @@ def write_iterator_shards(recipe: IteratorRecipe, modules, root: str, tokens_per
     for module in modules:
         cls = module.__dict__.get(hp_info.name) if hp_info is not None else None
         for name in ("args", "h", "hparams", "hyperparameters"):
-            if name not in module.__dict__ and recipe.survey.collector.module_scope.bindings.get(name):
+            if name not in module.__dict__ and recipe.binds(name):
                 try:
                     recipe.evaluate(name, module)
                 except HarnessError:

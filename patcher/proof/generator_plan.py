@@ -43,6 +43,12 @@ class GeneratorPlan:
 
 # Time one item of the short draw may take (as verify's DRAW_TIMEOUT_S).
 PROBE_TIMEOUT_S = 60.0
+# The largest synthetic shard a short draw is tried on (tokens; 32 MB of uint16 each).
+PROBE_MAX_SHARD_TOKENS = 1 << 24
+
+
+class _NoFirstItem(Exception):
+    """The generator ended (StopIteration) before its first item."""
 
 
 def plan_generator_run(recipe: IteratorRecipe, modules, root: str, counts: list[int], world_size: int, seed: int, explicit: list[str], shard_tokens: int | None, notes: list[str]) -> GeneratorPlan:
@@ -57,7 +63,7 @@ def plan_generator_run(recipe: IteratorRecipe, modules, root: str, counts: list[
     chosen, tokens = None, None
     for origin, label, values in candidates:
         try:
-            tokens = _probe(recipe, modules, root, world_size, seed, [v[0] for v in values], none_between)
+            tokens = _probe(recipe, modules, root, world_size, seed, [v[0] for v in values], none_between, notes)
         except HarnessError as error:
             notes.append(f"`{recipe.target}.send(...)` of {', '.join(repr(v[0]) for v in values)} ({label}) not used: the original generator rejects it ({error})")
             continue
@@ -66,7 +72,7 @@ def plan_generator_run(recipe: IteratorRecipe, modules, root: str, counts: list[
     if chosen is None:
         if candidates:
             skipped.append("stage changes (the original generator rejected every candidate value)")
-        tokens = _probe(recipe, modules, root, world_size, seed, [], none_between)
+        tokens = _probe(recipe, modules, root, world_size, seed, [], none_between, notes)
         origin, values = "", []
     else:
         origin, label, values = chosen
@@ -83,6 +89,17 @@ def plan_generator_run(recipe: IteratorRecipe, modules, root: str, counts: list[
     how = "--shard-tokens" if shard_tokens is not None else f"sized so that the train phase, about {sum(read) * world_size} tokens read by {world_size} ranks, crosses two boundaries"
     notes.append(f"train shards of {sized} tokens ({how}), each marked by its own band of token ids so the boundaries crossed are counted")
     return GeneratorPlan(sends, none_between, origin, marks, sized, skipped)
+
+
+def _item(iterator, value, none_between: bool):
+    """The next item (`value` sent, or None sent where the script sends None between);
+    raises _NoFirstItem where the first one (`value` None) ends the generator."""
+    try:
+        return iterator.send(value) if value is not None or none_between else next(iterator)
+    except StopIteration:
+        if value is None:
+            raise _NoFirstItem from None
+        raise
 
 
 def _candidates(recipe: IteratorRecipe, modules, explicit: list[str], batches: int, notes: list[str]) -> tuple[list, list[str]]:
@@ -129,24 +146,43 @@ def _rejected_as_harness_error(step, what: str):
     """`step()`; an exception the generator raises (an assertion on the sent values) as a HarnessError naming `what`."""
     try:
         return step()
-    except (CannotVerify, DrawTimeout, ModuleNotFoundError):
+    except (CannotVerify, DrawTimeout, ModuleNotFoundError, _NoFirstItem):
         raise
     except Exception as error:
         raise HarnessError(f"{what}: {type(error).__name__}: {one_line(error)}") from None
 
 
-def _probe(recipe: IteratorRecipe, modules, root: str, world_size: int, seed: int, changes: list, none_between: bool) -> list[tuple[int, int]]:
+def _probe(recipe: IteratorRecipe, modules, root: str, world_size: int, seed: int, changes: list, none_between: bool, notes: list[str]) -> list[tuple[int, int]]:
     """Draw the original's last construction on rank 0 over small shards: one item,
-    then one after each value of `changes` is sent. Returns (tokens of the first
-    tensor, tokens of the shard used up: `item_read`) of each item; raises HarnessError when the original raises or yields
-    no tensor. Waits for the threads the draw started before returning (the shards are
-    rewritten next)."""
-    module = modules[0]
-    largest = generator_tokens_per_item(recipe, module, changes)
+    then one after each value of `changes` is sent (`_probe_on`). A generator that ends
+    before its first item (its item holds more tokens than its arguments say: `batch_size
+    * seq_len` from a shard at a time) is drawn again on shards 16 times larger, up to
+    `PROBE_MAX_SHARD_TOKENS`, with a note. Raises HarnessError when it still ends."""
+    largest = generator_tokens_per_item(recipe, modules[0], changes)
     # Roomy in documents: a generator that cuts documents at a short sequence length uses
     # up many documents per item, and one that runs out of shard loads the next forever.
-    longest_document = shard_documents(recipe, module)[1][1]
-    marks = write_iterator_shards(recipe, modules, root, largest, 1 + len(changes), seed, None, max(4 * largest * world_size + 2, 256 * longest_document))
+    longest_document = shard_documents(recipe, modules[0])[1][1]
+    first = shard_tokens = max(4 * largest * world_size + 2, 256 * longest_document)
+    while True:
+        try:
+            tokens = _probe_on(recipe, modules, root, world_size, seed, changes, none_between, largest, shard_tokens)
+        except _NoFirstItem:
+            if shard_tokens * 16 > PROBE_MAX_SHARD_TOKENS:
+                raise HarnessError(f"the original generator ends (StopIteration) before its first item, on 4 synthetic shards of up to {shard_tokens} tokens: it needs data these shards lack (longer documents, another layout), or items larger still; --shard-tokens N sets their size") from None
+            shard_tokens *= 16
+            continue
+        if shard_tokens != first:
+            notes.append(f"the original generator ends (StopIteration) before its first item on shards of {first} tokens (its items hold more than its arguments say): drawn on shards of {shard_tokens}")
+        return tokens
+
+
+def _probe_on(recipe: IteratorRecipe, modules, root: str, world_size: int, seed: int, changes: list, none_between: bool, largest: int, shard_tokens: int) -> list[tuple[int, int]]:
+    """`_probe` on shards of `shard_tokens` tokens. Returns (tokens of the first tensor,
+    tokens of the shard used up: `item_read`) of each item; raises _NoFirstItem, or
+    HarnessError when the original raises or yields no tensor. Waits for the threads
+    the draw started before returning (the shards are rewritten next)."""
+    module = modules[0]
+    marks = write_iterator_shards(recipe, modules, root, largest, 1 + len(changes), seed, None, shard_tokens)
     if "dist" in module.__dict__:
         module.__dict__["dist"] = SimulatedDist(0, world_size)
     started_with = set(threading.enumerate())
@@ -155,7 +191,7 @@ def _probe(recipe: IteratorRecipe, modules, root: str, world_size: int, seed: in
         iterator = harness_step(lambda: recipe.evaluate(recipe.original[-1], module), "building the original generator for a short draw (rank 0)")
         for value in [None, *changes]:
             with draw_deadline(PROBE_TIMEOUT_S):
-                item = _rejected_as_harness_error(lambda: next(iterator) if value is None and not none_between else iterator.send(value), "its first item" if value is None else f"sent {value!r}")
+                item = _rejected_as_harness_error(lambda: _item(iterator, value, none_between), "its first item" if value is None else f"sent {value!r}")
             try:
                 tokens.append(item_read(item, marks.bos_id, marks.doc_len_range))
             except ValueError:

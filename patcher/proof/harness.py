@@ -236,6 +236,21 @@ def _binds(statement: cst.CSTNode, name: str) -> bool:
 
 
 @contextlib.contextmanager
+def environment(values: dict):
+    """Environment variables set to `values` inside, restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
 def swapped(read, write, value):
     """`write(value)` inside, the value `read()` gave before written back after.
 

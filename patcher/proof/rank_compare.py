@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from patcher.proof import host_cuda
 from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
-from patcher.proof.harness import SimulatedDist
+from patcher.proof.harness import SimulatedDist, environment
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.loop_order import early_fetch_line
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
@@ -269,4 +269,7 @@ def compare_generator_rank(recipe: IteratorRecipe, modules, rank: int, world_siz
             marks.observe((rank, building[0]), item)
         return item
 
-    return compare_phases(rank, phases, build, draw, "generator", timeout_s)
+    # A generator built from the rank the environment gives (`rank = int(os.environ["RANK"])`
+    # in the function that builds it) is built as this rank's.
+    with environment({"RANK": str(rank), "LOCAL_RANK": str(rank)}):
+        return compare_phases(rank, phases, build, draw, "generator", timeout_s)

@@ -343,7 +343,9 @@ class IteratorRecipe:
     expressions, in source order, of the original and of the patched script;
     survey: the original's survey (for the module-level names the expressions use);
     sent: the expressions that may give the values the script passes to
-    `target.send(value)` (see `_sent_value_codes`), in source order.
+    `target.send(value)` (see `_sent_value_codes`), in source order; scope: where the
+    first construction runs (a function's scope: `train()` builds it from its locals),
+    None at module level.
     """
 
     survey: Survey
@@ -352,6 +354,7 @@ class IteratorRecipe:
     patched: list[str]
     sent: list[str] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)  # as LoaderRecipe.assumed
+    scope: object = None
 
     @classmethod
     def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
@@ -378,7 +381,8 @@ class IteratorRecipe:
         if len(wrapped) != len(codes):
             raise HarnessError(f"the patched script builds `{target}` {len(wrapped)} times, the original {len(codes)}")
         sends = [c for i in sites if i.target == target for c in i.sends]
-        return cls(surveyed, target, codes, wrapped, _sent_value_codes(surveyed, sends))
+        scope = sites[0].binding if sites[0].binding is not surveyed.collector.module_scope else None
+        return cls(surveyed, target, codes, wrapped, _sent_value_codes(surveyed, sends), scope=scope)
 
     def sent_values(self, module: types.ModuleType) -> list:
         """The values of `sent` that evaluate outside training (module-level names only)
@@ -396,8 +400,42 @@ class IteratorRecipe:
     def evaluate(self, code: str, module: types.ModuleType):
         """Evaluate `code` in the module's globals; a module-level name it uses that the
         definitions-only import left out (`args = Hyperparameters()`) is evaluated from
-        its one assignment in the original script first."""
-        return evaluate_script_code(self.survey, code, module.__dict__, self.survey.collector.module_scope, assumed=self.assumed)
+        its one assignment in the original script first. Where the generator is built
+        inside a function, in the names that function sees (`_function_namespace`)."""
+        if self.scope is None:
+            return evaluate_script_code(self.survey, code, module.__dict__, self.survey.collector.module_scope, assumed=self.assumed)
+        return evaluate_script_code(self.survey, code, self._function_namespace(module), self.scope, assumed=self.assumed)
+
+    def binds(self, name: str) -> bool:
+        """True where the module, or the function that builds the generator, binds `name`."""
+        return bool(self.survey.collector.module_scope.bindings.get(name) or (self.scope is not None and self.scope.bindings.get(name)))
+
+    def _function_namespace(self, module: types.ModuleType) -> dict:
+        """The names the construction sees inside its function: the module's globals,
+        less the names the function assigns itself, which are evaluated from that
+        assignment at each call (`rank = int(os.environ["RANK"])` reads the rank being
+        driven). Its hyperparameters instance (`args = Hyperparameters()`) is made once
+        and kept in the module, where the synthetic shards' paths are set on it; a
+        parameter of the function is the module-level name of the same name
+        (`train(args)`, called with the module's `args`)."""
+        ns = dict(module.__dict__)
+        module_scope = self.survey.collector.module_scope
+        hp = self.survey.hyperparameters
+        for name, bindings in self.scope.bindings.items():
+            if all(kind == "param" for kind, _ in bindings):
+                if name not in ns and module_scope.bindings.get(name):
+                    try:
+                        ns[name] = evaluate_script_code(self.survey, name, module.__dict__, module_scope, assumed=self.assumed)
+                    except HarnessError:
+                        pass  # evaluated where the construction uses it, and fails there with its reason
+                continue
+            if hp is not None and len(bindings) == 1 and m.matches(bindings[0][1], m.Call(func=m.Name(hp.name), args=[])):
+                if name not in module.__dict__:
+                    module.__dict__[name] = evaluate_script_code(self.survey, f"{hp.name}()", module.__dict__, module_scope)
+                ns[name] = module.__dict__[name]
+                continue
+            ns.pop(name, None)
+        return ns
 
 
 def _sent_value_codes(surveyed: Survey, sends: list[cst.Call]) -> list[str]:

@@ -35,7 +35,7 @@ from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_
 from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof import module_verify
-from patcher.proof.harness import HarnessError, SimulatedDist, load_definitions, load_module, scripts_unloaded, swapped
+from patcher.proof.harness import HarnessError, SimulatedDist, environment, load_definitions, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import RUN_AHEAD, cuda_as_host, cuda_on_host, host_only_pinning, run_ahead_of
 from patcher.proof.rank_compare import Configuration, Plan, ShardsRanOut, compare_generator_rank, compare_loader_rank, reference_batches
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, hparams_factory, patched_constructions
@@ -238,7 +238,7 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
 
         def load_one(source: str, rank: int, env: dict | None = None):
             # A script that trains at top level: its definitions, as rank `rank` would run them.
-            with _env(env or {}):
+            with environment(env or {}):
                 if not top_level:
                     return _load(source, as_path)
                 os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
@@ -451,27 +451,12 @@ def _toggle_note(module) -> str:
 
 
 @contextlib.contextmanager
-def _env(values: dict):
-    """Environment variables set to `values` inside, restored after."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
 def _launch_env(script, world_size: int):
     """What torchrun gives a script: RANK, WORLD_SIZE, LOCAL_RANK in the environment (rank 0
     of `world_size`; `dist` answers per rank) and `sys.argv` without our own arguments."""
     values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
     saved_argv = sys.argv
-    with _env(values):
+    with environment(values):
         sys.argv = [str(script)]
         try:
             yield

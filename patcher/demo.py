@@ -68,17 +68,10 @@ def bench_line(original: str) -> str:
 def _bench(original: str) -> tuple[list[str], float]:
     """`bench_line`'s lines and the ratio patched / original of the mean step times."""
     from patcher.proof.bench import run_bench
+    from patcher.proof.harness import environment
 
-    saved = {name: os.environ.get(name) for name in DEMO_BENCH_ENV}
-    os.environ.update(DEMO_BENCH_ENV)
-    try:
+    with environment(DEMO_BENCH_ENV):
         report = run_bench(original, **DEMO_BENCH)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     before, after = report["mean_step_ms_original"], report["mean_step_ms_patched"]
     ratio = after / before
     lines = [

@@ -373,3 +373,19 @@ def test_a_generator_built_from_the_environments_rank_is_built_as_each_rank(tmp_
     out.write_text(source.replace("tokens[start + rank * span : start + (rank + 1) * span + 1]", "tokens[start : start + span + 1]"))
     result = verify(original, out, batches=4)
     assert not result.identical and result.difference.rank == 1, result.difference
+
+
+IMPORTED_LOADER = "import torch\nfrom prepare import make_dataloader\n\ntrain_loader = make_dataloader(8, 64)\nfor step in range(3):\n    x, y = next(train_loader)\n"
+
+
+def test_a_loader_imported_from_another_module_names_the_module_to_patch(tmp_path, capsys):
+    # autoresearch's train.py: `from prepare import ..., make_dataloader`; its loader is prepare.py's
+    result = patch_source(IMPORTED_LOADER)
+    [reason] = [n.reason for n in result.notes if n.feature == "train_prefetch"]
+    assert reason == "`train_loader` (line 4) is built by `make_dataloader`, imported from `prepare` (line 2): its loader is in that module's file; patch that file"
+    original, edited = tmp_path / "train.py", tmp_path / "edited.py"
+    original.write_text(IMPORTED_LOADER)
+    edited.write_text(IMPORTED_LOADER.replace("range(3)", "range(4)"))
+    code = main(["verify", str(original), str(edited)])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and reason in err, err

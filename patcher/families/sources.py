@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import libcst as cst
 
+from patcher.cst_walk import small_statements
 from patcher.families.base import DataVariable, Family, ModuleLoader
 from patcher.survey.sites import names_other_data
 
@@ -139,3 +140,25 @@ def device_arg(call: cst.Call, cls: LoaderClass) -> int | None:
     if cls.device_index < len(positional):
         return positional[cls.device_index]
     return None
+
+
+def imported_sources(survey: Survey) -> list[str]:
+    """Why a script that builds no data source of its own has none to prefetch: one
+    line per variable advanced with `next(variable)` and built by a function that the
+    script imports with `from MODULE import function` (autoresearch's `train_loader =
+    make_dataloader(...)` from `prepare`, nanochat's from `nanochat.dataloader`): its
+    loader is in that module's file, which is what to patch."""
+    advanced = {call.args[0].value.value for call, _scope in survey.collector.next_calls if call.args and isinstance(call.args[0].value, cst.Name)}
+    imported = {}
+    for statement in small_statements(survey.module.body):
+        if isinstance(statement, cst.ImportFrom) and not isinstance(statement.names, cst.ImportStar):
+            module = "." * len(statement.relative) + (survey.module.code_for_node(statement.module) if statement.module is not None else "")
+            for alias in statement.names:
+                imported[(alias.asname.name if alias.asname else alias.name).value] = (module, survey.line_of(statement))
+    reasons = []
+    for assign, _scope in survey.collector.call_assigns:
+        target, call = assign.targets[0].target, assign.value
+        if len(assign.targets) == 1 and isinstance(target, cst.Name) and target.value in advanced and isinstance(call.func, cst.Name) and call.func.value in imported:
+            module, line = imported[call.func.value]
+            reasons.append(f"`{target.value}` (line {survey.line_of(assign)}) is built by `{call.func.value}`, imported from `{module}` (line {line}): its loader is in that module's file; patch that file")
+    return list(dict.fromkeys(reasons))

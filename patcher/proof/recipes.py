@@ -22,6 +22,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import small_statements
+from patcher.families.sources import imported_sources
 from patcher.proof.harness import HarnessError, hparams_for, point_at_shards
 from patcher.proof.script_eval import evaluate_script_code, names_imported, survey_of
 from patcher.survey.survey import Construction, Survey
@@ -369,7 +370,7 @@ class IteratorRecipe:
                 names = ", ".join(surveyed.loader_classes)
                 first = next(iter(surveyed.loader_classes))
                 reasons = [f"{names} defined (line {surveyed.loader_classes[first].line}) but never built as `name = {first}(...)`, so patch-prefetch leaves the training loader as it is and there is no prefetch of it to verify; build it as `train_loader = {first}(...)` in the training function to have it prefetched and verified"]
-            raise HarnessError("; ".join(reasons) or "no training loader or data generator found")
+            raise HarnessError("; ".join(reasons or imported_sources(surveyed)) or "no training loader or data generator found")
         target = sites[0].target
         codes = [surveyed.module.code_for_node(i.call) for i in sites if i.target == target]
         patched_survey = survey_of(patched)

@@ -39,7 +39,7 @@ import libcst as cst
 
 from patcher.families import registry
 from patcher.families.base import MAKE_TRAIN_LOADER, PRODUCERS, ModuleLoader
-from patcher.families.sources import device_arg
+from patcher.families.sources import device_arg, imported_sources
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
@@ -139,7 +139,7 @@ def _rewrite_loader_generators(module: cst.Module, ctx: Context, loaders: list[M
 def _no_site_reason(survey) -> str:
     if not survey.loader_classes:
         reasons = sorted({i.reason for i in survey.iterators if i.reason})
-        return "; ".join(reasons) if reasons else "no loader with next_batch or data generator found"
+        return "; ".join(reasons or imported_sources(survey)) or "no loader with next_batch or data generator found"
     if not survey.constructions:
         names = ", ".join(survey.loader_classes)
         return f"{names} defined but never built as `name = {next(iter(survey.loader_classes))}(...)`"

@@ -94,13 +94,13 @@ import types
 
 import torch
 
-from patcher.templates.staging import _EXIT_WAIT_S, _POLL_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
+from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
 
 # One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}
 # At exit the children are killed and reaped (in the process that forked them only), and
-# each producer thread is stopped and joined, for at most `_EXIT_WAIT_S`.
-atexit.register(lambda: [loader.shutdown(time.monotonic() + _EXIT_WAIT_S) for loader in _live_prefetchers.values()])
+# each producer thread is stopped and joined, for at most `_STOP_WAIT_S`.
+atexit.register(lambda: [loader.shutdown(time.monotonic() + _STOP_WAIT_S) for loader in _live_prefetchers.values()])
 
 
 def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):

@@ -65,7 +65,7 @@ import warnings
 import torch
 
 from patcher.templates.copy_stream import _h2d
-from patcher.templates.staging import _EXIT_WAIT_S, _POLL_S, _each_tensor, _stage
+from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_tensor, _stage
 
 # One live prefetcher per loader variable: building a new one shuts the old one down.
 _live_prefetchers = {}
@@ -85,7 +85,7 @@ def _stop_workers(stopping, wait):
         _running_workers.discard(worker)
 
 
-atexit.register(lambda: _stop_workers(list(_running_workers), _EXIT_WAIT_S))
+atexit.register(lambda: _stop_workers(list(_running_workers), _STOP_WAIT_S))
 
 
 def _start_worker(worker):

@@ -75,7 +75,7 @@ import types
 
 import torch
 
-from patcher.templates.staging import _POLL_S, _each_leaf, _producer_error, _producer_setup, _rebuilt, _staged_h2d
+from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _producer_error, _producer_setup, _rebuilt, _staged_h2d
 
 # The producer's niceness: it yields the CPU to the training loop (the module docstring says why).
 _PRODUCER_NICE = 10
@@ -225,7 +225,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
             _spawned.pop(child, None)
             child.terminate()
-            child.join(5)
+            child.join(_STOP_WAIT_S)
             if child.exitcode is None:
                 child.kill()
                 child.join()
@@ -243,7 +243,7 @@ def _receive(receiver, readable, child, first):
     try:
         return receiver.recv()
     except (EOFError, ConnectionResetError):  # the child is gone (reset: it left bytes of free slots unread)
-        child.join(1)
+        child.join(_STOP_WAIT_S)
         if first:  # it died unpickling its own start (its traceback is on stderr), or killed
             return "setup", f"its spawned producer died before its first batch (exit code {child.exitcode})"
         raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None

@@ -13,7 +13,7 @@ generators (`patcher/templates/pinned_staging.py`) and the spawned generator
 - A producer's life: its signal handlers and threads (`_producer_setup`), how its
   exception travels (`_producer_error` there, `_rebuilt` here), how often a waiter
   wakes to see whether the other side is still there (`_POLL_S`), and how long a
-  producer thread is waited for at exit (`_EXIT_WAIT_S`).
+  producer told to stop is waited for (`_STOP_WAIT_S`).
 """
 
 import dataclasses
@@ -27,11 +27,12 @@ from patcher.templates.copy_stream import _h2d
 # Every producer and its caller: a wait for a batch, or for room, wakes this often (s)
 # to see whether the other side is still there (an idle producer wakes 20 times a second).
 _POLL_S = 0.05
-# At exit, the most a producer thread is waited for (s), all of them together: a daemon
-# thread still inside a torch op when Python finalizes aborts the process (std::terminate,
-# exit code 134). Long enough for a batch or a shard load in progress, short enough that
-# Ctrl-C with a producer stuck in a read still ends the process promptly.
-_EXIT_WAIT_S = 3
+# The most a producer told to stop is waited for (s): a thread at exit (a daemon thread
+# still inside a torch op when Python finalizes aborts the process: std::terminate, exit
+# code 134), a spawned child before it is killed. Long enough for a batch or a shard load
+# in progress, short enough that Ctrl-C with a producer stuck in a read still ends the
+# process promptly.
+_STOP_WAIT_S = 3
 
 
 def _each_leaf(item, fn):

@@ -365,12 +365,17 @@ def test_a_generator_built_in_main_from_its_locals_is_drawn_on_shards_an_item_fi
     assert "the original generator ends (StopIteration) before its first item on shards of 40960 tokens (its items hold more than its arguments say): drawn on shards of 655360" in result.notes
 
 
-def test_a_generator_built_from_the_environments_rank_is_built_as_each_rank(tmp_path):
-    # the patched generator cuts rank 0's slice on every rank: rank 1 differs
+@pytest.mark.parametrize("old, new", [
+    # the patched generator cuts rank 0's slice on every rank
+    ("tokens[start + rank * span : start + (rank + 1) * span + 1]", "tokens[start : start + span + 1]"),
+    # the patched main() builds it as rank 0 on every rank: its own local, not the original's
+    ('    rank = int(os.environ.get("RANK", 0))\n', "    rank = 0\n"),
+])
+def test_a_generator_built_from_the_environments_rank_is_built_as_each_rank(tmp_path, old, new):
     original, out = patch_to(tmp_path, "batch_of_sequences")
     source = out.read_text()
-    assert source.count("tokens[start + rank * span : start + (rank + 1) * span + 1]") == 1
-    out.write_text(source.replace("tokens[start + rank * span : start + (rank + 1) * span + 1]", "tokens[start : start + span + 1]"))
+    assert source.count(old) == 1
+    out.write_text(source.replace(old, new))
     result = verify(original, out, batches=4)
     assert not result.identical and result.difference.rank == 1, result.difference
 

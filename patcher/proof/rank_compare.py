@@ -252,7 +252,7 @@ def compare_generator_rank(recipe: IteratorRecipe, modules, rank: int, world_siz
     building = [0]
 
     def build(side, index):
-        iterator = recipe.evaluate(codes[side][index], modules[side])
+        iterator = recipe.evaluate(codes[side][index], modules[side], side)
         sides[id(iterator)] = side
         building[0] = index
         if side == 0 and marks is not None:

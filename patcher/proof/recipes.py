@@ -346,7 +346,8 @@ class IteratorRecipe:
     sent: the expressions that may give the values the script passes to
     `target.send(value)` (see `_sent_value_codes`), in source order; scope: where the
     first construction runs (a function's scope: `train()` builds it from its locals),
-    None at module level.
+    None at module level; patched_survey, patched_scope: the same of the patched
+    script, whose constructions see its own locals (a hand-edit may change them).
     """
 
     survey: Survey
@@ -356,6 +357,8 @@ class IteratorRecipe:
     sent: list[str] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)  # as LoaderRecipe.assumed
     scope: object = None
+    patched_survey: Survey | None = None
+    patched_scope: object = None
 
     @classmethod
     def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
@@ -375,15 +378,17 @@ class IteratorRecipe:
         codes = [surveyed.module.code_for_node(i.call) for i in sites if i.target == target]
         patched_survey = survey_of(patched)
         wrapped = [
-            patched_survey.module.code_for_node(assign.value)
-            for assign, _scope in patched_survey.collector.call_assigns
+            (assign, scope)
+            for assign, scope in patched_survey.collector.call_assigns
             if m.matches(assign, m.Assign(targets=[m.AssignTarget(m.Name(target))], value=m.Call(func=m.Name("_prefetch_iterator") | m.Name(sites[0].function))))
         ]
         if len(wrapped) != len(codes):
             raise HarnessError(f"the patched script builds `{target}` {len(wrapped)} times, the original {len(codes)}")
         sends = [c for i in sites if i.target == target for c in i.sends]
         scope = sites[0].binding if sites[0].binding is not surveyed.collector.module_scope else None
-        return cls(surveyed, target, codes, wrapped, _sent_value_codes(surveyed, sends), scope=scope)
+        patched_scope = wrapped[0][1] if wrapped and wrapped[0][1] is not patched_survey.collector.module_scope else None
+        codes_patched = [patched_survey.module.code_for_node(assign.value) for assign, _scope in wrapped]
+        return cls(surveyed, target, codes, codes_patched, _sent_value_codes(surveyed, sends), scope=scope, patched_survey=patched_survey, patched_scope=patched_scope)
 
     def sent_values(self, module: types.ModuleType) -> list:
         """The values of `sent` that evaluate outside training (module-level names only)
@@ -398,20 +403,22 @@ class IteratorRecipe:
                 values.append(value)
         return values
 
-    def evaluate(self, code: str, module: types.ModuleType):
+    def evaluate(self, code: str, module: types.ModuleType, side: int = 0):
         """Evaluate `code` in the module's globals; a module-level name it uses that the
         definitions-only import left out (`args = Hyperparameters()`) is evaluated from
-        its one assignment in the original script first. Where the generator is built
-        inside a function, in the names that function sees (`_function_namespace`)."""
-        if self.scope is None:
-            return evaluate_script_code(self.survey, code, module.__dict__, self.survey.collector.module_scope, assumed=self.assumed)
-        return evaluate_script_code(self.survey, code, self._function_namespace(module), self.scope, assumed=self.assumed)
+        its one assignment in the script first: the original's (`side` 0), or the patched
+        script's (`side` 1). Where the generator is built inside a function, in the names
+        that function sees (`_function_namespace`)."""
+        survey, scope = (self.patched_survey, self.patched_scope) if side and self.patched_survey is not None else (self.survey, self.scope)
+        if scope is None:
+            return evaluate_script_code(survey, code, module.__dict__, survey.collector.module_scope, assumed=self.assumed)
+        return evaluate_script_code(survey, code, self._function_namespace(module, survey, scope), scope, assumed=self.assumed)
 
     def binds(self, name: str) -> bool:
         """True where the module, or the function that builds the generator, binds `name`."""
         return bool(self.survey.collector.module_scope.bindings.get(name) or (self.scope is not None and self.scope.bindings.get(name)))
 
-    def _function_namespace(self, module: types.ModuleType) -> dict:
+    def _function_namespace(self, module: types.ModuleType, survey: Survey, scope) -> dict:
         """The names the construction sees inside its function: the module's globals,
         less the names the function assigns itself, which are evaluated from that
         assignment at each call (`rank = int(os.environ["RANK"])` reads the rank being
@@ -420,19 +427,19 @@ class IteratorRecipe:
         parameter of the function is the module-level name of the same name
         (`train(args)`, called with the module's `args`)."""
         ns = dict(module.__dict__)
-        module_scope = self.survey.collector.module_scope
-        hp = self.survey.hyperparameters
-        for name, bindings in self.scope.bindings.items():
+        module_scope = survey.collector.module_scope
+        hp = survey.hyperparameters
+        for name, bindings in scope.bindings.items():
             if all(kind == "param" for kind, _ in bindings):
                 if name not in ns and module_scope.bindings.get(name):
                     try:
-                        ns[name] = evaluate_script_code(self.survey, name, module.__dict__, module_scope, assumed=self.assumed)
+                        ns[name] = evaluate_script_code(survey, name, module.__dict__, module_scope, assumed=self.assumed)
                     except HarnessError:
                         pass  # evaluated where the construction uses it, and fails there with its reason
                 continue
             if hp is not None and len(bindings) == 1 and m.matches(bindings[0][1], m.Call(func=m.Name(hp.name), args=[])):
                 if name not in module.__dict__:
-                    module.__dict__[name] = evaluate_script_code(self.survey, f"{hp.name}()", module.__dict__, module_scope)
+                    module.__dict__[name] = evaluate_script_code(survey, f"{hp.name}()", module.__dict__, module_scope)
                 ns[name] = module.__dict__[name]
                 continue
             ns.pop(name, None)

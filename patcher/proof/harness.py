@@ -19,6 +19,7 @@ import gc
 import itertools
 import os
 import sys
+import traceback
 import types
 
 import libcst as cst
@@ -148,17 +149,20 @@ def _say_where(error: Exception, filename: str) -> None:
     imported, the script's line that raised it and, for a file or directory it did not
     find (a script that locates its repository or data from its own path), what to do.
     Only an exception whose arguments are one message is changed."""
-    line, tb = None, error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == filename:
-            line = tb.tb_lineno  # the innermost line of the script itself
-        tb = tb.tb_next
+    line = _script_line(error, filename)
     if line is None or len(error.args) != 1 or not isinstance(error.args[0], str):
         return
     advice = ""
     if isinstance(error, OSError):
         advice = f"; verify imports both scripts as if they stood at {filename}: run it on the script where it runs, in its repository"
     error.args = (f"{error.args[0]} (line {line}, run when the script is imported{advice})",)
+
+
+def _script_line(error: BaseException, filename: str) -> int | None:
+    """The line of the innermost frame of `error`'s traceback that runs the script
+    compiled as `filename`, or None where no frame does."""
+    lines = [line for frame, line in traceback.walk_tb(error.__traceback__) if frame.f_code.co_filename == filename]
+    return lines[-1] if lines else None
 
 
 def load_definitions(source: str, filename: str) -> types.ModuleType:
@@ -177,15 +181,13 @@ def load_definitions(source: str, filename: str) -> types.ModuleType:
             code = compile(parsed.with_changes(body=[stmt]).code, filename, "exec")
             try:
                 exec(code, module.__dict__)
-            except NameError as error:
-                if not m.matches(stmt, m.SimpleStatementLine(body=[m.Assign() | m.AnnAssign() | m.AugAssign() | m.Expr()])):
-                    reason = _unbound_name_reason(error, parsed.code_for_node(stmt), filename, len(parsed.header))
-                    if reason is None:
-                        raise
-                    raise NameError(reason, name=error.name) from None
-            except Exception:
-                if not m.matches(stmt, m.SimpleStatementLine(body=[m.Assign() | m.AnnAssign() | m.AugAssign() | m.Expr()])):
+            except Exception as error:
+                if m.matches(stmt, m.SimpleStatementLine(body=[m.Assign() | m.AnnAssign() | m.AugAssign() | m.Expr()])):
+                    continue  # a cheap assignment that needs what was left out: skipped
+                reason = _unbound_name_reason(error, parsed.code_for_node(stmt), filename, len(parsed.header)) if isinstance(error, NameError) else None
+                if reason is None:
                     raise
+                raise NameError(reason, name=error.name) from None
     return module
 
 
@@ -198,12 +200,8 @@ def _unbound_name_reason(error: NameError, statement: str, filename: str, header
     statement or the line cannot be found in the script (a wrapped payload that differs).
     header_lines: the comment and blank lines compiled above `statement`."""
     name = getattr(error, "name", None)
-    tb = error.__traceback__
-    offset = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == filename:
-            offset = tb.tb_lineno - header_lines  # the innermost frame of the script: the statement's own line
-        tb = tb.tb_next
+    line_in_script = _script_line(error, filename)
+    offset = line_in_script - header_lines if line_in_script is not None else None  # the statement's own line
     try:
         original = cst.parse_module(read_script(filename).source)
     except Exception:  # not readable as it stands: the plain NameError

@@ -386,7 +386,7 @@ class IteratorRecipe:
             raise HarnessError(f"the patched script builds `{target}` {len(wrapped)} times, the original {len(codes)}")
         sends = [c for i in sites if i.target == target for c in i.sends]
         scope = sites[0].binding if sites[0].binding is not surveyed.collector.module_scope else None
-        patched_scope = wrapped[0][1] if wrapped and wrapped[0][1] is not patched_survey.collector.module_scope else None
+        patched_scope = wrapped[0][1] if wrapped[0][1] is not patched_survey.collector.module_scope else None  # one per original site, so at least one
         codes_patched = [patched_survey.module.code_for_node(assign.value) for assign, _scope in wrapped]
         return cls(surveyed, target, codes, codes_patched, _sent_value_codes(surveyed, sends), scope=scope, patched_survey=patched_survey, patched_scope=patched_scope)
 

@@ -21,11 +21,12 @@ from patcher.proof.verify import CannotVerify, verify
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "verify"
 
 
-def patch_to(directory: Path, name: str, extra: str = "", edits: tuple = ()) -> tuple[Path, Path]:
-    """(the fixture, its patched output in `directory`, `extra` appended to it). With
-    `edits` ((old, new) pairs, every `old` replaced, found at least once), the fixture is a variant of
-    `name` written into `directory` first: one miniature, one shape changed."""
-    original = FIXTURES / f"{name}.py"
+def patch_to(directory: Path, name: str, extra: str = "", edits: tuple = (), fixtures: Path = FIXTURES) -> tuple[Path, Path]:
+    """(the fixture `name` of `fixtures`, its patched output in `directory`, `extra`
+    appended to it). With `edits` ((old, new) pairs, every `old` replaced, found at
+    least once), the fixture is a variant of `name` written into `directory` first: one
+    miniature, one shape changed."""
+    original = fixtures / f"{name}.py"
     if edits:
         source = original.read_text()
         for old, new in edits:
@@ -59,6 +60,9 @@ REPOSITORY_ANCHOR = (
 # The loader walks its shards once, as a run over real shards does (80 and more of them,
 # never all read): synthetic shards sized for the run to wrap around run out.
 NO_WRAP = (("self.shard = (self.shard + 1) % len(self.paths)", "self.shard += 1"),)
+# fixtures/generator_toplevel.py whose Hyperparameters reads `run_id` before any statement
+# binds it (a leftover of `run_id: str = f"{uuid.uuid4()}"`): the script fails there when run.
+UNBOUND_RUN_ID = (("    lr: float = 0.01\n", '    lr: float = 0.01\n    run_id: str = run_id  # was f"{uuid.uuid4()}"\n'),)
 SHORT_HPARAMS_NAME = (("class Hyperparameters:", "class HP:"), ("    args = Hyperparameters()", "    args = HP()"))
 BATCH_WARMUP = (
     ('int(os.environ.get("TRAIN_BATCH_TOKENS", 384))', 'int(os.environ.get("TRAIN_BATCH_TOKENS", 768))\n    batch_warmup_steps = int(os.environ.get("BATCH_WARMUP_STEPS", 6))'),
@@ -259,7 +263,7 @@ def test_minified_locals_that_shadow_module_aliases_stand_for_the_run(tmp_path):
 def test_a_definition_that_reads_a_name_nothing_binds_names_its_line(tmp_path, capsys):
     # the script's own class body reads `run_id` before any statement binds it: running
     # the script fails there too, and the reason says where and what to do
-    original, out = patch_to(tmp_path, "unbound_at_definition")
+    original, out = patch_to(tmp_path, "generator_toplevel", edits=UNBOUND_RUN_ID, fixtures=FIXTURES.parent)
     line = 1 + read_script(original).source.splitlines().index('    run_id: str = run_id  # was f"{uuid.uuid4()}"')
     with pytest.raises(CannotVerify, match=f"line {line} \\(`class Hyperparameters`\\) reads it before any statement of the script binds it.*bind `run_id` above line {line}"):
         verify(original, out, batches=4)
@@ -269,13 +273,9 @@ def test_a_definition_that_reads_a_name_nothing_binds_names_its_line(tmp_path, c
 
 
 def test_a_definition_that_reads_a_name_only_the_run_binds_names_both_lines(tmp_path):
-    source = read_script(FIXTURES / "unbound_at_definition.py").source
-    source = source.replace("\n@dataclass(", '\nif os.environ.get("RANK", "0") == "0":\n    run_id = time.strftime("%H%M%S")\n\n\n@dataclass(', 1)
-    original = tmp_path / "bound_by_the_run.py"
-    original.write_text(source)
-    out = tmp_path / "bound_by_the_run_patched.py"
-    out.write_text(patch_source(source).source)
-    binding = 1 + source.splitlines().index('if os.environ.get("RANK", "0") == "0":')
+    bound_by_the_run = ("\n@dataclass(", '\nif os.environ.get("RANK", "0") == "0":\n    run_id = time.strftime("%H%M%S")\n\n\n@dataclass(')
+    original, out = patch_to(tmp_path, "generator_toplevel", edits=(*UNBOUND_RUN_ID, bound_by_the_run), fixtures=FIXTURES.parent)
+    binding = 1 + original.read_text().splitlines().index('if os.environ.get("RANK", "0") == "0":')
     with pytest.raises(CannotVerify, match=f"reads it, and only line {binding}, which runs with the training .* binds it"):
         verify(original, out, batches=4)
 

@@ -79,7 +79,7 @@ try:
     from patcher.progress import running_clock, wanted
     from patcher.read.source import SourceError, is_symlink_loop, output_problem, read_script, write_atomic
     from patcher.review import coloured_review, patch_diff
-    from patcher.tree import NoFiles
+    from patcher.tree import NoFiles, caused_by_ctrl_c
 except KeyboardInterrupt:
     if not _started_as_command():
         raise
@@ -270,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     """
     said = False
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        except Exception as error:
+            if caused_by_ctrl_c(error):
+                raise KeyboardInterrupt from None
+            raise
     except KeyboardInterrupt:
         said = True
         print(INTERRUPTED_LINE, file=sys.stderr)
@@ -688,6 +693,8 @@ def _run_verify(args) -> int:
     except (SourceError, KeyboardInterrupt, BrokenPipeError):
         raise
     except Exception as error:  # the harness's own failure is never "the batches differ"
+        if caused_by_ctrl_c(error):
+            raise
         where = _innermost_frame(error)
         return _verify_error(args, f"cannot verify: the harness failed{where}: {type(error).__name__}: {' '.join(str(error).split())[:300]}", EXIT_BAD_INPUT)
     if args.json:

@@ -122,6 +122,19 @@ class TreeInterrupted(KeyboardInterrupt):
         self.rows, self.in_hand, self.not_started = rows, in_hand, not_started
 
 
+def caused_by_ctrl_c(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in `error`'s chain (`__context__`, `__cause__`): a
+    library's `finally` that raises while a Ctrl-C unwinds it (libcst's position
+    metadata raises KeyError there) turns the Ctrl-C into that exception."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def find_scripts(root: Path, pattern: str, out_dir: Path | None, loops: list[Path] | None = None) -> list[Path]:
     """Files under `root` whose name matches `pattern`, sorted, none under `out_dir` (None:
     no output directory). loops: gets the matching entries that are symlink loops (not
@@ -194,6 +207,8 @@ def patch_one(source: str, target: str | None, relative: str, options: FileOptio
     except (SourceError, UsageError) as error:
         return Row(relative, "bad input", EXIT_BAD_INPUT, error=str(error))
     except Exception as error:  # a bug in the tool: reported for this file, the rest go on
+        if caused_by_ctrl_c(error):
+            raise KeyboardInterrupt from None
         return Row(relative, "crash", None, error=f"{type(error).__name__}: {error}")
     report, check = done.report, done.check
     status = ALREADY_PATCHED if done.patch.already_patched else done.status

@@ -128,6 +128,36 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_130(tmp_path, module):
     assert proc.returncode == EXIT_INTERRUPTED and out == ""
 
 
+def _ctrl_c_turned_into_key_error(*args, **kwargs):
+    """What libcst's position metadata does when Ctrl-C lands inside it: its `finally`
+    raises KeyError while the KeyboardInterrupt unwinds, one per nesting level."""
+    try:
+        raise KeyboardInterrupt
+    finally:
+        raise KeyError("IndentedBlock(...)")
+
+
+def test_ctrl_c_that_a_library_turned_into_another_error_is_one_line_and_130(capsys, monkeypatch):
+    from patcher.check import check
+
+    monkeypatch.setattr(check, "undefined_names", _ctrl_c_turned_into_key_error)
+    assert main(["check", str(READABLE), "--no-import"]) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["patch-prefetch: interrupted"] and "KeyError" not in err
+
+
+def test_ctrl_c_turned_into_another_error_in_a_tree_worker_stops_the_tree(tmp_path, monkeypatch):
+    """In tree mode the same error is a Ctrl-C, not a "crash" row for the file."""
+    from patcher import tree
+    from patcher.patch_file import FileOptions
+
+    monkeypatch.setattr(tree, "patch_file", _ctrl_c_turned_into_key_error)
+    with pytest.raises(KeyboardInterrupt):
+        tree.patch_one(str(READABLE), None, "x.py", FileOptions())
+    monkeypatch.setattr(tree, "patch_file", lambda *a, **k: {}["a bug"])
+    assert tree.patch_one(str(READABLE), None, "x.py", FileOptions()).status == "crash"
+
+
 # --------------------------------------------------------------------------- errors said once, input first
 
 

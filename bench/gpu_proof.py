@@ -586,6 +586,12 @@ def stage_loaders(kind: str, name: str, load_ms: float):
     return stage
 
 
+def _waited(ratio: float) -> str:
+    """The words for a host-wait ratio patched / original (this script runs before the
+    package is installed, so it keeps its own copy of bench's rule)."""
+    return "the patched side waited as long" if round(ratio, 2) == 1.0 else f"the patched side waited {'less' if ratio < 1 else 'longer'}"
+
+
 def _loaders_headline(figures: dict) -> str:
     """"host ms per call (mean): original X, patched Y (xR)" per case, and the exactness."""
     host = figures["host_ms"]
@@ -593,7 +599,7 @@ def _loaders_headline(figures: dict) -> str:
     parts = []
     for case, sides in cases.items():
         original, patched = sides["original"]["mean"], sides["patched"]["mean"]
-        ratio = f"x{patched / original:.3f}" if original and patched is not None else "-"
+        ratio = f"patched / original {patched / original:.3f}: {_waited(patched / original)}" if original and patched is not None else "-"
         parts.append(f"{case + ': ' if case else ''}original {original} ms, patched {patched} ms ({ratio})")
     exact = "every batch exact" if figures.get("exact") else f"DIFFERS: {figures.get('first_difference')}"
     return f"host ms per {'send' if figures.get('stage') == 'generator' else 'next()'} (mean) behind {figures.get('load_ms')} ms of GPU load: {'; '.join(parts)}; {figures.get('batches_compared')} batches, {exact}"

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher.proof.bench import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS, run_bench  # noqa: E402
+from patcher.proof.bench import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS, ratio_word, run_bench  # noqa: E402
 
 
 def main() -> int:
@@ -53,14 +53,14 @@ def main() -> int:
         parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MAIN_THREAD_MODES)}")
     wait_modes = [m for m in modes if m != "op-bound"]
     if wait_modes:
-        print(f"{'script':48} {'main thread':11} {'wait p/o':>15} {'max ms (orig)':>16} {'producer':>9} {'orig b/s':>9} {'slowdown':>9}")
+        print(f"{'script':48} {'main thread':11} {'wait p/o':>15} {'max ms (orig)':>16} {'producer p/o':>14} {'orig b/s':>9} {'slowdown':>9}")
     for script in args.scripts:
         for mode in wait_modes:
             r = run_bench(script, steps=args.steps, compute_ms=args.compute_ms, main_thread=mode, data_dir=args.data_dir, shards=args.shards, pageable_h2d=args.pageable_h2d)
             slowdown = "" if r["main_thread_slowdown_pct"] is None else f"{r['main_thread_slowdown_pct']:+.2f} %"
             maxes = f"{r['wait_ms_patched_max']:.2f} ({r['wait_ms_original_max']:.1f})"
             print(
-                f"{Path(script).parent.name[-48:] or script:48} {mode:11} {_wait(r):>15} {maxes:>16} {r['producer_ratio']:>8.2f}x "
+                f"{Path(script).parent.name[-48:] or script:48} {mode:11} {_wait(r):>15} {maxes:>16} {_built(r):>14} "
                 f"{r['producer_batches_per_s_original']:>9.0f} {slowdown:>9}",
                 flush=True,
             )
@@ -83,8 +83,14 @@ def _wait(report: dict) -> str:
     original, patched = report["wait_ms_original_total"], report["wait_ms_patched_total"]
     if not original:
         return "-"
-    ratio = patched / original
-    return f"{ratio:.2g} {'less' if ratio < 1 else 'longer' if ratio > 1 else 'as long'}"
+    return f"{patched / original:.2g} {ratio_word(patched / original, 'waited')}"
+
+
+def _built(report: dict) -> str:
+    """Producer rate patched / original and its word: "0.11 fewer", "1.3 more"; "-" when
+    the original built nothing."""
+    ratio = report["producer_ratio"]
+    return "-" if ratio is None else f"{ratio:.2g} {ratio_word(ratio, 'built')}"
 
 
 def _pair(report: dict, stat: str) -> str:

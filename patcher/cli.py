@@ -64,7 +64,6 @@ def _end_at_ctrl_c(said: bool) -> None:
 # must give the line and the exit code of a Ctrl-C anywhere else, not an import's traceback.
 try:
     import argparse
-    import difflib
     import glob
     import json
     import tempfile
@@ -80,6 +79,7 @@ try:
     from patcher.read.source import SourceError, is_symlink_loop, output_problem, read_script, write_atomic
     from patcher.review import coloured_review, patch_diff
     from patcher.tree import NoFiles, caused_by_ctrl_c
+    from patcher.suggest import SuggestingParser, close_to
 except KeyboardInterrupt:
     if not _started_as_command():
         raise
@@ -336,48 +336,13 @@ def _usage_failed(error: Exception, as_json: bool) -> int:
     return code
 
 
-def _close_to(word: str, candidates) -> str | None:
-    """The candidate `word` is most likely a typo of (difflib's ratio of at least 0.6), or None."""
-    found = difflib.get_close_matches(word, [str(c) for c in candidates], n=1)
-    return found[0] if found else None
-
-
 def _mistyped_subcommand(word: str) -> str | None:
     """The subcommand that `word`, the first argument, was meant to be, or None. Only for a
     bare word (no path separator, dot or pattern) that names no file: `verfy` is a
     mistyped `verify`, while `check.py`, a missing script, is left to be reported as one."""
     if word.startswith("-") or any(c in word for c in "./" + os.sep) or glob.has_magic(word) or os.path.lexists(word):
         return None
-    return _close_to(word, SUBCOMMANDS)
-
-
-class SuggestingParser(argparse.ArgumentParser):
-    """argparse's parser, with "did you mean" for a mistyped flag or choice (argparse's
-    own `suggest_on_error` exists from Python 3.14 on, and covers choices only)."""
-
-    def __init__(self, *args, **kwargs):
-        if sys.version_info >= (3, 14):
-            kwargs.setdefault("suggest_on_error", False)  # one suggestion, ours, on every version
-        super().__init__(*args, **kwargs)
-
-    def parse_args(self, args=None, namespace=None):
-        # argparse's own parse_args, with a suggestion for the first mistyped flag
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
-            hints = (_close_to(word.split("=", 1)[0], flags) for word in extras if word.startswith("--"))
-            hint = next((f"; did you mean {h}?" for h in hints if h is not None), "")
-            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
-        return parsed
-
-    def _check_value(self, action, value):
-        try:
-            super()._check_value(action, value)
-        except argparse.ArgumentError as error:
-            meant = _close_to(value, action.choices) if isinstance(value, str) and action.choices else None
-            if meant is None:
-                raise
-            raise argparse.ArgumentError(action, f"{error.message}; did you mean {meant}?") from None
+    return close_to(word, SUBCOMMANDS)
 
 
 def bench_main(argv: list[str] | None = None) -> int:

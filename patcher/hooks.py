@@ -24,6 +24,8 @@ import os
 import subprocess
 import sys
 
+from patcher.suggest import SuggestingParser
+
 PATCHED_SUFFIX, ORIG_SUFFIX = "_patched.py", ".orig"
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
 # Worst first: a difference outweighs a pair that could not be verified, which outweighs
@@ -53,7 +55,7 @@ def pairs_beside(files: list[str]) -> list[tuple[str, str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="patch-prefetch-verify-beside",
         description="Run `patch-prefetch verify ORIGINAL PATCHED` for every FILE that sits beside its partner: NAME_patched.py beside NAME.py, or NAME.py beside NAME.py.orig (what --in-place keeps). For a pre-commit hook.",
         epilog="Exit codes: 0 every pair identical (or no pair among FILEs), 1 a batch differs, 2 cannot verify, 3 nothing to verify (a patched file holds no runtime of patch-prefetch); the worst that a pair gave, in that order. 130 interrupted.",

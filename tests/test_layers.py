@@ -27,7 +27,7 @@ LAYERS = (
     "patcher.survey",
     "patcher.read",
     grimp.Layer(
-        "patcher.cst_walk", "patcher.cst_lines", "patcher.colour", "patcher.progress", "patcher.ab", "patcher.minify_worker", "patcher.templates",
+        "patcher.cst_walk", "patcher.cst_lines", "patcher.colour", "patcher.progress", "patcher.suggest", "patcher.ab", "patcher.minify_worker", "patcher.templates",
         independent=False,
     ),
 )

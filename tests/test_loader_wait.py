@@ -24,3 +24,13 @@ def test_a_longer_patched_wait_reads_as_longer_above_one():
 
 def test_no_original_wait_gives_no_ratio():
     assert wait(0.0, 1.0) == "-"
+
+
+def test_a_ratio_that_prints_as_one_reads_as_long():
+    assert wait(1000.0, 999.0) == "1 as long"
+
+
+def test_the_producer_rate_reads_patched_over_original_with_its_word():
+    assert loader_wait._built({"producer_ratio": 0.11}) == "0.11 fewer"
+    assert loader_wait._built({"producer_ratio": 1.3}) == "1.3 more"
+    assert loader_wait._built({"producer_ratio": None}) == "-"

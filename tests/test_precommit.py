@@ -17,7 +17,6 @@ import yaml  # a dependency of libcst
 
 from patcher.hooks import pairs_beside
 
-tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = "records/track_10min_16mb/2026-04-01_Prefetch"
@@ -29,6 +28,7 @@ def hooks() -> dict[str, dict]:
 
 
 def console_scripts() -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
@@ -161,3 +161,12 @@ def test_the_configurations_in_docs_name_these_hooks() -> None:
             for hook in repo["hooks"]:
                 if repo["repo"] == "local":
                     assert (hook["entry"], hook["files"]) == (found[hook["id"]]["entry"], found[hook["id"]]["files"])
+
+
+def test_the_verify_hook_says_did_you_mean_for_a_mistyped_option(capsys) -> None:
+    from patcher.hooks import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--batchs", "4"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("unrecognized arguments: --batchs; did you mean --batches?")

@@ -535,7 +535,8 @@ def _report(script, steps, warmup, compute_ms, main_thread, queue_depth, waits, 
     for side, name in ((0, "original"), (1, "patched")):
         for key, value in _stats(waits[side][warmup:]).items():
             report[f"wait_ms_{name}_{key}"] = round(value, 4)
-    report["ratio"] = round(report["wait_ms_original_total"] / max(report["wait_ms_patched_total"], 1e-9), 2)
+    # Every ratio of the report reads patched / original, as the printed summary does.
+    report["wait_ratio_patched_over_original"] = round(report["wait_ms_patched_total"] / report["wait_ms_original_total"], 3) if report["wait_ms_original_total"] else None
     report["producer_batches_per_s_original"] = round(rates[0], 2)
     report["producer_batches_per_s_patched"] = round(rates[1], 2)
     report["producer_ratio"] = round(rates[1] / rates[0], 3) if rates[0] else None
@@ -600,11 +601,16 @@ def _ratio(patched: float, original: float, verb: str) -> str:
     longer)"; "-" when `original` is 0."""
     if not original:
         return "-"
-    ratio = patched / original
-    words = "as long" if verb == "waited" else "as many"
-    if round(ratio, 2) != 1.0:
-        words = ("longer" if ratio > 1 else "less") if verb == "waited" else ("more" if ratio > 1 else "fewer")
-    return f"{ratio:.3g} (the patched side {verb} {words})"
+    return f"{patched / original:.3g} (the patched side {verb} {ratio_word(patched / original, verb)})"
+
+
+def ratio_word(ratio: float, verb: str) -> str:
+    """The word for a ratio patched / original: for `verb` "waited", "less", "longer" or
+    "as long"; for "built", "fewer", "more" or "as many". A ratio that rounds to 1.00 is
+    "as long" / "as many", so no word contradicts a printed 1.0."""
+    if round(ratio, 2) == 1.0:
+        return "as long" if verb == "waited" else "as many"
+    return ("longer" if ratio > 1 else "less") if verb == "waited" else ("more" if ratio > 1 else "fewer")
 
 
 def _verdict(report: dict) -> tuple[str, str | None]:

@@ -29,6 +29,7 @@ What each known script reads, taken from the public repositories:
 from __future__ import annotations
 
 import math
+import shutil
 import os
 import re
 import signal
@@ -231,13 +232,15 @@ def step_args(script: Path, steps: int, script_args: list[str]) -> list[str]:
     return [f"--num-iterations={steps}"] if b'"--num-iterations"' in source or b"'--num-iterations'" in source else []
 
 
-def run_command(script: Path, nproc_per_node: Optional[int], args: list[str]) -> list[str]:
+def run_command(script: Path, nproc_per_node: Optional[int], args: list[str], python: Optional[str] = None) -> list[str]:
     """The command of one run: `python SCRIPT ARGS`, or, with `nproc_per_node` K,
-    torchrun's `--standalone --nproc_per_node K SCRIPT ARGS` through this Python
-    (`python -m torch.distributed.run`, what the `torchrun` command runs)."""
+    torchrun's `--standalone --nproc_per_node K SCRIPT ARGS` through that Python
+    (`python -m torch.distributed.run`, what the `torchrun` command runs). `python`:
+    the interpreter of the training environment (default: the one running this)."""
+    python = python or sys.executable
     if nproc_per_node is None:
-        return [sys.executable, str(script), *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}", str(script), *args]
+        return [python, str(script), *args]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc_per_node}", str(script), *args]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -465,6 +468,7 @@ def run_ab(
     tokens_per_step: Optional[int] = None,
     step_regex: Optional[str] = None,
     script_args: Optional[list[str]] = None,
+    python: Optional[str] = None,
     on_run: Optional[Callable[[RunResult, int], None]] = None,
 ) -> dict:
     """Run ORIGINAL (side A) and PATCHED (side B) alternately, `runs` times each, every
@@ -476,7 +480,9 @@ def run_ab(
     both sides, env_b for side B only (on top of os.environ and `step_env`);
     tokens_per_step: for a tok/s log (default TRAIN_BATCH_TOKENS of the side's env);
     step_regex: a `custom_format` tried before the built-in formats; script_args:
-    passed to both scripts; on_run(result, total): called after each run.
+    passed to both scripts; python: the interpreter that runs both (the training
+    environment's, with its CUDA torch; default this one); on_run(result, total): called
+    after each run.
 
     Returns the report (see `format_report`; JSON-ready): "original", "patched",
     "labels", "runs_each", "steps", "skip", "commands", "step_env" (what every run gets
@@ -502,6 +508,8 @@ def run_ab(
         raise AbError(f"--skip {skip}: must be at least 0 and below --steps {steps}")
     if nproc_per_node is not None and nproc_per_node < 1:
         raise AbError(f"--nproc-per-node {nproc_per_node}: needs at least 1")
+    if python is not None and not (shutil.which(python) or os.access(python, os.X_OK)):
+        raise AbError(f"--python {python}: no such interpreter")
     workdir = str(Path(cwd or os.getcwd()).resolve())
     if not Path(workdir).is_dir():
         raise AbError(f"{cwd}: --cwd is not a directory")
@@ -509,7 +517,7 @@ def run_ab(
     labels = {"a": label_a, "b": label_b}
     envs = {side: run_env(steps, env, env_b, side) for side in "ab"}
     tokens = {side: tokens_per_step or _int_or_none(envs[side].get("TRAIN_BATCH_TOKENS")) for side in "ab"}
-    commands = {side: run_command(scripts[side].resolve(), nproc_per_node, step_args(scripts[side], steps, script_args) + script_args) for side in "ab"}
+    commands = {side: run_command(scripts[side].resolve(), nproc_per_node, step_args(scripts[side], steps, script_args) + script_args, python) for side in "ab"}
     done: list[RunResult] = []
     for index in range(2 * runs):
         side = "ab"[index % 2]

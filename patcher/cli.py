@@ -230,6 +230,7 @@ def build_ab_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=ab.DEFAULT_STEPS, help=f"stop each run once it has logged this step (default {ab.DEFAULT_STEPS})")
     parser.add_argument("--skip", type=int, default=None, help="steps left out at the start of each run (compilation, warm-up; default 20 %% of --steps, at least 1)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="K", help="run under torchrun --standalone --nproc_per_node K (default: plain python, one process)")
+    parser.add_argument("--python", dest="run_python", default=None, metavar="PATH", help="the interpreter that runs both scripts: your training environment's, with its CUDA torch (default: the one running patch-prefetch)")
     parser.add_argument("--cwd", default=None, help="working directory of the runs (default: the current one)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set for both scripts (repeatable); wins over the step settings")
     parser.add_argument("--env-b", action="append", default=[], metavar="NAME=VALUE", help="set for script B only (repeatable), e.g. TRAIN_PREFETCH=0")
@@ -698,7 +699,7 @@ def _run_ab(args) -> int:
             args.original, args.patched, runs=args.runs, steps=args.steps, skip=args.skip, nproc_per_node=args.nproc_per_node,
             cwd=args.cwd, env=ab.parse_assignments(args.env, "--env"), env_b=ab.parse_assignments(args.env_b, "--env-b"),
             label_a=args.label_a, label_b=args.label_b, timeout_s=args.timeout, tokens_per_step=args.tokens_per_step,
-            step_regex=args.step_regex, script_args=args.script_args, on_run=progress,
+            step_regex=args.step_regex, script_args=args.script_args, python=args.run_python, on_run=progress,
         )
     except ab.AbError as error:
         print(f"patch-prefetch ab: error: {error}", file=sys.stderr)

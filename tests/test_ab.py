@@ -349,8 +349,9 @@ def test_timeout_is_a_failed_run(stand_ins, capsys):
         (["{a}", "{b}", "--steps", "5", "--skip", "5"], "--skip 5: must be at least 0 and below --steps 5"),
         (["{a}", "{b}", "--env", "NOEQUALS"], "--env 'NOEQUALS': expected NAME=VALUE"),
         (["{a}", "{b}", "--cwd", "{a}"], "--cwd is not a directory"),
+        (["{a}", "{b}", "--python", "/nonexistent/python3"], "--python /nonexistent/python3: no such interpreter"),
     ],
-    ids=["missing-file", "no-runs", "skip-all", "bad-env", "cwd-file"],
+    ids=["missing-file", "no-runs", "skip-all", "bad-env", "cwd-file", "no-python"],
 )
 def test_bad_input_is_one_line_exit_2(stand_ins, capsys, args, says):
     code, out, err = run_cli(capsys, *[a.format(a=stand_ins[0], b=stand_ins[1]) for a in args])
@@ -407,3 +408,18 @@ def test_real_fixture_and_its_patch(tmp_path, capsys):
     assert [(r["side"], r["steps_reached"], r["stopped_at_steps"], r["steps_measured"]) for r in report["runs"]] == [("a", 6, True, 5), ("b", 6, True, 5)] * 2
     assert all(ms > 0 for side in "ab" for ms in report["step_ms"][side])
     assert report["fallbacks"] == 0 and report["p"] is not None and "2 runs each" in report["verdict"]
+
+
+def test_python_runs_both_scripts_with_the_training_environments_interpreter(tmp_path, capsys):
+    """--python: the runs use that interpreter (here a wrapper that marks its runs), not
+    the one running patch-prefetch."""
+    script = tmp_path / "steps.py"
+    script.write_text("import os, sys\nif os.environ.get('VIA_WRAPPER') != '1': sys.exit(9)\nfor s in range(1, 6): print(f'step:{s}/5 train_time:{10 * s}ms step_avg:10.00ms')\n")
+    wrapper = tmp_path / "python-of-training"
+    wrapper.write_text(f"#!/bin/sh\nVIA_WRAPPER=1 exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    code, out, err = run_cli(capsys, script, script, "--runs", 1, "--steps", 4, "--json", "--python", wrapper)
+    assert code == 0, err
+    assert json.loads(out)["commands"]["a"][0] == str(wrapper)
+    code, out, err = run_cli(capsys, script, script, "--runs", 1, "--steps", 4, "--json")
+    assert code == 2  # without it the runs use this interpreter, and the script refuses

@@ -4,6 +4,7 @@ repository laid out like parameter-golf's records, the staged files that match a
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -170,3 +171,21 @@ def test_the_verify_hook_says_did_you_mean_for_a_mistyped_option(capsys) -> None
         main(["--batchs", "4"])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith("unrecognized arguments: --batchs; did you mean --batches?")
+
+
+def test_the_github_actions_job_in_docs_passes_a_patched_record(tmp_path: Path, patched_text: str) -> None:
+    """docs/ci.md's workflow: its check and verify steps, run as written by a shell in a
+    repository laid out as parameter-golf's records/, with the command installed here."""
+    text = (ROOT / "docs" / "ci.md").read_text()
+    blocks = [yaml.safe_load(block.split("\n", 1)[1]) for block in text.split("```")[1::2] if block.startswith("yaml\n")]
+    (workflow,) = [block for block in blocks if isinstance(block, dict) and "jobs" in block]
+    steps = {step.get("name"): step.get("run") for step in workflow["jobs"]["check"]["steps"]}
+    check, verify = steps["check every record script"], steps["verify every patched script against its original"]
+    repo = git_repo(tmp_path / "records-repo", {f"{RECORD}/train_gpt.py": FIXTURE.read_text(), f"{RECORD}/train_gpt_patched.py": patched_text})
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
+    started = [subprocess.Popen(["bash", "-c", command], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for command in (check, verify)]
+    on_check, on_verify = (finish(step) for step in started)
+    assert on_check.returncode == 0, on_check.stdout + on_check.stderr
+    assert f"{RECORD}/train_gpt.py: ok" in on_check.stdout and f"{RECORD}/train_gpt_patched.py: ok" in on_check.stdout
+    assert on_verify.returncode == 0, on_verify.stdout + on_verify.stderr
+    assert f"patch-prefetch verify {RECORD}/train_gpt.py {RECORD}/train_gpt_patched.py\n" in on_verify.stdout and "\nidentical: " in on_verify.stdout

@@ -40,3 +40,19 @@ def test_the_readme_stays_a_first_screen_and_links_the_rest_in_docs():
     for page in [root / "README.md", *docs]:
         missing = [str(p) for p in _links(page) if not p.exists()]
         assert not missing, f"{page.name} links to files that do not exist: {missing}"
+
+
+def test_the_quick_start_patches_checks_verifies_compares_switches_off_and_undoes():
+    section = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = [line.split("#")[0].split() for line in section.split("```")[1].strip().splitlines()]
+    words = [c[c.index("patch-prefetch") + 1] if "patch-prefetch" in c else c[0] for c in commands if c]
+    assert words[-5:] == ["train_gpt.py", "check", "verify", "ab", "TRAIN_PREFETCH=0"]
+    assert "-o" in commands[-5]
+    assert "\nUndo:" in section and "--in-place" in section and ".orig" in section
+
+
+def test_what_to_expect_says_where_each_figure_was_measured_and_what_a_gpu_has_not_measured():
+    section = README.split("## What to expect", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    assert rows and all(len(row) == 3 and row[2].strip() for row in rows), "a figure without its where"
+    assert "Not measured on a GPU yet:" in " ".join(section.split())

@@ -36,11 +36,9 @@ far, on the caller's thread; it is meant for schedules that change a few times a
 sent raises.
 """
 
-import threading
-
 import torch
 
-from patcher.templates.prefetch_loader import _Handoff, _live_prefetchers, _next_built, _start_worker, _stop_previous, _stop_workers
+from patcher.templates.prefetch_loader import _Worker, _live_prefetchers, _next_built, _start_worker, _stop_previous, _stop_workers
 from patcher.templates.staging import _each_tensor
 
 
@@ -133,7 +131,9 @@ class _PrefetchIterator:
         return item
 
     def _start(self):
-        self._worker = _IteratorWorker(self._iterator, self._depth, self._cuda, self._stream)
+        # The worker runs on the rank's device, set per thread (not device 0).
+        setup = None if self._cuda is None else lambda device=self._cuda: torch.cuda.set_device(device)
+        self._worker = _Worker(_item_builder(self._iterator, self._stream), self._depth, setup)
         _start_worker(self._worker)
 
     def _rebuilt(self):
@@ -163,31 +163,21 @@ class _PrefetchIterator:
             pass
 
 
-class _IteratorWorker:
-    """Daemon thread: `next(iterator)` in a loop, each item with the CUDA event after it."""
+def _item_builder(iterator, stream):
+    """`() -> (item, ready)`: `next(iterator)`, on the copy stream `stream` when it is
+    not None, with the CUDA event recorded after it (`ready`; None without a stream).
+    StopIteration ends the worker and reaches the caller as the original's."""
 
-    def __init__(self, iterator, depth, cuda, stream):
-        self.iterator, self.cuda, self.stream = iterator, cuda, stream
-        self.queue = _Handoff(depth)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
-        self.threads = [self.thread]
+    def build():
+        if stream is None:
+            return next(iterator), None
+        with torch.cuda.stream(stream):
+            value = next(iterator)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return value, ready
 
-    def _run(self):
-        try:
-            if self.cuda is not None:
-                torch.cuda.set_device(self.cuda)  # per thread: the rank's device, not device 0
-            while not self.stop.is_set():
-                if self.stream is None:
-                    self.queue.put_until((next(self.iterator), None), self.stop)
-                    continue
-                with torch.cuda.stream(self.stream):
-                    value = next(self.iterator)
-                    ready = torch.cuda.Event()
-                    ready.record(self.stream)
-                self.queue.put_until((value, ready), self.stop)
-        except BaseException as error:  # StopIteration included: handed to the caller
-            self.queue.put_until(error, self.stop)
+    return build
 
 
 def _record_stream(value, stream):

@@ -196,8 +196,18 @@ class _PrefetchLoader:
             if not self._replay:
                 raise RuntimeError("prefetch: next_batch after shutdown")
             self._rewind()
-        self._worker, self._worker_args = _Worker(self._loader, args, self._depth, self._pin, rollback=self._rollback, host_copy=self._host_copy), args
+        self._worker, self._worker_args = _Worker(self._builder(args), self._depth), args
         _start_worker(self._worker)
+
+    def _builder(self, args):
+        """The worker's `() -> item`: `next_batch(*args)` staged (`_stage`); with rollback a
+        `_Built` that also carries a snapshot of the loader from before the batch (its
+        arguments run left to right). The closure holds the loader, not this object,
+        whose `__del__` stops the worker."""
+        loader, pin, host_copy = self._loader, self._pin, self._host_copy
+        if self._rollback:
+            return lambda: _Built(_snapshot(loader), _stage(loader.next_batch(*args), pin, host_copy))
+        return lambda: _stage(loader.next_batch(*args), pin, host_copy)
 
     def shutdown(self):
         """Stop the worker and drop queued batches; returns within about `_POLL_S` s.
@@ -283,27 +293,24 @@ class _Built:
 
 
 class _Worker:
-    """A daemon thread that builds batches in call order into a bounded `_Handoff`:
-    `next_batch` then `_stage`; with rollback, each batch carries a snapshot of the
-    loader from before it."""
+    """The thread producer: a daemon thread that runs `setup()` once, then `build()` in
+    a loop, queueing each item (or the exception that ends it) in a bounded `_Handoff`
+    of `depth` items. A loader's batches come from `_PrefetchLoader._builder`, a data
+    generator's items from `_item_builder` (patcher/templates/prefetch_iterator.py)."""
 
-    def __init__(self, loader, args, depth, pin, rollback=False, host_copy=True):
-        self.loader, self.args, self.pin, self.rollback, self.host_copy = loader, args, pin, rollback, host_copy
+    def __init__(self, build, depth, setup=None):
+        self.build, self.setup = build, setup
         self.queue, self.stop = _Handoff(depth), threading.Event()
         self.thread = threading.Thread(target=self._run, name="train-prefetch", daemon=True)
         self.threads = [self.thread]
 
     def _run(self):
         try:
+            if self.setup is not None:
+                self.setup()
             while not self.stop.is_set():
-                # Arguments run left to right: the snapshot is the loader from before the batch.
-                if self.rollback:
-                    before = _snapshot(self.loader)
-                built = _stage(self.loader.next_batch(*self.args), self.pin, self.host_copy)
-                if self.rollback:
-                    built = _Built(before, built)
-                self.queue.put_until(built, self.stop)
-                built = None  # not held while the next batch is built
+                # The item is not held by this frame while the next one is built.
+                self.queue.put_until(self.build(), self.stop)
         except BaseException as error:  # handed to the caller, which re-raises it
             self.queue.put_until(error, self.stop)
 

@@ -235,18 +235,17 @@ class StaleSequenceLength(_InInjected):
 
 
 class SnapshotAfterTheBatch(_InInjected):
-    """The rollback snapshot is taken after the batch is built, not before it (a restore lands one batch late)."""
+    """The rollback snapshot is taken after the batch is built, not before it (a restore lands one batch late):
+    `_Built(_snapshot(loader), BATCH)` becomes `(lambda batch: _Built(_snapshot(loader), batch))(BATCH)`."""
 
-    def leave_IndentedBlock(self, original, updated):
-        if self.edits or not self.inside("_run"):
+    def leave_Call(self, original, updated):
+        if self.edits or not self.inside("_builder") or not m.matches(updated, m.Call(func=m.Name("_Built"), args=[m.Arg(), m.Arg()])):
             return updated
-        body = list(updated.body)
-        for index, statement in enumerate(body[:-1]):
-            if m.findall(statement, m.Call(func=m.Name("_snapshot"))) and not m.findall(body[index + 1], m.Call(func=m.Name("_snapshot"))):
-                self.edits += 1
-                body[index], body[index + 1] = body[index + 1], body[index]
-                return updated.with_changes(body=body)
-        return updated
+        self.edits += 1
+        before, batch = updated.args
+        late = updated.with_changes(args=[before, cst.Arg(cst.Name("batch"))])
+        params = cst.Parameters(params=[cst.Param(cst.Name("batch"))])
+        return cst.Call(func=cst.Lambda(params=params, body=late, lpar=[cst.LeftParen()], rpar=[cst.RightParen()]), args=[batch.with_changes(comma=cst.MaybeSentinel.DEFAULT)])
 
 
 class SentValueIgnored(_InInjected):

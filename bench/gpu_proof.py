@@ -614,7 +614,7 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
         scripts = _inputs_of(inputs, name)
         if scripts is None:
             raise StageFailed(f"no {name} script in {inputs}")
-        n_runs, n_steps, batch = (2, 4, 2048) if dry_run else (runs, steps, tokens)
+        n_runs, n_steps, batch = (1, 4, 2048) if dry_run else (runs, steps, tokens)  # dry: one run each shows the stage works
         if not dry_run and stage_budget() < 160:  # a short box: fewer, shorter, smaller runs
             n_runs, n_steps, batch = 2, min(steps, 20), min(tokens, 131072)
         warmup = 2 if dry_run else 5

@@ -48,7 +48,9 @@ def test_dry_run_runs_every_stage(prepared, tmp_path):
     assert rows["3_generator"]["figures"]["exact"] is True
     assert rows["4_module"]["figures"]["exact"] is True
     ab = rows["5a_ab_root"]["figures"]["ab"]
-    assert ab["runs_a"] == ab["runs_b"] == 2 if "runs_a" in ab else True
+    # One run each on the CPU, in order, both measured, the producer never fell back.
+    assert ab["runs_each"] == 1 and [(r["side"], r["step_ms"] is not None) for r in ab["runs"]] == [("a", True), ("b", True)]
+    assert ab["fallbacks"] == 0
     assert results["inputs"]["patcher"]["sha256"]
     # What comes back from the GPU machine: few, small files.
     files = [p for p in out.rglob("*") if p.is_file()]

@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from patcher.check.import_smoke import definitions_only  # noqa: E402
 from patcher.patch import patch_source  # noqa: E402
-from patcher.proof.bench import _stage_pageable, _step_function  # noqa: E402
+from patcher.proof.bench import _stage_pageable  # noqa: E402
+from patcher.proof.timing import step_function as _step_function  # noqa: E402
 from patcher.proof.harness import load_definitions  # noqa: E402
 from patcher.proof.host_cuda import cuda_on_host, host_only_pinning  # noqa: E402
 from patcher.proof.shards import write_shards  # noqa: E402

@@ -84,7 +84,7 @@ sys.path.insert(0, str(ROOT))
 from patcher.check.stubs import StubFinder  # noqa: E402
 from patcher.proof.host_cuda import cuda_on_host  # noqa: E402
 from patcher.proof.module_bench import write_corpus  # noqa: E402
-from patcher.proof.module_verify import ByteTokenizer, _package, package_importable  # noqa: E402
+from patcher.proof.module_verify import ByteTokenizer, package_importable, write_package  # noqa: E402
 from patcher.proof.shards import write_shards  # noqa: E402
 
 DEFAULT_STEPS = {"generator": 120, "module": 60}
@@ -651,7 +651,7 @@ def run_module(original: Path, patched: Path, steps: int, load_ms: float, dry_ru
     compared_total, difference = 0, None
     with tempfile.TemporaryDirectory(prefix="gpu-loaders-module-") as tmp:
         tmp = Path(tmp)
-        package, stubbed = _package(tmp, sources[0], sources[1], original.stem, [])
+        package, stubbed = write_package(tmp, sources[0], sources[1], original.stem, [])
         data = tmp / "data"
         data.mkdir()
         write_corpus(data, docs)

@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher.proof.bench import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS, ratio_word, run_bench  # noqa: E402
+from patcher.proof.bench import ratio_word, run_bench  # noqa: E402
+from patcher.proof.timing import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS  # noqa: E402
 
 
 def main() -> int:

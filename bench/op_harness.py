@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from patcher.proof.bench import OP_KINDS, _close, _op_tensors, _stage_pageable, _timed_op_loop, bench_loaders, calibrate_ops, op_loop  # noqa: E402
+from patcher.proof.bench import _close, _stage_pageable, bench_loaders  # noqa: E402
+from patcher.proof.timing import OP_KINDS, _op_tensors, _timed_op_loop, calibrate_ops, op_loop  # noqa: E402
 
 
 def run_harness(

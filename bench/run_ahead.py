@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from patcher.proof import host_cuda  # noqa: E402
 from patcher.proof.compare import InFlight, first_difference  # noqa: E402
-from patcher.proof.module_verify import CALL, ByteTokenizer, _draw, _package, module_loader, package_importable, write_corpus  # noqa: E402
+from patcher.proof.module_verify import CALL, ByteTokenizer, _draw, module_loader, package_importable, write_corpus, write_package  # noqa: E402
 
 CALLS = (("torch.device('cuda', 0)", torch.device("cuda", 0)), ("'cuda'", "cuda"))
 
@@ -71,7 +71,7 @@ def cases(dataloader: Path, patched: Path | None, batches: int, run_aheads, call
         raise LookupError(f"{dataloader}: no data-loader generator that module mode rewrites")
     with tempfile.TemporaryDirectory(prefix="run-ahead-") as tmp:
         tmp = Path(tmp)
-        package, _ = _package(tmp, original, patched.read_text() if patched else original, dataloader.stem, [])
+        package, _ = write_package(tmp, original, patched.read_text() if patched else original, dataloader.stem, [])
         (tmp / "data").mkdir()
         write_corpus(tmp / "data")
         with package_importable(tmp, package):

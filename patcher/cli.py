@@ -350,7 +350,8 @@ def bench_main(argv: list[str] | None = None) -> int:
     """`patch-prefetch bench`: a data-loader module (nanochat) to `module_bench`, any other
     script to `bench`. Exit 0, or 2 with one line when it cannot run."""
     from patcher.proof import bench
-    from patcher.proof.bench import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS, BenchError, run_bench
+    from patcher.proof.bench import run_bench
+    from patcher.proof.timing import DEFAULT_OP, DEFAULT_OP_NUMEL, MAIN_THREAD_MODES, OP_KINDS, BenchError
     from patcher.proof.module_bench import module_loader, print_module_report, run_module_bench
 
     parser = SuggestingParser(prog="patch-prefetch bench", description=bench.__doc__.splitlines()[0])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from processes import open_files
-from patcher.proof import bench
+from patcher.proof import bench, timing
 from patcher.cli import bench_main as main
 from patcher.proof.bench import run_bench
 from patcher.proof.harness import loaded_script_names
@@ -95,26 +95,26 @@ def test_op_calibration_reaches_the_target_within_its_tolerance(overhead_ms, per
         calls.append(ops)
         return overhead_ms + per_op_ms * ops
 
-    ops = bench.calibrate_ops(target_ms, run)
-    assert abs(run(ops) - target_ms) <= bench.OP_CALIBRATION_TOLERANCE * target_ms
+    ops = timing.calibrate_ops(target_ms, run)
+    assert abs(run(ops) - target_ms) <= timing.OP_CALIBRATION_TOLERANCE * target_ms
     assert all(n >= 1 for n in calls)
 
 
 def test_op_calibration_of_an_unreachable_target_returns_one_op():
     # Every run costs more than the target: the fewest ops, no endless loop.
-    assert bench.calibrate_ops(1.0, lambda ops: 5.0 + 0.001 * ops) == 1
+    assert timing.calibrate_ops(1.0, lambda ops: 5.0 + 0.001 * ops) == 1
 
 
 def test_op_loop_runs_the_requested_torch_ops():
-    a, b, out = bench._op_tensors()
-    assert bench.op_loop(7, (a, b, out)) == 7
+    a, b, out = timing._op_tensors()
+    assert timing.op_loop(7, (a, b, out)) == 7
     assert torch.equal(out, a + b)
 
 
 def test_step_report_arithmetic_on_known_inputs():
     spans = [[20.0, 22.0, 30.0], [20.0, 21.0, 22.0]]
     data = [[1.0, 2.0, 6.0], [0.1, 0.1, 0.1]]
-    r = bench.step_report(spans, data)
+    r = timing.step_report(spans, data)
     assert r["mean_step_ms_original"] == 24.0 and r["mean_step_ms_patched"] == 21.0
     assert r["median_step_ms_original"] == 22.0 and r["median_step_ms_patched"] == 21.0
     assert r["mean_data_ms_original"] == 3.0 and r["median_data_ms_original"] == 2.0
@@ -122,11 +122,11 @@ def test_step_report_arithmetic_on_known_inputs():
     assert r["recovered_share"] == 1.0  # 3 ms shorter a step, of 3 ms data
     assert r["step_goal_met"] is True
     # Shorter on average, but the median step is longer: not met.
-    r = bench.step_report([[20.0, 20.0, 30.0], [20.5, 20.5, 20.5]], data)
+    r = timing.step_report([[20.0, 20.0, 30.0], [20.5, 20.5, 20.5]], data)
     assert r["recovered_share"] == pytest.approx((70 / 3 - 20.5) / 3.0, abs=1e-4) and r["step_goal_met"] is False
     # A patched step longer than the original's: a negative share; no data time: no share.
-    assert bench.step_report([[20.0], [21.0]], [[2.0], [0.0]])["recovered_share"] == -0.5
-    assert bench.step_report([[20.0], [21.0]], [[0.0], [0.0]])["recovered_share"] is None
+    assert timing.step_report([[20.0], [21.0]], [[2.0], [0.0]])["recovered_share"] == -0.5
+    assert timing.step_report([[20.0], [21.0]], [[0.0], [0.0]])["recovered_share"] is None
 
 
 class _RecordingLoader:

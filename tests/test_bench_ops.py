@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.proof import bench
+from patcher.proof import bench, timing
 from patcher.cli import bench_main as main
-from patcher.proof.bench import BenchError, run_bench
+from patcher.proof.bench import run_bench
+from patcher.proof.timing import BenchError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -26,45 +27,45 @@ def _load(name: str):
 
 
 def test_each_op_kind_runs_its_op():
-    a, b, out = bench._op_tensors()
+    a, b, out = timing._op_tensors()
     a.fill_(2.0)
-    assert bench.op_loop(3, (a, b, out), "add-out") == 3 and torch.equal(out, a + b)
+    assert timing.op_loop(3, (a, b, out), "add-out") == 3 and torch.equal(out, a + b)
     out.zero_()
     # The allocating kinds leave the preallocated output alone and the inputs unchanged.
     for kind in ("add", "mul-scalar"):
-        assert bench.op_loop(5, (a, b, out), kind) == 5
+        assert timing.op_loop(5, (a, b, out), kind) == 5
         assert torch.equal(out, torch.zeros(16)) and torch.equal(a, torch.full((16,), 2.0))
     with pytest.raises(ValueError, match="unknown op kind"):
-        bench.op_loop(1, (a, b, out), "matmul")
+        timing.op_loop(1, (a, b, out), "matmul")
 
 
 def test_op_tensors_have_the_requested_size():
-    assert [t.numel() for t in bench._op_tensors(0)] == [0, 0, 0]
-    assert [t.numel() for t in bench._op_tensors(4096)] == [4096] * 3
-    assert all(t.dtype == torch.float32 for t in bench._op_tensors())
+    assert [t.numel() for t in timing._op_tensors(0)] == [0, 0, 0]
+    assert [t.numel() for t in timing._op_tensors(4096)] == [4096] * 3
+    assert all(t.dtype == torch.float32 for t in timing._op_tensors())
 
 
 def test_the_default_op_is_an_allocating_op_without_host_data():
     # The default op-bound step models a CUDA op's host work: a new output tensor per
     # op (its metadata allocated on the host), no host data and no host compute.
-    assert bench.DEFAULT_OP == "add" and bench.DEFAULT_OP_NUMEL == 0
-    a, b, out = bench._op_tensors(bench.DEFAULT_OP_NUMEL)
+    assert timing.DEFAULT_OP == "add" and timing.DEFAULT_OP_NUMEL == 0
+    a, b, out = timing._op_tensors(timing.DEFAULT_OP_NUMEL)
     seen = []
     real_add = torch.add
     try:
         torch.add = lambda *args, **kwargs: seen.append(kwargs) or real_add(*args, **kwargs)
-        bench.op_loop(4, (a, b, out), bench.DEFAULT_OP)
+        timing.op_loop(4, (a, b, out), timing.DEFAULT_OP)
     finally:
         torch.add = real_add
     assert seen == [{}] * 4  # no out=: every call allocates its result
 
 
 def test_a_fixed_op_count_skips_the_calibration(monkeypatch):
-    monkeypatch.setattr(bench, "calibrate_ops", lambda *a, **k: pytest.fail("calibrated"))
-    step, ops = bench._step_function("op-bound", 20.0, "add", 16, ops_per_step=25)
+    monkeypatch.setattr(timing, "calibrate_ops", lambda *a, **k: pytest.fail("calibrated"))
+    step, ops = timing.step_function("op-bound", 20.0, "add", 16, ops_per_step=25)
     assert ops == 25 and step() >= 0.0
     with pytest.raises(BenchError, match="--op must be one of"):
-        bench._step_function("op-bound", 20.0, "matmul")
+        timing.step_function("op-bound", 20.0, "matmul")
 
 
 class _Sequence:
@@ -111,7 +112,7 @@ def test_the_cli_default_op_bound_step_and_its_options(tmp_path, capsys):
             "--main-thread", "op-bound", "--data-dir", str(tmp_path), "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["op"], report["op_numel"], report["alternate_every"]) == (bench.DEFAULT_OP, bench.DEFAULT_OP_NUMEL, 1)
+    assert (report["op"], report["op_numel"], report["alternate_every"]) == (timing.DEFAULT_OP, timing.DEFAULT_OP_NUMEL, 1)
     assert main(argv + ["--op", "add-out", "--op-numel", "16", "--ops-per-step", "30"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["op"], report["op_numel"], report["ops_per_step"]) == ("add-out", 16, 30)

@@ -185,14 +185,14 @@ def test_a_missing_input_is_named_before_a_missing_output(tmp_path, capsys, monk
 
 def _bench_report(original_step_ms: float, patched_step_ms: float, data_ms: float) -> dict:
     """A bench report (the real `_report` and `step_report`) from constant per-step figures."""
-    from patcher.proof import bench
+    from patcher.proof import bench, timing
 
     steps, warmup = 40, 3
     spans = [[original_step_ms] * (steps + warmup), [patched_step_ms] * (steps + warmup)]
     waits = [[data_ms] * (steps + warmup), [data_ms * 2.7] * (steps + warmup)]
     work = [[18.0] * (steps + warmup), [18.2] * (steps + warmup)]
     report = bench._report("train_gpt.py", steps, warmup, 20.0, "op-bound", 2, waits, work, [900.0, 400.0])
-    report.update(bench.step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
+    report.update(timing.step_report([s[warmup:] for s in spans], [w[warmup:] for w in waits]))
     report.update(ops_per_step=5000, torch_threads=1, pageable_h2d=False, op="add", op_numel=0, alternate_every=1)
     return report
 

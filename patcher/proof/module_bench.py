@@ -10,7 +10,7 @@ The two sides alternate within one run, `BLOCK_STEPS` steps each in turn (both
 generators open from the start, so the patched side's producer also runs during the
 original's turns, as it would beside a training loop): run one after the other, the
 step figures followed the host's load more than the patch.
-Reported as `bench.step_report` does: mean / median / p99 step and data ms per side and
+Reported as `timing.step_report` does: mean / median / p99 step and data ms per side and
 `recovered_share`, the share of the original's data time the patched step gives back.
 The spawned producer's start (importing torch and pyarrow) is outside the measured
 steps: `warmup` batches are drawn first on each side.
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from patcher.patch import patch_source
-from patcher.proof import bench
-from patcher.proof.module_verify import ByteTokenizer, _package, module_loader, package_importable
+from patcher.proof import timing
+from patcher.proof.module_verify import ByteTokenizer, write_package, module_loader, package_importable
 from patcher.read.source import read_script
 
 # Steps a side runs before the other side's turn (both loaders stay open throughout).
@@ -50,21 +50,21 @@ def write_corpus(directory: Path, docs: int, seed: int = 0) -> None:
 def run_module_bench(path, steps: int = 100, compute_ms: float = 20.0, main_thread: str = "op-bound", warmup: int = 3, block: int = BLOCK_STEPS) -> dict:
     """Bench the module at `path` against its patched version, `steps` measured steps a
     side, the sides alternating every `block` steps in one run. Returns the report dict
-    (ms; `recovered_share`: a fraction, see `bench.step_report`)."""
+    (ms; `recovered_share`: a fraction, see `timing.step_report`)."""
     source = read_script(path).source
     loader = module_loader(source)
     if loader is None:
-        raise bench.BenchError(f"{path}: no data-loader generator that module mode rewrites")
+        raise timing.BenchError(f"{path}: no data-loader generator that module mode rewrites")
     patched = patch_source(source).source
     import torch
 
     torch.set_num_threads(1)  # as torchrun gives each rank
-    step, ops = bench._step_function(main_thread, compute_ms)
+    step, ops = timing.step_function(main_thread, compute_ms)
     call = {k: v for k, v in CALL.items() if k in {p.name.value for p in loader.function.params.params + loader.function.params.kwonly_params}}
     tokens = (steps + warmup) * call.get("B", 8) * (call.get("T", 512) + 1)
     with tempfile.TemporaryDirectory(prefix="bench-module-") as tmp:
         tmp = Path(tmp)
-        package, _ = _package(tmp, source, patched, Path(path).stem, [])
+        package, _ = write_package(tmp, source, patched, Path(path).stem, [])
         data = tmp / "data"
         data.mkdir()
         write_corpus(data, docs=max(4000, tokens // 300))
@@ -96,7 +96,7 @@ def run_module_bench(path, steps: int = 100, compute_ms: float = 20.0, main_thre
                 for generator in generators:
                     generator.close()
     report = {"script": str(path), "family": loader.family.name, "steps": steps, "block_steps": block, "compute_ms": compute_ms, "main_thread": main_thread, "ops_per_step": ops, "call": call}
-    report.update(bench.step_report(spans, waits))
+    report.update(timing.step_report(spans, waits))
     return report
 
 

@@ -117,7 +117,7 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
     call = {k: v for k, v in CALL.items() if k in {p.name.value for p in params}}
     with tempfile.TemporaryDirectory(prefix="verify-module-") as tmp:
         tmp = Path(tmp)
-        package, stubbed = _package(tmp, original, patched, Path(original_path).stem, notes)
+        package, stubbed = write_package(tmp, original, patched, Path(original_path).stem, notes)
         data = tmp / "data"
         data.mkdir()
         write_corpus(data, seed)
@@ -165,7 +165,7 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
 
 @contextlib.contextmanager
 def package_importable(tmp: Path, package: str):
-    """Within it, `package` (written under `tmp` by `_package`) can be imported and the
+    """Within it, `package` (written under `tmp` by `write_package`) can be imported and the
     caller may set environment variables; on exit `sys.path`, `os.environ` and
     `sys.modules` are as they were (the package's modules dropped)."""
     env = dict(os.environ)
@@ -180,7 +180,7 @@ def package_importable(tmp: Path, package: str):
             del sys.modules[key]
 
 
-def _package(tmp: Path, original: str, patched: str, stem: str, notes: list[str]) -> tuple[str, list[str]]:
+def write_package(tmp: Path, original: str, patched: str, stem: str, notes: list[str]) -> tuple[str, list[str]]:
     """Write the package both modules live in (`<pkg>/_verify_original.py`, `<pkg>/<stem>.py`)
     and the stubs of what they import from it. Returns (package name, stubbed names)."""
     module = cst.parse_module(original)

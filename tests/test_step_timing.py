@@ -257,54 +257,6 @@ def test_note_names_the_main_loop_and_its_validation():
     assert "val line" in notes[0].reason and notes[0].line == HEAD.count("\n") + MAIN_LOOP[: MAIN_LOOP.index("while True")].count("\n") + 1
 
 
-@pytest.mark.parametrize(
-    "body, reason_part",
-    [
-        pytest.param(
-            MAIN_LOOP.replace("(loss * 0.5).backward()", "fitness = loss.item()").replace("warmup_loss.backward()", "pass"),
-            "no `.backward()` after the forward",
-            id="evolution-strategies-no-backward",
-        ),
-        pytest.param(
-            MAIN_LOOP.replace("opt.step()", "opt.zero_grad()"),
-            "no optimizer step",
-            id="no-optimizer-step",
-        ),
-        pytest.param(
-            MAIN_LOOP.replace("loss = model(x, y)", "loss = model(tokens)").replace("warmup_loss = model(x, y)", "warmup_loss = model(tokens)"),
-            "no forward",
-            id="forward-does-not-take-the-batch",
-        ),
-        pytest.param(
-            "\ndef main():\n    train_loader = Loader('x', device)\n    x, y = train_loader.next_batch(64, 8)\n    loss = model(x, y)\n    loss.backward()\n",
-            "not inside a training loop",
-            id="batch-outside-any-loop",
-        ),
-        pytest.param(
-            "\ndef main():\n    train_loader = Loader('x', device)\n    for step in range(3):\n        batch = train_loader.next_batch(64, 8)[0]\n",
-            "not a plain",
-            id="batch-not-assigned-directly",
-        ),
-        pytest.param(MAIN_LOOP.replace("def log0(msg):", "def show(msg):"), "no log function", id="no-log-function"),
-        pytest.param("\ndef main():\n    pass\n", "no `next_batch` call", id="no-loader-call"),
-    ],
-)
-def test_skip_reason(body, reason_part):
-    # The script left as it was: the noop rows of test_feature_step_timing.py.
-    _, notes = _timing(HEAD + body)
-    assert len(notes) == 1 and not notes[0].applied
-    assert reason_part in notes[0].reason
-
-
-def test_needs_the_env_toggles():
-    source = HEAD + MAIN_LOOP
-    _, notes = _timing(source, features_from(None, ["env_toggles"], diagnostics=True))
-    assert not notes[0].applied and "env_toggles is off" in notes[0].reason
-    _, notes = _timing(source.replace('iterations = int(os.environ.get("ITERATIONS", 10))', "iterations = 10"))
-    assert not notes[0].applied and "no Hyperparameters class with an env line" in notes[0].reason
-    # `--only step_timing` (env_toggles brought along): the tables of test_feature_step_timing.py.
-
-
 def test_patched_script_is_already_patched():
     once = patch_source(HEAD + MAIN_LOOP, features_from(["step_timing"], None)).source
     again = patch_source(once)

@@ -1,12 +1,12 @@
-"""val_prefetch, val_bytecount and val_progress: skip reasons, idempotence, Python 3.10,
-and the patched evaluation's numbers. The exact rewrites, whole outputs, are the tables of
-test_feature_val_prefetch.py, test_feature_val_bytecount.py and test_feature_val_progress.py."""
+"""val_prefetch, val_bytecount and val_progress together: a sliding-window loop left
+alone, idempotence, Python 3.10 and the patched evaluation's numbers. The exact rewrites
+and skip reasons, whole outputs, are the tables of test_feature_val_prefetch.py,
+test_feature_val_bytecount.py and test_feature_val_progress.py."""
 
 from __future__ import annotations
 
 import subprocess
 
-import pytest
 import torch
 
 from patcher.patch import features_from, patch_source
@@ -70,47 +70,6 @@ def eval_val(h,device,val_tokens,model,base_bytes_lut,has_leading_space_lut,is_b
 '''
 
 
-def _loop_change(old: str, new: str) -> str:
-    assert old in EVAL
-    return HEADER + EVAL.replace(old, new, 1)
-
-
-NOOP_PREFETCH = [
-    pytest.param(
-        "    for batch_seq_start in range(seq_start, seq_end, local_batch_seqs):",
-        "    for batch_seq_start in sorted(range(seq_start, seq_end, local_batch_seqs)):",
-        "iterates over no `range(...)`",
-        id="not-a-range",
-    ),
-    pytest.param("        raw_end = batch_seq_end * seq_len + 1", "        raw_end = next_end(batch_seq_end) * seq_len + 1", "calls `next_end`", id="bound-calls-a-function"),
-    pytest.param(
-        "        x = local[:-1].reshape(-1, seq_len)",
-        "        x = local[:-1].reshape(-1, seq_len)\n        raw_start += 1",
-        "`raw_start` in eval_val is assigned in the loop other than once",
-        id="bound-changed-after-the-slice",
-    ),
-    pytest.param(
-        ".to(device=device, dtype=torch.int64, non_blocking=True)",
-        ".to(device, dtype=torch.int64)",
-        "only device=, dtype=, non_blocking= keywords",
-        id="positional-device",
-    ),
-    pytest.param(
-        "        val_loss_sum += model(x, y).to(torch.float64)",
-        "        val_loss_sum += model(x, y).to(torch.float64)\n        device = other_device",
-        "argument `device` in eval_val changes inside the loop",
-        id="device-changes-in-loop",
-    ),
-]
-
-
-@pytest.mark.parametrize("old, new, reason", NOOP_PREFETCH)
-def test_val_prefetch_noop(old, new, reason):
-    # The loop left as it was: the noop rows of test_feature_val_prefetch.py.
-    found = notes(patched(_loop_change(old, new)), "val_prefetch")
-    assert len(found) == 1 and not found[0].applied and reason in found[0].reason
-
-
 SLIDING = HEADER + '''
 def eval_val_sliding(args, model, device, val_tokens, my_windows, batch_seqs, seq_len):
     for bi in range(0, len(my_windows), batch_seqs):
@@ -129,55 +88,6 @@ def test_sliding_window_loop_is_left_alone_with_the_reason():
     assert [n.applied for n in found] == [False]
     assert "`for i, ws in enumerate(batch_ws)` in eval_val_sliding iterates over no `range(...)`" in found[0].reason
     assert result.source == SLIDING
-
-
-NOOP_BYTES = [
-    pytest.param("        prev_ids = x.reshape(-1)", "        prev_ids = y.reshape(-1)", "`prev_ids` in eval_val is not the batch's inputs", id="prev-is-targets"),
-    pytest.param("        tgt_ids = y.reshape(-1)", "        tgt_ids = y.reshape(-1)[::-1]", "`tgt_ids` in eval_val is not the batch's targets", id="targets-reordered"),
-    pytest.param(
-        "    val_byte_count = torch.zeros((), device=device, dtype=torch.float64)",
-        "    val_byte_count = 0.0",
-        "byte accumulator `val_byte_count` in eval_val is not one `torch.zeros(...)` tensor",
-        id="float-accumulator",
-    ),
-    pytest.param(
-        "    return val_loss_sum, val_byte_count",
-        "    return val_loss_sum, val_byte_count, token_bytes",
-        "`token_bytes` in eval_val is read outside the byte counting",
-        id="token-bytes-used-later",
-    ),
-    pytest.param(
-        "        val_byte_count += token_bytes.to(torch.float64).sum()",
-        "        val_byte_count += token_bytes.to(torch.float32).sum()",
-        "no `token_bytes = base_bytes_lut[tgt_ids]...` byte counting",
-        id="float32-sum",
-    ),
-]
-
-
-@pytest.mark.parametrize("old, new, reason", NOOP_BYTES)
-def test_val_bytecount_noop(old, new, reason):
-    # The counting left on the device: the noop rows of test_feature_val_bytecount.py.
-    result = patched(_loop_change(old, new))
-    found = notes(result, "val_bytecount")
-    assert len(found) == 1 and not found[0].applied and reason in found[0].reason
-    assert "val_prefetch" in result.applied  # the slice itself is still prefetched
-
-
-def test_val_progress_skipped_where_log_is_not_visible():
-    nested_log = HEADER.replace("def log(msg):\n    print(msg)\n", "") + EVAL + "\ndef main():\n    def log0(msg):\n        print(msg)\n    log0('x')\n"
-    # The loop left unwrapped: the noop rows of test_feature_val_progress.py.
-    found = notes(patched(nested_log), "val_progress")
-    assert [n.applied for n in found] == [False] and found[0].reason == "log0 is defined inside main(), not visible in eval_val"
-
-
-def test_val_progress_skips_a_loop_nested_in_another():
-    nested = HEADER + EVAL.replace("    for batch_seq_start in", "    for chunk in range(2):\n     for batch_seq_start in").replace("\n        ", "\n         ")
-    compile(nested, "nested", "exec")
-    result = patched(nested)
-    found = notes(result, "val_progress")
-    assert [n.applied for n in found] == [False] and "runs inside another loop" in found[0].reason
-    assert "val_prefetch" in result.applied
 
 
 def test_only_one_feature_and_idempotent():

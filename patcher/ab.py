@@ -29,9 +29,9 @@ What each known script reads, taken from the public repositories:
 from __future__ import annotations
 
 import math
-import shutil
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -508,7 +508,7 @@ def run_ab(
         raise AbError(f"--skip {skip}: must be at least 0 and below --steps {steps}")
     if nproc_per_node is not None and nproc_per_node < 1:
         raise AbError(f"--nproc-per-node {nproc_per_node}: needs at least 1")
-    if python is not None and not (shutil.which(python) or os.access(python, os.X_OK)):
+    if python is not None and shutil.which(python) is None:  # a name on PATH, or a path to an executable file
         raise AbError(f"--python {python}: no such interpreter")
     workdir = str(Path(cwd or os.getcwd()).resolve())
     if not Path(workdir).is_dir():

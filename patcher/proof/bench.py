@@ -77,8 +77,6 @@ WORLD_SIZE = 8
 # The scripts are unloaded once the run's frame is gone: a process that runs several benches
 # (a test run) would otherwise keep every run's shared slots and shard memmaps open.
 @scripts_unloaded()
-
-
 def run_bench(
     script: str | Path,
     steps: int = 300,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from patcher.patch import patch_source
 from patcher.proof import timing
-from patcher.proof.module_verify import ByteTokenizer, write_package, module_loader, package_importable
+from patcher.proof.module_verify import ByteTokenizer, module_loader, package_importable, write_package
 from patcher.read.source import read_script
 
 # Steps a side runs before the other side's turn (both loaders stay open throughout).

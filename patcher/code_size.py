@@ -549,7 +549,7 @@ def _count_patch(script, result, enabled: set[str], counting: Counting, breakdow
         so_far = set(enabled) - set(result.applied)
         for feature in order[:-1]:  # each count is queued before the next patch is made
             so_far.add(feature)
-            steps.append((feature, start(patch_source(script.source, set(so_far), module=result.survey.module, surveyed=result.survey, producer_toggles=result.producer_toggles).source)))
+            steps.append((feature, start(patch_source(script.source, set(so_far), module=result.survey.module, verdicts=result.verdicts, producer_toggles=result.producer_toggles).source)))
         steps.append((order[-1], after))
     by_feature, previous = {}, before.result()
     for feature, pending in steps:

@@ -13,6 +13,7 @@ import libcst as cst
 from patcher.render import render
 from patcher.transforms.features import DEFAULT_FEATURES, DIAGNOSTICS, FEATURES, INJECTED_NAMES, SWITCHED, TOGGLE_UNITS, UNITS
 from patcher.families import registry
+from patcher.families.verdicts import Verdicts
 from patcher.survey.survey import Survey
 from patcher.transforms.base import Context, Note
 
@@ -27,16 +28,22 @@ class PatchResult:
     (`module.code == source`), so that checking the output need not parse it again.
     runtime: the text of the injected runtime block (header line and templates) as it
     stands in `source`, "" when none was injected. producer_toggles: the option it was
-    patched with (a re-patch repeats it).
+    patched with (a re-patch repeats it). verdicts: the families' verdicts on the input,
+    whose `survey` (`.survey`) holds its facts.
     """
 
     source: str
     notes: list[Note] = field(default_factory=list)
     already_patched: bool = False
-    survey: Survey | None = None
+    verdicts: Verdicts | None = None
     module: cst.Module | None = field(default=None, repr=False)
     runtime: str = field(default="", repr=False)
     producer_toggles: bool = False
+
+    @property
+    def survey(self) -> Survey | None:
+        """The input's survey (`verdicts.survey`)."""
+        return self.verdicts.survey if self.verdicts is not None else None
 
     @property
     def applied(self) -> list[str]:
@@ -72,12 +79,12 @@ def features_from(only: list[str] | None, skip: list[str] | None, extra: list[st
     return enabled - set(skip or [])
 
 
-def patch_source(source: str, enabled: set[str] | None = None, module: cst.Module | None = None, surveyed: Survey | None = None, keep: frozenset[str] = frozenset(), producer_toggles: bool = False) -> PatchResult:
+def patch_source(source: str, enabled: set[str] | None = None, module: cst.Module | None = None, verdicts: Verdicts | None = None, keep: frozenset[str] = frozenset(), producer_toggles: bool = False) -> PatchResult:
     """Patch one script's source. Returns a `PatchResult`.
 
     enabled: feature names (default: `DEFAULT_FEATURES`, the command's default).
-    module: `source` already parsed; surveyed: `module`'s survey (read-only, so one
-    survey serves several patches of the same module); keep: runtime names to inject
+    module: `source` already parsed; verdicts: `module`'s `registry.judge` (read-only,
+    so one serves several patches of the same module); keep: runtime names to inject
     although the script never uses them (methods a benchmark drives);
     producer_toggles: add `TRAIN_PREFETCH_QUEUE` (`--producer-toggles`; costs code
     bytes).
@@ -85,14 +92,15 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     """
     enabled = set(DEFAULT_FEATURES) if enabled is None else enabled
     module = module if module is not None else cst.parse_module(source)
-    surveyed = surveyed if surveyed is not None and surveyed.module is module else registry.survey(module)
+    verdicts = verdicts if verdicts is not None and verdicts.survey.module is module else registry.judge(module)
+    surveyed = verdicts.survey
     already = {feature for feature, names in INJECTED_NAMES.items() if any(name in surveyed.module_names for name in names)}
     if already:
         names = ", ".join(sorted(already))
-        return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, surveyed)
+        return PatchResult(source, [Note("all", False, f"already patched ({names} present); nothing to do")], True, verdicts)
     units = [u for u in UNITS if u.name in enabled]
     facts = {u.name: u.analyse(surveyed) for u in units if u.analyse is not None}  # on the unpatched module
-    ctx = Context(surveyed, enabled, toggles=TOGGLE_UNITS, facts=facts, keep=set(keep), producer_toggles=producer_toggles)
+    ctx = Context(verdicts, enabled, toggles=TOGGLE_UNITS, facts=facts, keep=set(keep), producer_toggles=producer_toggles)
     notes: list[Note] = []
     for unit in units:
         module, new_notes = unit.apply(module, ctx)
@@ -100,7 +108,7 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     runtime = ""
     if ctx.templates or ctx.constants:
         module, runtime = _insert_runtime(module, ctx)
-    return PatchResult(module.code, notes, False, surveyed, module, runtime, producer_toggles)
+    return PatchResult(module.code, notes, False, verdicts, module, runtime, producer_toggles)
 
 
 def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:

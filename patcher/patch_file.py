@@ -152,8 +152,8 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
     minified = counting.how == "minified"
     before = session.start(script.raw, script.source) if minified else None
     with _gc_paused():
-        surveyed = registry.survey(module, index)
-        result = patch_source(script.source, set(options.enabled), module=module, surveyed=surveyed, producer_toggles=options.producer_toggles)
+        verdicts = registry.judge(module, index)
+        result = patch_source(script.source, set(options.enabled), module=module, verdicts=verdicts, producer_toggles=options.producer_toggles)
     for note in result.skipped:
         if note.unfixable:
             if script.wrapped:
@@ -372,7 +372,7 @@ def _skip_savings(script: Script, result: PatchResult, enabled: set[str], counti
     options = replace(options, byte_breakdown=False)
     savings = {}
     for feature in result.applied:
-        without = patch_source(script.source, enabled - {feature}, module=result.survey.module, surveyed=result.survey, producer_toggles=result.producer_toggles)
+        without = patch_source(script.source, enabled - {feature}, module=result.survey.module, verdicts=result.verdicts, producer_toggles=result.producer_toggles)
         savings[feature] = whole - _counted_bytes(script, without, enabled - {feature}, counting, before, options, None, session)["after"]
     return savings
 

@@ -1,11 +1,13 @@
 """Adding a family is adding its unit, its fixture and its test file, nothing else.
 
 A family module written outside the package (a directory put on `patcher.families`'
-path) is found by `registry.discover`, classifies what the survey found, plans through
+path) is found by `registry.discover`, judges what the survey found, plans through
 `registry.data_sources`, and, as a "module" driver family of its own, is the one whose
 loader generators module mode rewrites with its producer and `verify` drives: no
 transform or proof module names it. Its fixture joins the lists of fixtures the
-training runs take, and its missing test file is reported.
+training runs take, and its missing test file is reported. A family with a driver of
+its own names it in its unit; the driver is defined once, in `verify.DRIVERS`, and
+`verify` drives the family's data source with it because the plan names it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def refuse(site, function, index):
     return None
 
 
-def plan(variable, survey):
+def plan(variable, verdicts):
     return Plan(refusal=f"`{variable.target}`: zigzag readers stay on the training thread", line=variable.line)
 
 
@@ -46,7 +48,7 @@ def module_sources(module, index):
     return [ModuleLoader(s, "device") for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value == "zigzag_loader"]
 
 
-UNIT = Family("zigzag", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="spawn_generator", order=1, refuse=refuse, module_sources=module_sources)
+UNIT = Family("zigzag", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="spawn_generator", order=1, kind="generator", refuse=refuse, module_sources=module_sources)
 '''
 
 SCRIPT = """\
@@ -85,12 +87,12 @@ def zigzag(tmp_path, monkeypatch):
         sys.modules.pop("patcher.families.zigzag", None)
 
 
-def test_the_registry_finds_the_new_family_and_the_survey_is_classified_with_it(zigzag):
+def test_the_registry_finds_the_new_family_and_the_survey_is_judged_with_it(zigzag):
     assert [u.name for u in zigzag][0] == "zigzag" and "custom" in [u.name for u in zigzag]
-    surveyed = registry.survey(cst.parse_module(SCRIPT))
-    [site] = surveyed.iterators
+    verdicts = registry.judge(cst.parse_module(SCRIPT))
+    [site] = verdicts.iterators
     assert (site.target, site.family, site.training, site.reason) == ("train_loader", "zigzag", True, None)
-    [variable] = registry.data_sources(surveyed)
+    [variable] = registry.data_sources(verdicts)
     assert (variable.family.name, variable.plan.driver, variable.plan.producer) == ("zigzag", "module", "_spawn_generator")
     result = patch_source(SCRIPT, enabled={"train_prefetch"})
     assert result.source == SCRIPT
@@ -118,3 +120,106 @@ def test_its_fixture_joins_the_runs_and_a_missing_test_file_is_reported(zigzag, 
     assert missing_parts(new, tmp_path) == []
     (tmp_path / "fixtures" / "zigzag_reader.py").unlink()
     assert missing_parts(new, tmp_path) == ["zigzag: no fixtures/zigzag*.py"]
+
+
+STRIPES = '''\
+"""Family `stripes`: a `StripeLoader` class, verified by a driver of its own, `stripes`."""
+
+from patcher.families.base import Family, Plan
+
+
+def recognise(loader):
+    return loader.name == "StripeLoader"
+
+
+def plan(variable, verdicts):
+    return Plan(refusal=f"`{variable.target}`: stripes are verified, not prefetched", line=variable.line)
+
+
+UNIT = Family("stripes", "stripes", recognise, plan, producer=None, runtime=None, order=1)
+'''
+
+STRIPED_SCRIPT = """\
+import torch
+
+class StripeLoader:
+    def __init__(self, n, device):
+        self.n, self.device = n, device
+
+    def next_batch(self):
+        return torch.zeros(self.n, device=self.device)
+
+def main():
+    train_loader = StripeLoader(4, "cpu")
+    for step in range(3):
+        x = train_loader.next_batch()
+"""
+
+
+def test_a_family_with_a_driver_of_its_own_is_verified_with_it(tmp_path, monkeypatch):
+    """The unit names the driver, `verify.DRIVERS` defines it: nothing else names either,
+    and verify takes it before the "loader_class" driver (which would read this script too)
+    because the family's plan names it."""
+    from patcher.proof import verify as verify_module
+    from patcher.proof.compare import VerifyResult
+
+    (tmp_path / "families").mkdir()
+    (tmp_path / "families" / "stripes.py").write_text(STRIPES, encoding="utf-8")
+    monkeypatch.setattr(patcher.families, "__path__", [*patcher.families.__path__, str(tmp_path / "families")])
+    try:
+        units = registry.discover()
+    finally:
+        sys.modules.pop("patcher.families.stripes", None)
+    monkeypatch.setattr(registry, "UNITS", units)
+    driven = []
+
+    def run(recipe, run, compare):
+        driven.append(recipe)
+        return VerifyResult(identical=True, world_size=run.world_size, batches_compared=5, notes=list(run.notes))
+
+    stripes = verify_module.Driver("stripes", str, lambda original, patched: "the stripes recipe", None, run, 5)
+    monkeypatch.setitem(verify_module.DRIVERS, "stripes", stripes)
+    assert verify_module.DRIVERS["loader_class"].read(STRIPED_SCRIPT, STRIPED_SCRIPT)  # the generic driver reads it too
+    verify_module.verdicts_of.cache_clear()  # judged with the registry's new units
+    original, edited = tmp_path / "train.py", tmp_path / "train_edited.py"
+    original.write_text(STRIPED_SCRIPT, encoding="utf-8")
+    edited.write_text(STRIPED_SCRIPT + "# edited by hand\n", encoding="utf-8")
+    try:
+        result = verify_module.verify(original, edited)
+    finally:
+        verify_module.verdicts_of.cache_clear()
+    assert driven == ["the stripes recipe"] and result.identical and result.batches_compared == 5
+    assert {u.driver for u in units} == {*verify_module.DRIVERS}  # the driver is defined where verify keeps them
+
+
+def test_the_survey_keeps_facts_and_the_verdicts_are_frozen_beside_it():
+    """What the families decide is never written into the survey's records: the survey
+    of a staged generator still calls the `Shard` built inside it a candidate, its verdict
+    does not; verdicts, variables and plans cannot be changed after the families made them."""
+    import dataclasses
+    from pathlib import Path
+
+    from patcher.survey.loaders import LoaderClass
+    from patcher.survey.sites import Construction, IteratorSite
+    from patcher.survey.survey import survey
+
+    verdict_names = {"family", "prefetches", "training", "reason", "staged"}
+    for record in (LoaderClass, Construction, IteratorSite):
+        assert not verdict_names & {f.name for f in dataclasses.fields(record)}, record
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    module = cst.parse_module((fixtures / "generator_shards.py").read_text(encoding="utf-8"))
+    facts = survey(module)
+    verdicts = registry.judge(module)
+    [shard] = verdicts.constructions
+    assert (shard.construction.candidate, shard.training) == (True, False)
+    assert "stays on the training thread" in shard.reason
+    assert [(c.candidate, c.why_not) for c in facts.constructions] == [(True, None)]  # judging wrote nothing
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        verdicts.prefetching = frozenset()
+    with pytest.raises(TypeError):
+        verdicts.families["x"] = "custom"
+    [variable] = registry.data_sources(registry.judge(cst.parse_module((fixtures / "tokenstream_readable.py").read_text(encoding="utf-8"))))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        variable.plan.runtime = "prefetch_loader"
+    with pytest.raises(TypeError):
+        variable.plan.options["rollback"] = True

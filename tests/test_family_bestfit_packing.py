@@ -15,7 +15,7 @@ from patch_tables import RUNTIME, assert_noop, assert_patch
 
 from patcher.families.bestfit_packing import loader_generators
 from patcher.patch import patch_source
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "bestfit_packing.py"
 SOURCE = FIXTURE.read_text(encoding="utf-8")
@@ -27,7 +27,7 @@ def test_fixture_is_recognised_by_structure():
     assert (loader.name, loader.device, loader.refusal) == ("packed_loader_with_state", "device", None)
     assert loader.split == ("split", "train")  # from `assert split in ("train", "val")`
     # the inner reader's site belongs to the family, and is not run ahead on its own
-    [site] = survey(cst.parse_module(SOURCE)).iterators
+    [site] = judge(cst.parse_module(SOURCE)).iterators
     assert (site.target, site.function, site.family, site.training) == ("batches", "_document_batches", "bestfit_packing", False)
     assert site.reason == "`batches` is read inside packed_loader_with_state, which runs whole in a spawned producer (module mode)"
 

@@ -16,14 +16,14 @@ import libcst as cst
 import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_fixture_loader_is_recognised():
-    surveyed = survey(cst.parse_module((FIXTURES / "coprime_dataclass.py").read_text(encoding="utf-8")))
-    assert {name: loader.family for name, loader in surveyed.loader_classes.items()} == {"DistributedTokenLoader": "coprime"}
+    verdicts = judge(cst.parse_module((FIXTURES / "coprime_dataclass.py").read_text(encoding="utf-8")))
+    assert dict(verdicts.families) == {"DistributedTokenLoader": "coprime"}
 
 
 REWRITES = [
@@ -274,10 +274,10 @@ def main(h, rank, world_size, device):
 def test_rewrites(before, after, note):
     result = assert_patch(before, after, only="train_prefetch")
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["coprime"]
+    assert list(result.verdicts.families.values()) == ["coprime"]
 
 
 @pytest.mark.parametrize("before, reason, line", NOOPS)
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["coprime"]
+    assert list(result.verdicts.families.values()) == ["coprime"]

@@ -17,14 +17,14 @@ from patch_tables import RUNTIME, assert_noop, assert_patch
 
 from patcher.patch import patch_source
 from patcher.proof.verify import verify
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_fixture_loader_is_recognised():
-    surveyed = survey(cst.parse_module((FIXTURES / "custom_loader.py").read_text(encoding="utf-8")))
-    assert {name: loader.family for name, loader in surveyed.loader_classes.items()} == {"WindowLoader": "custom"}
+    verdicts = judge(cst.parse_module((FIXTURES / "custom_loader.py").read_text(encoding="utf-8")))
+    assert dict(verdicts.families) == {"WindowLoader": "custom"}
 
 
 REWRITES = [
@@ -752,13 +752,13 @@ def test_rewrites(before, after, note):
     result = assert_patch(before, after, only="train_prefetch")
     assert result.applied == ["train_prefetch", "env_toggles"]
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["custom"]
+    assert list(result.verdicts.families.values()) == ["custom"]
 
 
 @pytest.mark.parametrize("before, reason, line", NOOPS)
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["custom"]
+    assert list(result.verdicts.families.values()) == ["custom"]
 
 
 def test_fixture_patched_gives_the_original_batches(tmp_path):

@@ -17,14 +17,14 @@ from patch_tables import RUNTIME, assert_noop, assert_patch
 
 from patcher.patch import patch_source
 from patcher.proof.verify import verify
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_fixture_loader_is_recognised():
-    surveyed = survey(cst.parse_module((FIXTURES / "distributed_data_loader.py").read_text(encoding="utf-8")))
-    assert {name: loader.family for name, loader in surveyed.loader_classes.items()} == {"DistributedDataLoader": "distributed_data_loader"}
+    verdicts = judge(cst.parse_module((FIXTURES / "distributed_data_loader.py").read_text(encoding="utf-8")))
+    assert dict(verdicts.families) == {"DistributedDataLoader": "distributed_data_loader"}
 
 
 REWRITES = [
@@ -188,7 +188,7 @@ for step in range(10):
 def test_rewrites(before, after, note):
     result = assert_patch(before, after, only="train_prefetch")
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["distributed_data_loader"]
+    assert list(result.verdicts.families.values()) == ["distributed_data_loader"]
 
 
 @pytest.mark.parametrize("before, after, note", WITH_THE_COPY_STREAM)
@@ -203,7 +203,7 @@ def test_rewrites_with_the_copy_stream(before, after, note):
 @pytest.mark.parametrize("before, reason, line", NOOPS)
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["distributed_data_loader"]
+    assert list(result.verdicts.families.values()) == ["distributed_data_loader"]
 
 
 def test_runtime_constants_bring_their_own_import_when_the_script_imports_os_late():

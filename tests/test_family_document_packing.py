@@ -13,14 +13,14 @@ import libcst as cst
 import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_fixture_loader_is_recognised():
-    surveyed = survey(cst.parse_module((FIXTURES / "document_packing.py").read_text(encoding="utf-8")))
-    assert {name: (loader.family, loader.prefetches) for name, loader in surveyed.loader_classes.items()} == {"DocumentPackingLoader": ("document_packing", True)}
+    verdicts = judge(cst.parse_module((FIXTURES / "document_packing.py").read_text(encoding="utf-8")))
+    assert {name: (family, verdicts.prefetches(name)) for name, family in verdicts.families.items()} == {"DocumentPackingLoader": ("document_packing", True)}
 
 
 REWRITES = [
@@ -158,10 +158,10 @@ def test_rewrites_leave_the_loader_and_route_its_copies(before, after, reason):
     result = assert_patch(before, after, only=["train_prefetch", "copy_stream"])
     assert result.applied == ["copy_stream", "env_toggles"]
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [reason]
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["document_packing"]
+    assert list(result.verdicts.families.values()) == ["document_packing"]
 
 
 @pytest.mark.parametrize("before, reason, line", NOOPS)
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["document_packing"]
+    assert list(result.verdicts.families.values()) == ["document_packing"]

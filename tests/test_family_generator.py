@@ -17,14 +17,14 @@ import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
 from patcher.patch import patch_source
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_fixture_generator_is_recognised():
-    surveyed = survey(cst.parse_module((FIXTURES / "generator_toplevel.py").read_text(encoding="utf-8")))
-    assert [(i.target, i.function, i.family, i.training, i.reason) for i in surveyed.iterators] == [
+    verdicts = judge(cst.parse_module((FIXTURES / "generator_toplevel.py").read_text(encoding="utf-8")))
+    assert [(i.target, i.function, i.family, i.training, i.reason) for i in verdicts.iterators] == [
         ("train_loader", "distributed_data_generator", "generator", True, None),
         ("val_loader", "distributed_data_generator", "generator", False, "`val_loader` is not the training data source"),
     ]
@@ -350,18 +350,18 @@ for step in range(10):
 def test_rewrites(before, after, note):
     result = assert_patch(before, after, only="train_prefetch")
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
-    assert {i.family for i in result.survey.iterators} == {"generator"}
+    assert {i.family for i in result.verdicts.iterators} == {"generator"}
 
 
 @pytest.mark.parametrize("before, reason, line", NOOPS)
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
-    assert {i.family for i in result.survey.iterators} == {"generator"}
+    assert {i.family for i in result.verdicts.iterators} == {"generator"}
 
 
 def test_sends_are_surveyed():
     source = REWRITES[1].values[0]
-    sites = [i for i in survey(cst.parse_module(source)).iterators if i.training]
+    sites = [i for i in judge(cst.parse_module(source)).iterators if i.training]
     assert [cst.Module([]).code_for_node(c.args[0].value) for c in sites[0].sends] == ["(1024, 64) if step == 5 else None"]
 
 

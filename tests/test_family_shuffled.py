@@ -16,14 +16,14 @@ import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch, shown
 
 from patcher.patch import features_from, patch_source
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_fixture_loader_is_recognised():
-    surveyed = survey(cst.parse_module((FIXTURES / "shuffled_minified.py").read_text(encoding="utf-8")))
-    assert {name: loader.family for name, loader in surveyed.loader_classes.items()} == {"ShuffledSequenceLoader": "shuffled"}
+    verdicts = judge(cst.parse_module((FIXTURES / "shuffled_minified.py").read_text(encoding="utf-8")))
+    assert dict(verdicts.families) == {"ShuffledSequenceLoader": "shuffled"}
 
 
 REWRITES = [
@@ -382,7 +382,7 @@ def main(h, device):
 def test_rewrites(before, after, note):
     result = assert_patch(before, after, only="train_prefetch")
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["shuffled"]
+    assert list(result.verdicts.families.values()) == ["shuffled"]
 
 
 @pytest.mark.parametrize("before, after, note", PRODUCER_TOGGLE_REWRITES)
@@ -390,10 +390,10 @@ def test_rewrites_with_the_producer_toggles(before, after, note):
     result = patch_source(before, features_from(["train_prefetch"], None), producer_toggles=True)
     assert shown(result) == after
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["shuffled"]
+    assert list(result.verdicts.families.values()) == ["shuffled"]
 
 
 @pytest.mark.parametrize("before, reason, line", NOOPS)
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["shuffled"]
+    assert list(result.verdicts.families.values()) == ["shuffled"]

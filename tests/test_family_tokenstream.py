@@ -16,15 +16,15 @@ import libcst as cst
 import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
-from patcher.families.registry import survey
+from patcher.families.registry import judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 @pytest.mark.parametrize("fixture", ["tokenstream_readable.py", "tokenstream_validating.py", "curriculum.py", "batch_switch.py"])
 def test_fixture_loader_is_recognised(fixture):
-    surveyed = survey(cst.parse_module((FIXTURES / fixture).read_text(encoding="utf-8")))
-    assert {name: loader.family for name, loader in surveyed.loader_classes.items()} == {"DistributedTokenLoader": "tokenstream"}
+    verdicts = judge(cst.parse_module((FIXTURES / fixture).read_text(encoding="utf-8")))
+    assert dict(verdicts.families) == {"DistributedTokenLoader": "tokenstream"}
 
 
 REWRITES = [
@@ -830,10 +830,10 @@ def main(device):
 def test_rewrites(before, after, note):
     result = assert_patch(before, after, only="train_prefetch")
     assert [n.reason for n in result.notes if n.feature == "train_prefetch"] == [note]
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["tokenstream"]
+    assert list(result.verdicts.families.values()) == ["tokenstream"]
 
 
 @pytest.mark.parametrize("before, reason, line", NOOPS)
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
-    assert [loader.family for loader in result.survey.loader_classes.values()] == ["tokenstream"]
+    assert list(result.verdicts.families.values()) == ["tokenstream"]

@@ -17,7 +17,6 @@ from patch_tables import RUNTIME, assert_noop, assert_patch
 from patcher.families import registry
 from patcher.families.base import DataVariable, Family, Plan
 from patcher.patch import patch_source
-from patcher.families.registry import survey
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,8 +117,8 @@ def test_every_family_has_its_fixture_and_its_test_file(unit):
     assert fixtures
     families = set()
     for path in fixtures:
-        surveyed = survey(cst.parse_module(path.read_text(encoding="utf-8")))
-        families |= {c.family for c in surveyed.loader_classes.values()} | {i.family for i in surveyed.iterators}
+        verdicts = registry.judge(cst.parse_module(path.read_text(encoding="utf-8")))
+        families |= {*verdicts.families.values()} | {i.family for i in verdicts.iterators}
     assert unit.name in families
 
 
@@ -141,7 +140,7 @@ def test_a_family_is_asked_through_its_unit_alone(monkeypatch):
     # its plan and producer, what train_prefetch writes: no other list of families.
     asked = []
 
-    def plan(variable: DataVariable, ctx) -> Plan:
+    def plan(variable: DataVariable, verdicts) -> Plan:
         asked.append((variable.target, variable.lines, variable.loader.name))
         return Plan(note="runs ahead as the strange family says")
 
@@ -172,13 +171,17 @@ for step in range(3):
     assert [(n.applied, n.reason, n.line) for n in result.notes if n.feature == "train_prefetch"] == [(True, "runs ahead as the strange family says", 7)]
 
 
-def test_a_family_declares_a_known_driver_and_generators_their_refusals():
-    def plan(variable, ctx):
+def test_a_family_declares_a_known_kind_and_producer_and_generators_their_refusals():
+    def plan(variable, verdicts):
         return Plan()
 
-    with pytest.raises(ValueError, match="driver 'thread'"):
-        Family("x", "thread", bool, plan, producer=None, runtime=None)
+    with pytest.raises(ValueError, match="kind 'thread'"):
+        Family("x", "loader_class", bool, plan, producer=None, runtime=None, kind="thread")
+    with pytest.raises(ValueError, match="driver 'two words'"):
+        Family("x", "two words", bool, plan, producer=None, runtime=None)
+    with pytest.raises(ValueError, match="producer '_prefetch_loader'"):
+        Family("x", "loader_class", bool, plan, producer="_prefetch_loader", runtime=None)
     with pytest.raises(ValueError, match="`refuse` is for generator families"):
-        Family("x", "generator", bool, plan, producer="_prefetch_iterator", runtime="prefetch_iterator")
+        Family("x", "generator", bool, plan, producer="_prefetch_iterator", runtime="prefetch_iterator", kind="generator")
     with pytest.raises(ValueError, match="`refuse` is for generator families"):
         Family("x", "loader_class", bool, plan, producer=None, runtime=None, refuse=lambda site, function, index: None)

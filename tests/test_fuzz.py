@@ -77,7 +77,7 @@ def test_planted_traceback_is_reported_with_its_input(tmp_path, monkeypatch, cap
     def broken(module, index=None):
         raise KeyError("planted in the survey")
 
-    monkeypatch.setattr("patcher.families.registry.survey", broken)  # the forked commands inherit it
+    monkeypatch.setattr("patcher.families.registry.judge", broken)  # the forked commands inherit it
     n = _first_compiling(7)
     code = fuzz.main(["--seed", "7", "--start", str(n), "--count", "1", "--failures", str(tmp_path), "--check-cmd-every", "0", "--verify-every", "0"])
     out = capsys.readouterr().out
@@ -93,7 +93,7 @@ def test_planted_hang_is_killed_and_reported(tmp_path, monkeypatch):
     def stuck(module, index=None):
         threading.Event().wait()
 
-    monkeypatch.setattr("patcher.families.registry.survey", stuck)
+    monkeypatch.setattr("patcher.families.registry.judge", stuck)
     n = _first_compiling(7)
     report = fuzz.run_fuzz(_options(tmp_path, seed=7, start=n, count=1, timeout=1.0, check_every=0, check_cmd_every=0, repatch_every=0, verify_every=0))
     assert (report["hangs"], report["tracebacks"]) == (1, 0)

@@ -147,13 +147,12 @@ def test_the_early_worker_counts_a_minified_record_as_a_late_one_does(tmp_path, 
 def test_an_edit_rebuilds_only_the_ancestors_of_what_it_changes():
     import libcst as cst
 
-    from patcher.families.registry import survey
+    from patcher.families.registry import judge
     from patcher.transforms.base import Context, ReplaceNodes, replace_nodes
 
     source = "def main():\n    a = 1\n    for i in range(3):\n        b = f(i)\n    c = 2\n"
     module = cst.parse_module(source)
-    surveyed = survey(module)
-    ctx = Context(surveyed, set())
+    ctx = Context(judge(module), set())
     block = module.body[0].body
     loop = block.body[1]
     call = loop.body.body[0].body[0].value

@@ -14,7 +14,7 @@ import python_minifier
 
 from patcher.cst_walk import walk
 from patcher.patch import features_from, patch_source
-from patcher.families.registry import survey
+from patcher.survey.survey import survey
 
 LOADER = '''
 import os
@@ -112,7 +112,7 @@ def test_the_survey_finds_the_statement_of_every_node_and_cannot_be_written():
 def test_a_method_named_like_a_log_function_is_not_the_scripts_log_function():
     import libcst
 
-    from patcher.families.registry import survey
+    from patcher.survey.survey import survey
 
     method_only = "class Logger:\n    def log0(self, msg):\n        print(msg)\n"
     assert survey(libcst.parse_module(method_only)).log_function is None  # a bare `log0(...)` would be a NameError

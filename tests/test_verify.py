@@ -283,7 +283,7 @@ def test_a_name_reassigned_in_the_loop_is_evaluated_from_its_top_level_assignmen
 
     from patcher.proof.harness import HarnessError
     from patcher.proof.script_eval import evaluate_script_code
-    from patcher.families.registry import survey
+    from patcher.survey.survey import survey
 
     source = (
         "schedule = (8, 16)\n"
@@ -311,7 +311,7 @@ def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assi
 
     from patcher.proof.harness import HarnessError
     from patcher.proof.script_eval import evaluate_script_code
-    from patcher.families.registry import survey
+    from patcher.survey.survey import survey
 
     source = (
         "def main():\n"
@@ -339,16 +339,16 @@ def test_a_local_changed_only_on_resume_is_evaluated_from_its_unconditional_assi
     assert len(assumed) == 1
 
 
-def test_verify_drives_each_family_with_the_driver_it_names():
-    from patcher.families.base import DRIVERS as FAMILY_DRIVERS
+def test_verify_drives_each_data_source_with_the_driver_its_plan_names():
     from patcher.families.registry import UNITS
-    from patcher.proof.verify import DRIVERS, _family_drivers
+    from patcher.proof.verify import DRIVERS, _planned_drivers
 
-    assert tuple(DRIVERS) == FAMILY_DRIVERS  # the names a family may give are the drivers verify has
-    assert {u.driver for u in UNITS} == set(DRIVERS)  # and each driver is named by a family: none is dead
+    assert {u.driver for u in UNITS} == set(DRIVERS)  # every driver a family names is defined, and none is dead
     fixtures = Path(__file__).resolve().parents[1] / "fixtures"
-    assert _family_drivers((fixtures / "tokenstream_readable.py").read_text()) == {"loader_class"}
-    assert _family_drivers((fixtures / "generator_toplevel.py").read_text()) == {"generator"}
+    assert _planned_drivers((fixtures / "tokenstream_readable.py").read_text()) == {"loader_class"}
+    assert _planned_drivers((fixtures / "generator_toplevel.py").read_text()) == {"generator"}
+    # a staged generator is not run ahead, yet verify drives it: its plan names the driver too
+    assert _planned_drivers((fixtures / "generator_shards.py").read_text()) == {"generator"}
 
 
 def test_the_original_against_itself_is_refused_not_identical(tmp_path, capsys):

@@ -87,11 +87,11 @@ def refuse(site, function: cst.FunctionDef, index) -> str | None:
     return generator.refuse(site, function, index)
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """A reader site outside any loader generator: run ahead on a thread, as the `generator`
     family does, with that family's producer, runtime and driver."""
     unit = generator.UNIT
-    return replace(generator.plan(variable, survey), producer=unit.producer, runtime=unit.runtime, driver=unit.driver)
+    return replace(generator.plan(variable, verdicts), producer=unit.producer, runtime=unit.runtime, driver=unit.driver)
 
 
 def loader_generators(module: cst.Module, index: ScriptIndex | None = None) -> list[ModuleLoader]:
@@ -160,7 +160,7 @@ def _judge(function: cst.FunctionDef, readers: set[str]) -> ModuleLoader | None:
     misuse = _device_misuse(nodes, device)
     if misuse:
         return ModuleLoader(function, device, f"{function.name.value} uses `{device}` {misuse}; built on the CPU in a producer its batches could differ")
-    unsafe = generator._generator_unsafe(function)
+    unsafe = generator.unsafe_reason(function)
     if unsafe:
         # the generator family speaks of a thread; here the producer is a spawned process
         return ModuleLoader(function, device, unsafe.replace("a background thread would change the draw order", "a spawned producer draws from its own RNG state"))
@@ -228,4 +228,4 @@ def _is_param_name(name: cst.Name, nodes) -> bool:
     return any(isinstance(p, cst.Param) and p.name is name for p in nodes)
 
 
-UNIT = Family("bestfit_packing", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="spawn_generator", order=5, refuse=refuse, module_sources=loader_generators)
+UNIT = Family("bestfit_packing", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="spawn_generator", order=5, kind="generator", refuse=refuse, module_sources=loader_generators)

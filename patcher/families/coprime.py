@@ -21,14 +21,14 @@ from patcher.survey.loaders import method
 
 def recognise(loader) -> bool:
     """A `DistributedTokenLoader` that picks a coprime stride or keeps a numpy Generator, using no threads."""
-    if loader.prefetches or loader.name != "DistributedTokenLoader":
+    if loader.threaded or loader.name != "DistributedTokenLoader":
         return False
     return method(loader.node, "_pick_coprime_stride") is not None or "Generator" in loader.called
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """That of every loader rebuilt on the CPU."""
-    return plan_rebuilt_on_cpu(variable, survey)
+    return plan_rebuilt_on_cpu(variable, verdicts)
 
 
 UNIT = Family("coprime", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=50)

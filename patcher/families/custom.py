@@ -21,9 +21,9 @@ def recognise(loader) -> bool:
     return True
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """That of every loader rebuilt on the CPU."""
-    return plan_rebuilt_on_cpu(variable, survey)
+    return plan_rebuilt_on_cpu(variable, verdicts)
 
 
 UNIT = Family("custom", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=1000)

@@ -20,15 +20,15 @@ from patcher.families.base import PREFETCH_NEXT_BATCH, DataVariable, Family, Pla
 
 def recognise(loader) -> bool:
     """No `device` parameter, `.cuda()` in `next_batch`, no threads."""
-    return not loader.prefetches and loader.device_index is None and loader.cuda_in_next_batch
+    return not loader.threaded and loader.device_index is None and loader.cuda_in_next_batch
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """Run `next_batch()` ahead where every call passes run constants and the loader is safe on a thread."""
     loader = variable.loader
     if loader.unsafe:
         return refused(loader.unsafe, loader.line)
-    for call in (c for site in variable.sites for c in survey.calls_on(site)):
+    for call in (c for site in variable.sites for c in verdicts.survey.calls_on(site)):
         changing = [call.args[i] for i, const in enumerate(call.constant) if not const]
         if changing:
             names = ", ".join(f"`{a}`" for a in changing)

@@ -21,7 +21,7 @@ def recognise(loader) -> bool:
     return loader.name == "DocumentPackingLoader"
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """Always left alone: it prefetches itself."""
     return already_prefetches(variable.loader)
 

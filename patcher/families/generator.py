@@ -56,14 +56,14 @@ def refuse(site, function: cst.FunctionDef, index) -> str | None:
         return f"`{target}` is used as {', '.join(f'`{target}.{u}`' for u in uses)}, not only with next()"
     if not advanced:
         return f"`{target}` is never advanced with next()"
-    return _generator_unsafe(function)
+    return unsafe_reason(function)
 
 
-def stages(site, function: cst.FunctionDef, index) -> bool:
-    """Whether the refused site `site` (built from `function`) gets pinned staging: its
+def stages(site, function: cst.FunctionDef, index, reason: str | None) -> bool:
+    """Whether the site `site` (built from `function`), refused for `reason`, gets pinned staging: its
     only obstacle is background loading of shards or files (`background_kind`), and it
     has a `.to(device, non_blocking=True)` copy whose target is a device (`copies.DEVICE_TARGET`) to stage; a generator whose copies are all casts gets none."""
-    if not site.reason or not site.reason.startswith(f"{function.name.value} loads shards"):
+    if not reason or not reason.startswith(f"{function.name.value} loads shards"):
         return False
     return bool(device_copies(function))
 
@@ -97,7 +97,7 @@ def background_kind(function: cst.FunctionDef) -> str | None:
     return "shards"
 
 
-def _generator_unsafe(function: cst.FunctionDef) -> str | None:
+def unsafe_reason(function: cst.FunctionDef) -> str | None:
     """Why running `function` on another thread could change what it yields, else None."""
     name = function.name.value
     for node in walk(function):
@@ -120,9 +120,9 @@ def _generator_unsafe(function: cst.FunctionDef) -> str | None:
     return None
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """Run it ahead: the survey has refused the sites that cannot be."""
     return Plan(note=f"`{variable.target}` (generator {variable.sites[0].function}) built at line {variable.lines} runs ahead on a background thread")
 
 
-UNIT = Family("generator", "generator", recognise, plan, producer=PREFETCH_ITERATOR, runtime="prefetch_iterator", order=10, refuse=refuse, stages=stages)
+UNIT = Family("generator", "generator", recognise, plan, producer=PREFETCH_ITERATOR, runtime="prefetch_iterator", order=10, kind="generator", refuse=refuse, stages=stages)

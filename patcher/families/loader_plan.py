@@ -23,7 +23,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.cst_walk import walk
-from patcher.families.base import DataVariable, Plan, refused
+from patcher.families.base import THREAD_LOADER_RUNTIME, DataVariable, Plan, refused
 from patcher.survey.threads import THREAD_NAMES
 
 
@@ -33,13 +33,16 @@ def already_prefetches(loader) -> Plan:
     return refused(loader.threads or f"{loader.name} already prefetches (threads in the loader); not wrapped again", loader.line)
 
 
-def plan_rebuilt_on_cpu(variable: DataVariable, survey) -> Plan:
-    """The plan for `variable` (of the classified `survey`), whose loader is rebuilt on
-    the CPU by `_make_train_loader`.
+def plan_rebuilt_on_cpu(variable: DataVariable, verdicts) -> Plan:
+    """The plan for `variable` (read with `verdicts`, a `Verdicts`), whose loader is
+    rebuilt on the CPU by `_make_train_loader`.
 
-    Returns a refusal or the wrap's options.
+    Returns a refusal, or the wrap: its options (`reshape_arg`, `rollback`,
+    `host_copy=False` for the thread runtime where the loader writes into no array it
+    keeps, `attrs` and `replay`) and its runtime, the thread one where an option needs it.
     """
-    reason, line, reshape_arg, rollback = _blocker(variable, survey)
+    survey = verdicts.survey
+    reason, line, reshape_arg, rollback = _blocker(variable, verdicts)
     if reason is not None:
         return refused(reason, line)
     attrs = _read_beyond_next_batch(survey.module, variable.target)
@@ -50,24 +53,35 @@ def plan_rebuilt_on_cpu(variable: DataVariable, survey) -> Plan:
         tail += f"; reading {', '.join(direct)} first replays the loader to the caller's position (exact, costs one pass)"
     if rollback:
         tail += f"; per-step argument {rollback}: batches queued with older values are dropped and the loader restored from a snapshot"
+    options = {}
+    if reshape_arg is not None:
+        options["reshape_arg"] = reshape_arg
+    if rollback:
+        options["rollback"] = True
+    thread = bool(options) or attrs
+    # The forked runtime always copies a batch out of its slot; the thread one need not
+    # where the loader never writes into an array it keeps.
+    if variable.loader.writes_arrays is None:
+        options["host_copy"] = False
+    if attrs:
+        options.update(attrs=True, replay=True)
     return Plan(
         note=f"{head}{tail}",
         forked_note=f"{head}; {_planned_start(variable, survey)}{tail}",
-        reshape_arg=reshape_arg,
-        rollback=rollback,
-        attrs=attrs,
-        thread=reshape_arg is not None or bool(rollback) or attrs,
+        options=options,
+        thread_only=frozenset({"host_copy"}),
+        runtime=THREAD_LOADER_RUNTIME if thread else None,
     )
 
 
-def _blocker(variable: DataVariable, survey) -> tuple[str | None, int | None, int | None, str | None]:
+def _blocker(variable: DataVariable, verdicts) -> tuple[str | None, int | None, int | None, str | None]:
     """Why this loader variable cannot be prefetched exactly, else (None, None, reshape_arg, rollback).
 
     rollback names the per-step arguments (beyond a reshape-only one) that need the
     snapshot rollback; it is allowed for loaders that change no array in place.
     """
-    cls = variable.loader
-    if cls.prefetches:
+    cls, survey = variable.loader, verdicts.survey
+    if verdicts.prefetches(cls.name):
         return already_prefetches(cls).refusal, cls.line, None, None
     if cls.unsafe:
         return cls.unsafe, cls.line, None, None

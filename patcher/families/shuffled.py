@@ -22,12 +22,12 @@ from patcher.families.loader_plan import plan_rebuilt_on_cpu
 
 def recognise(loader) -> bool:
     """A `ShuffledSequenceLoader` that uses no threads."""
-    return not loader.prefetches and loader.name == "ShuffledSequenceLoader"
+    return not loader.threaded and loader.name == "ShuffledSequenceLoader"
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """That of every loader rebuilt on the CPU."""
-    return plan_rebuilt_on_cpu(variable, survey)
+    return plan_rebuilt_on_cpu(variable, verdicts)
 
 
 UNIT = Family("shuffled", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=40)

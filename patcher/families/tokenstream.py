@@ -24,12 +24,12 @@ from patcher.families.loader_plan import plan_rebuilt_on_cpu
 
 def recognise(loader) -> bool:
     """A loader that builds a `TokenStream` and uses no threads."""
-    return not loader.prefetches and any(c.name.value == "TokenStream" for c in loader.related[1:])
+    return not loader.threaded and any(c.name.value == "TokenStream" for c in loader.related[1:])
 
 
-def plan(variable: DataVariable, survey) -> Plan:
+def plan(variable: DataVariable, verdicts) -> Plan:
     """That of every loader rebuilt on the CPU."""
-    return plan_rebuilt_on_cpu(variable, survey)
+    return plan_rebuilt_on_cpu(variable, verdicts)
 
 
 UNIT = Family("tokenstream", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=30)

@@ -24,7 +24,7 @@ import libcst.matchers as m
 from patcher.cst_walk import small_statements
 from patcher.families.sources import imported_sources
 from patcher.proof.harness import HarnessError, hparams_for, point_at_shards
-from patcher.proof.script_eval import evaluate_script_code, names_imported, survey_of
+from patcher.proof.script_eval import evaluate_script_code, names_imported, survey_of, verdicts_of
 from patcher.survey.survey import Construction, Survey
 
 
@@ -49,10 +49,11 @@ class LoaderRecipe:
     @classmethod
     def from_source(cls, source: str) -> "LoaderRecipe":
         """Raises HarnessError when the script has no training loader with a next_batch call."""
-        surveyed = survey_of(source)
-        sites = sorted(surveyed.training_constructions(), key=lambda c: c.line)
+        verdicts = verdicts_of(source)
+        surveyed = verdicts.survey
+        sites = sorted(verdicts.training_constructions(), key=lambda c: c.line)
         if not sites:
-            reasons = "; ".join(sorted({c.reason for c in surveyed.constructions if c.reason})) or "no training loader found"
+            reasons = "; ".join(verdicts.construction_reasons()) or "no training loader found"
             raise HarnessError(reasons)
         # One variable's constructions: the one built most often (the warm-up rebuild),
         # the later one of a tie; a calibration function's `loader = ...` stays out.
@@ -363,10 +364,11 @@ class IteratorRecipe:
     @classmethod
     def from_source(cls, original: str, patched: str) -> "IteratorRecipe":
         """Raises HarnessError when the original has no training generator the patch wrapped."""
-        surveyed = survey_of(original)
-        sites = [i for i in surveyed.iterators if i.training or i.staged]
+        verdicts = verdicts_of(original)
+        surveyed = verdicts.survey
+        sites = [i for i in verdicts.iterators if i.training or i.staged]
         if not sites:
-            reasons = sorted({i.reason for i in surveyed.iterators if i.reason})
+            reasons = verdicts.iterator_reasons()
             if not reasons and surveyed.loader_classes and not surveyed.constructions:
                 # a loader class built some other way (a factory function's `return Cls(...)`):
                 # the patch leaves it as it is, so no prefetch of it to verify

@@ -3,7 +3,8 @@
 `evaluate_script_code` evaluates an expression in a namespace standing in for the
 enclosing function; a name it lacks is evaluated first from its one assignment (or its
 one unconditional assignment) where the script's scopes resolve it, or bound by the
-script's own import statement. `survey_of` surveys a source text once.
+script's own import statement. `verdicts_of` surveys and judges a source text once;
+`survey_of` gives its facts.
 """
 
 from __future__ import annotations
@@ -14,15 +15,21 @@ import sys
 import libcst as cst
 
 from patcher.families import registry
+from patcher.families.verdicts import Verdicts
 from patcher.proof.harness import HarnessError
 from patcher.survey.survey import Survey
 
 
 @functools.lru_cache(maxsize=4)
+def verdicts_of(source: str) -> Verdicts:
+    """The families' verdicts on `source` (str), parsed, surveyed and judged once per
+    source text: both are read-only, so verify's recipes and validation pairs share them."""
+    return registry.judge(cst.parse_module(source))
+
+
 def survey_of(source: str) -> Survey:
-    """The survey of `source` (str), parsed and surveyed once per source text: a
-    `Survey` is read-only, so verify's recipes and validation pairs share one."""
-    return registry.survey(cst.parse_module(source))
+    """The survey (facts) of `source` (str), from `verdicts_of`."""
+    return verdicts_of(source).survey
 
 
 def evaluate_script_code(surveyed: Survey, code: str, ns: dict, scope, depth: int = 0, assumed: list[str] | None = None):

@@ -7,8 +7,8 @@ first construction is drawn from for the warm-up, then the loader is rebuilt by 
 script's second construction (the warm-up reset) and drawn from again. Every tensor
 of every batch is compared: dtype, shape and bytes, in order.
 
-This module holds the orchestration and the verdict: which driver (`DRIVERS`, named
-as the families name them: `patcher.families.base.DRIVERS`) drives the data source,
+This module holds the orchestration and the verdict: which driver (`DRIVERS`, the one
+place a driver is defined; a family's `Plan.driver` names one) drives the data source,
 the configurations and the plan of the run, the launch environment. The parts:
 `recipes` (how the script builds its data source), `harness` and `host_cuda` (running
 it outside the script), `data` (synthetic data), `rank_compare` and `compare` (one
@@ -39,10 +39,10 @@ from patcher.proof.harness import HarnessError, SimulatedDist, environment, load
 from patcher.proof.host_cuda import RUN_AHEAD, cuda_as_host, cuda_on_host, host_only_pinning, run_ahead_of
 from patcher.proof.rank_compare import Configuration, Plan, ShardsRanOut, compare_generator_rank, compare_loader_rank, reference_batches
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe, hparams_factory, patched_constructions
-from patcher.proof.script_eval import survey_of
+from patcher.proof.script_eval import survey_of, verdicts_of
 from patcher.proof.val_verify import compare_val_loops
+from patcher.families import registry
 from patcher.families.base import PRODUCERS, ModuleLoader
-from patcher.families.registry import BY_NAME as FAMILIES
 from patcher.read.source import read_script
 from patcher.transforms.features import INJECTED_NAMES, TOGGLES
 from patcher.transforms.py310_fstrings import requote
@@ -194,13 +194,14 @@ def _patched_runtime(source: str) -> bool:
 
 
 def _select_driver(run: _Run) -> tuple[Driver, object]:
-    """The driver the original's loader family names (`Family.driver`), else the first
+    """The driver the plans of the original's data sources name (`Plan.driver`), else the first
     driver of `DRIVERS` that reads the scripts, and its recipe. Raises CannotVerify when
     none does, with the last driver's reason where it names its own kind of source (a
     generator, a construction), else the first driver's."""
-    named = _family_drivers(run.sources[0])
+    named = _planned_drivers(run.sources[0])
     errors = []
-    for driver in sorted(SCRIPT_DRIVERS, key=lambda d: d.name not in named):
+    script_drivers = [driver for name, driver in DRIVERS.items() if name != "module"]
+    for driver in sorted(script_drivers, key=lambda d: d.name not in named):
         try:
             return driver, driver.read(*run.sources)
         except HarnessError as error:
@@ -209,16 +210,14 @@ def _select_driver(run: _Run) -> tuple[Driver, object]:
     raise CannotVerify(f"{run.paths[0]}: {why}") from None
 
 
-def _family_drivers(source: str) -> set[str]:
-    """The drivers the loader families of `source`'s training data variables name
-    (`patcher/families/`); empty when the source cannot be surveyed or has none."""
+def _planned_drivers(source: str) -> set[str]:
+    """The drivers the plans of `source`'s data sources name (`Plan.driver`, from their
+    families: `registry.verified_sources`); empty when the source cannot be surveyed or has none."""
     try:
-        surveyed = survey_of(source)
+        verdicts = verdicts_of(source)
     except Exception:  # the recipes say why a script cannot be read
         return set()
-    families = {i.family for i in surveyed.iterators if i.training or i.staged}
-    families |= {surveyed.loader_classes[c.class_name].family for c in surveyed.training_constructions()}
-    return {FAMILIES[name].driver for name in families if name in FAMILIES}
+    return {variable.plan.driver for variable in registry.verified_sources(verdicts)}
 
 
 def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResult:
@@ -393,9 +392,10 @@ def _verify_module(loader, run: _Run, compare) -> VerifyResult:
     return result
 
 
-# How verify drives a training data source, by name (the name a family gives for its
-# driver, `patcher.families.base.DRIVERS`). A script's drivers are tried in this order:
-# the first whose recipe reads the original script drives it.
+# How verify drives a training data source, by name: the name a family's plan gives
+# (`Family.driver`, `Plan.driver`), defined here and nowhere else. A script's drivers are
+# tried with those its plans name first, then in this order: the first whose recipe
+# reads the original script drives it.
 # A data-loader module (module mode, nanochat's dataloader.py) is no script (nothing
 # builds or rebuilds its loader, there is no warm-up reset): `verify` tries the "module"
 # driver first, on its own, before a script's driver is chosen: the "generator" driver
@@ -409,7 +409,6 @@ DRIVERS = {
     # a data-loader module's loader generator, built as the training script that imports it would
     "module": Driver("module", ModuleLoader, _read_module, module_verify.verify_module, _verify_module, module_verify.DEFAULT_BATCHES),
 }
-SCRIPT_DRIVERS = [driver for name, driver in DRIVERS.items() if name != "module"]
 
 
 def _edited_calls(recipe: LoaderRecipe, edited_source: str, notes: list[str]) -> LoaderRecipe:

@@ -25,8 +25,8 @@ GLOBAL_RNG_NUMPY_OK = {"Generator", "PCG64", "default_rng", "RandomState", "Seed
 class LoaderClass:
     """A class that defines `next_batch`.
 
-    family: the name of its family unit (`patcher/families/<family>.py`), which decides
-    how it is prefetched (filled by the families, `sources.classify`). related: the class and the script's classes it builds
+    Which family it is of, and so how it is prefetched, is the families' verdict
+    (`patcher/families/verdicts.py`), never stored here. related: the class and the script's classes it builds
     (TokenStream), which share its state and its risks. called: the last names of the
     calls made in those classes (`Thread`, `Generator`, `TokenStream`).
     next_batch_params: parameter names after `self`. init_params: the same of
@@ -35,9 +35,9 @@ class LoaderClass:
     h2d_calls: the `<expr>.to(self.<device attr>, non_blocking=True)` nodes in
     `next_batch`. reshape_only: index of a `next_batch` parameter used only as the
     trailing dimension of `.reshape(-1, p)` of every returned tensor, or None.
-    prefetches: the class already builds batches ahead: it uses threads (its own, or
-    threads its code reaches: `threads`), or its family prefetches by design
-    (`Family.prefetches`). threads: where its methods reach a thread outside its own
+    threaded: the class uses threads: its own, or threads its code reaches (`threads`);
+    whether it prefetches is the families' verdict (`Verdicts.prefetches`: threaded, or a
+    family that prefetches by design). threads: where its methods reach a thread outside its own
     classes (a module-level helper that starts one, a module-level executor, a
     `threading.Thread` subclass of the script), as the refusal says it, or None; left
     None when its own classes create threads. unsafe: why prefetching
@@ -53,7 +53,6 @@ class LoaderClass:
     name: str
     node: cst.ClassDef
     line: int
-    family: str = ""
     related: list[cst.ClassDef] = field(default_factory=list)
     called: set[str] = field(default_factory=set)
     next_batch_params: list[str] = field(default_factory=list)
@@ -62,7 +61,7 @@ class LoaderClass:
     device_attr: str | None = None
     h2d_calls: list[cst.Call] = field(default_factory=list)
     reshape_only: int | None = None
-    prefetches: bool = False
+    threaded: bool = False
     threads: str | None = None
     unsafe: str | None = None
     in_place: str | None = None
@@ -74,7 +73,7 @@ def survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], line: int
     """The family-independent facts of the loader class `cls` (at 1-based `line`);
     classes: the script's module-level classes by name; reach: the script's
     `ThreadReach`, to find threads the loader reaches outside its classes (None: only
-    its own are seen). `family` is left to the families (`sources.classify`)."""
+    its own are seen). Its family is the families' verdict (`sources.judge`)."""
     info = LoaderClass(name=cls.name.value, node=cls, line=line)
     next_batch = method(cls, "next_batch")
     info.next_batch_params = _params(next_batch)[1:]
@@ -89,7 +88,7 @@ def survey_loader(cls: cst.ClassDef, classes: dict[str, cst.ClassDef], line: int
         info.called |= _called_names(c)
     if not info.called & THREAD_NAMES and reach is not None:
         info.threads = reach.reached(related)
-    info.prefetches = bool(info.called & THREAD_NAMES) or info.threads is not None
+    info.threaded = bool(info.called & THREAD_NAMES) or info.threads is not None
     info.unsafe = _unsafe_reason(related, info)
     if info.device_attr is not None:
         info.h2d_calls = _h2d_calls(next_batch, info.device_attr)

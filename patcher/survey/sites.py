@@ -1,9 +1,9 @@
 """Where a script builds its training data and draws from it: the records of loader
 constructions, `next_batch` call sites and data generators, which `survey()` fills,
 and whether an argument is a run constant: facts, the same for every family. The
-verdict fields (`Construction.training` / `reason` past the names and calls here,
-`IteratorSite.family` / `training` / `reason` / `staged`) are filled by the families
-(`patcher/families/sources.py`), which this layer never imports.
+verdicts (which family, the training data source or not, why not) are the families'
+(`patcher/families/verdicts.py`), kept beside these records, never in them; this layer
+never imports the families.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ class Construction:
     """`target = LoaderClass(...)`: node is the `Assign`, call its value.
 
     scope: the function (or None for the module) it is in; binding: the `Scope` that
-    binds `target` there. training: it builds the training loader; reason: why not.
+    binds `target` there. candidate: its name and draws make it the training loader's
+    construction (not named for other data, a `next_batch` call on it where it is
+    built); why_not: why it is no candidate, else None. The final verdict, which also
+    leaves out a loader built inside a data generator that runs ahead, is the
+    families' (`ConstructionVerdict`).
     """
 
     target: str
@@ -32,8 +36,8 @@ class Construction:
     line: int
     scope: cst.CSTNode
     binding: object = None
-    training: bool = False
-    reason: str | None = None
+    candidate: bool = False
+    why_not: str | None = None
 
 
 @dataclass
@@ -54,12 +58,8 @@ class IteratorSite:
     """`target = generator_function(...)`: a data generator built in the script.
 
     function: the generator function's name; node: the `Assign`; call: its value.
-    sends: the `target.send(value)` calls. Filled by the families
-    (`sources.classify`): family: the name of the generator function's family unit;
-    training: the training data source (advanced with `next(target)` or
-    `target.send(value)`, named for training); reason: why it is not prefetched, or
-    None. staged: not prefetched, but the training data source whose own H2D copies get
-    pinned staging (`Family.stages`).
+    sends: the `target.send(value)` calls. Whether it is a data source, and what it
+    gets, is the families' verdict (`SiteVerdict`).
     """
 
     target: str
@@ -68,11 +68,7 @@ class IteratorSite:
     call: cst.Call
     line: int
     binding: object = None
-    training: bool = False
-    reason: str | None = None
     sends: list = field(default_factory=list)
-    family: str = ""
-    staged: bool = False
 
 
 def names_other_data(target: str) -> bool:

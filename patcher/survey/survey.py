@@ -6,9 +6,9 @@ call sites (with whether each argument is a run constant), the sites built from
 module-level generator functions, the Hyperparameters class, the script's log
 function, the names defined at module level, and the script's style (minified or
 readable). It records facts only, the same for every family: which family a loader
-class or generator site is of, and the verdicts that follow (`family`, an iterator
-site's `reason` / `training` / `staged`), are the families' (`patcher/families/sources.py`,
-run by `registry.survey` right after this; a `Survey` read before them has none). Nodes
+class or generator site is of, and the verdicts that follow, are the families'
+(`patcher/families/verdicts.py`: `registry.judge` surveys, then judges into a separate,
+frozen `Verdicts`; nothing of them is written here). Nodes
 are kept by identity so that transforms run on the same `Module` object can find
 them; positions (1-based lines) are kept for reports. Nothing reads a `Survey` to change it.
 """
@@ -37,11 +37,10 @@ class Survey:
     """Everything the transforms need to know about one script; read, never written, after `survey()`.
 
     module: the surveyed tree. minified: tabs or `;`-joined lines (`script.is_minified`).
-    uses_torch: the script imports torch. loader_classes: class name -> `LoaderClass`
-    (its `family` the families' to fill). constructions / calls: the loaders built and
-    their `next_batch` calls (`sites.py`). iterators: the sites built from module-level
-    generator functions (`IteratorSite`; the families keep those of a generator they
-    recognise and judge them).
+    uses_torch: the script imports torch. loader_classes: class name -> `LoaderClass`.
+    constructions / calls: the loaders built and their `next_batch` calls (`sites.py`). iterators: the sites built from module-level
+    generator functions (`IteratorSite`; the families judge those of a generator they
+    recognise, `SiteVerdict`).
     hyperparameters: the Hyperparameters class, or None. log_function: (name, its
     `FunctionDef`), or None. module_names: names defined at module level. collector:
     the `ScriptIndex` of the one pass over `module` (scopes, calls, functions, the
@@ -93,9 +92,6 @@ class Survey:
             self._shared[name] = compute()
         return self._shared[name]
 
-    def training_constructions(self) -> list[Construction]:
-        return [c for c in self.constructions if c.training]
-
     def calls_on(self, construction: Construction) -> list[CallSite]:
         """`next_batch` calls whose receiver is the construction's variable."""
         return [c for c in self.calls if c.binding is construction.binding and c.receiver == construction.target]
@@ -103,8 +99,8 @@ class Survey:
 
 def survey(module: cst.Module, index: ScriptIndex | None = None) -> Survey:
     """Analyse `module` (not modified). Returns a `Survey` of facts whose nodes belong to
-    `module`; `patcher.families.registry.survey` is what the tool calls (this, then the
-    families' verdicts).
+    `module`; `patcher.families.registry.judge` is what the tool calls (this, then the
+    families' verdicts beside it).
 
     index: the `ScriptIndex` of a pass over `module` already made (`index_of`), so that
     a caller can read it before the rest of the survey; without it the pass is made here.
@@ -167,11 +163,11 @@ def find_constructions_and_calls(index: ScriptIndex, result: Survey) -> None:
         )
     for c in result.constructions:
         if names_other_data(c.target):
-            c.reason = f"`{c.target}` is not the training loader"
+            c.why_not = f"`{c.target}` is not the training loader"
         elif not result.calls_on(c):
-            c.reason = f"`{c.target}` has no next_batch call where it is built"
+            c.why_not = f"`{c.target}` has no next_batch call where it is built"
         else:
-            c.training = True
+            c.candidate = True
 
 
 def find_iterators(index: ScriptIndex, result: Survey) -> None:

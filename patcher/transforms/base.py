@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Sequence
 import libcst as cst
 
 from patcher.cst_walk import children
+from patcher.families.verdicts import Verdicts
 from patcher.survey.survey import Survey
 
 
@@ -88,7 +89,8 @@ class Note:
 class Context:
     """Shared state of one patch run.
 
-    enabled: features the user asked for. toggles: every feature's toggles by name.
+    verdicts: the families' verdicts on the script (frozen), whose `survey` holds its
+    facts (`ctx.survey`). enabled: features the user asked for. toggles: every feature's toggles by name.
     facts: each enabled feature's own analysis (`Feature.analyse`) by feature name.
     templates: runtime templates the applied transforms need. toggles_used: toggle
     names referenced by the new code. keep: runtime names kept although the script
@@ -100,7 +102,7 @@ class Context:
     runtime_holders: script variables that hold a runtime object (`train_loader`).
     """
 
-    survey: Survey
+    verdicts: Verdicts
     enabled: set[str]
     toggles: Mapping[str, Toggle] = field(default_factory=dict)
     facts: dict = field(default_factory=dict)
@@ -113,6 +115,11 @@ class Context:
     runtime_calls: dict[str, list[dict]] = field(default_factory=dict)
     runtime_reads: set[str] = field(default_factory=set)
     runtime_holders: set[str] = field(default_factory=set)
+
+    @property
+    def survey(self) -> Survey:
+        """The facts of the script (`verdicts.survey`)."""
+        return self.verdicts.survey
 
     @property
     def minified(self) -> bool:

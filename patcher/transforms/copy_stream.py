@@ -24,20 +24,21 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     survey = ctx.survey
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
-    classes = {c.class_name for c in survey.training_constructions()}
+    verdicts = ctx.verdicts
+    classes = {c.class_name for c in verdicts.training_constructions()}
     notes, replacements = [], {}
     if "train_prefetch" in ctx.enabled:
-        for site in (i for i in survey.iterators if i.training):
+        for site in (i for i in verdicts.iterators if i.training):
             ctx.toggle("TRAIN_COPY_STREAM")
             notes.append(Note(FEATURE, True, f"`{site.target}` (generator {site.function}): its own H2D copies run on the copy stream, on the prefetch thread", site.line))
     if "pinned_staging" in ctx.enabled:
-        for site in {i.function: i for i in reversed(survey.iterators) if i.staged and i.target.startswith("train")}.values():
+        for site in {i.function: i for i in reversed(verdicts.iterators) if i.staged and i.target.startswith("train")}.values():
             notes.append(Note(FEATURE, True, f"`{site.target}` (generator {site.function}): its own H2D copies run on the copy stream, through pinned staging", site.line))
     if not classes:
         return module, notes or [Note(FEATURE, False, "no training loader construction found")]
     for name in sorted(classes):
         cls = survey.loader_classes[name]
-        if cls.device_index is None and cls.cuda_in_next_batch and "train_prefetch" in ctx.enabled and not (cls.prefetches or cls.unsafe):
+        if cls.device_index is None and cls.cuda_in_next_batch and "train_prefetch" in ctx.enabled and not (verdicts.prefetches(name) or cls.unsafe):
             ctx.toggle("TRAIN_COPY_STREAM")
             notes.append(Note(FEATURE, True, f"{name}.next_batch moves its batch to the GPU itself: those copies run on the copy stream, on the prefetch thread", cls.line))
             continue

@@ -167,7 +167,7 @@ def _joined(body, new):
 
 def _log_line(module: cst.Module, ctx: Context, names: list[str]):
     survey = ctx.survey
-    sites = _data_sources(survey)
+    sites = _data_sources(ctx.verdicts)
     if survey.log_function is None or not sites:
         return module, Note(FEATURE, False, "no log function in reach of the loader construction; toggles not logged")
     log_name, log_fn = survey.log_function
@@ -178,7 +178,7 @@ def _log_line(module: cst.Module, ctx: Context, names: list[str]):
         scope = scope.parent
     # Both at module level: the function must be defined before the line that would call it.
     if scope is None or (scope is first.binding and survey.line_of(log_fn) > first.line):
-        built = "loader" if survey.training_constructions() else "data generator"
+        built = "loader" if ctx.verdicts.training_constructions() else "data generator"
         return module, Note(FEATURE, False, f"{log_name} is not visible where the {built} is built; toggles not logged", first.line)
     listing = _hyperparameters_listing(survey, log_name) if ctx.toggle_home == "class" else None
     if listing is not None:  # the toggles are class attributes: that loop logs them already
@@ -189,11 +189,11 @@ def _log_line(module: cst.Module, ctx: Context, names: list[str]):
     return module, Note(FEATURE, True, f"toggles logged through {log_name} before line {first.line}", first.line)
 
 
-def _data_sources(survey: Survey) -> list:
+def _data_sources(verdicts) -> list:
     """Where the training data source is built, first line first: the training loader's
     constructions, or else the data generator that feeds training (run ahead, or with its
     own H2D copies staged: modded-nanogpt's `train_loader = distributed_data_generator(...)`)."""
-    sites = survey.training_constructions() or [i for i in survey.iterators if i.training or i.staged]
+    sites = verdicts.training_constructions() or [i for i in verdicts.iterators if i.training or i.staged]
     return sorted(sites, key=lambda site: site.line)
 
 

@@ -1,7 +1,7 @@
 """Transform `pinned_staging`: a data generator's own H2D copies made asynchronous through pinned memory.
 
 For a training data generator that is not run ahead because its threads load only
-shards (`IteratorSite.staged`, see `patcher/families/generator.py`; modded-nanogpt's
+shards (`SiteVerdict.staged`, see `patcher/families/generator.py`; modded-nanogpt's
 current `distributed_data_generator`), each `x.to(device, non_blocking=True)` in the
 generator (the device and non_blocking only: `families.copies.staged_copies`)
 whose target is a device (`copies.DEVICE_TARGET`) becomes `_pinned_h2d(x, device,
@@ -32,9 +32,10 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     survey = ctx.survey
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
-    staged = [i for i in survey.iterators if i.staged]
+    verdicts = ctx.verdicts
+    staged = [i for i in verdicts.iterators if i.staged]
     if not staged:
-        return module, _pinned_already(survey) or [Note(FEATURE, False, "no data generator that builds its batches on the training thread while its threads load shards")]
+        return module, _pinned_already(verdicts) or [Note(FEATURE, False, "no data generator that builds its batches on the training thread while its threads load shards")]
     functions = {f.name.value: f for f in survey.module.body if isinstance(f, cst.FunctionDef)}
     notes, replacements = [], {}
     for name in sorted({i.function for i in staged}, key=lambda n: survey.line_of(functions[n])):
@@ -52,7 +53,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             rewritten.append(call)
         if rewritten:
             lines = ", ".join(str(survey.line_of(c)) for c in rewritten)
-            targets = ", ".join(sorted({f"`{i.target}`" for i in survey.iterators if i.function == name}))
+            targets = ", ".join(sorted({f"`{i.target}`" for i in verdicts.iterators if i.function == name}))
             notes.append(Note(FEATURE, True, f"generator {name} ({targets}): H2D copies at line {lines} through pinned memory on the copy stream, on the training thread (no producer: see train_prefetch)", survey.line_of(functions[name])))
         notes += casts
     if not replacements:
@@ -65,13 +66,13 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
 PINS = m.Call(func=m.Attribute(attr=m.Name("pin_memory"))) | m.Arg(keyword=m.Name("pin_memory"))
 
 
-def _pinned_already(survey) -> list[Note]:
+def _pinned_already(verdicts) -> list[Note]:
     """Notes for training loaders that build batches ahead on their own threads into
     pinned memory (parameter-golf's `DocumentPackingLoader`): not staged again."""
     notes = []
-    for name in sorted({c.class_name for c in survey.training_constructions()}):
-        cls = survey.loader_classes[name]
-        if cls.prefetches and m.findall(cls.node, PINS):
+    for name in sorted({c.class_name for c in verdicts.training_constructions()}):
+        cls = verdicts.survey.loader_classes[name]
+        if verdicts.prefetches(name) and m.findall(cls.node, PINS):
             notes.append(Note(FEATURE, False, f"{name} pins each batch on its own thread (`.pin_memory()`: torch's caching host allocator reuses those blocks once their copies finish) and its H2D copies, from that pinned memory, are copy_stream's: no pageable copy left to stage", cls.line))
     return notes
 

@@ -111,8 +111,8 @@ def requote(source: str) -> str | None:
     """
     try:
         module = cst.parse_module(source)
-        surveyed = registry.survey(module)
-        ctx = Context(surveyed, {FEATURE}, facts={FEATURE: find_pep701_fstrings(surveyed)})
+        verdicts = registry.judge(module)
+        ctx = Context(verdicts, {FEATURE}, facts={FEATURE: find_pep701_fstrings(verdicts.survey)})
         module, notes = apply(module, ctx)
         if any(note.unfixable for note in notes):
             return None

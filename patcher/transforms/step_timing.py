@@ -59,7 +59,7 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     survey = ctx.survey
     if not survey.uses_torch:
         return module, [Note(FEATURE, False, "script does not use torch (MLX or other framework)")]
-    step, reason, line = find_training_step(survey)
+    step, reason, line = find_training_step(ctx.verdicts)
     if step is None:
         return module, [Note(FEATURE, False, reason, line)]
     if ctx.toggle_home != "class":
@@ -89,12 +89,13 @@ UNIT = Feature(FEATURE, apply, order=40, diagnostic=True, injected="_step_timer"
 ))
 
 
-def find_training_step(survey) -> tuple[TrainingStep | None, str | None, int | None]:
+def find_training_step(verdicts) -> tuple[TrainingStep | None, str | None, int | None]:
     """The last complete training step in the script, else (None, reason, line).
 
-    Takes a `Survey`. Returns (TrainingStep, None, None) or (None, why, line number).
+    Takes the script's `Verdicts`. Returns (TrainingStep, None, None) or (None, why, line number).
     """
-    calls = sorted({id(c.node): c for con in survey.training_constructions() for c in survey.calls_on(con)}.values(), key=lambda c: c.line)
+    survey = verdicts.survey
+    calls = sorted({id(c.node): c for con in verdicts.training_constructions() for c in survey.calls_on(con)}.values(), key=lambda c: c.line)
     if not calls:
         return None, "no `next_batch` call on the training loader", None
     trees = _Trees(survey)

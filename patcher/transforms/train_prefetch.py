@@ -13,12 +13,12 @@ transform writes what the families decided, and names none of them:
   process runs the loader, so it costs the training loop no GIL time), unless a
   variable needs the thread runtime `patcher/templates/prefetch_loader.py` (replay, rollback,
   reshape at hand-out, settling on attribute reads) or a runner's
-  template uses it: the two define the same names, so a script gets one of them. On
-  the thread runtime, a loader that never writes into an array it keeps gets
-  `host_copy=False`: on a host device its batches are handed out as built, without a
-  defensive copy. A variable the script uses for more than `.next_batch(...)` gets
-  `attrs=True`; others get no settling code at all (patcher/render/cut.py cuts what no
-  call site asks for).
+  template uses it: the two define the same names, so a script gets one of them. The
+  options after the run-time switches are the plan's (`Plan.options`, less those
+  only the thread runtime takes where the forked one runs): `host_copy=False` for a
+  loader that never writes into an array it keeps, `attrs=True` for a variable the
+  script uses for more than `.next_batch(...)`; what no call site asks for is cut
+  (patcher/render/cut.py).
 - a runner (`_prefetch_iterator`, `_prefetch_next_batch`): the script's own call runs
   ahead on a thread, `train_loader = _prefetch_iterator(lambda: gen(...), ...)`
   (`patcher/templates/prefetch_iterator.py`).
@@ -38,12 +38,12 @@ from __future__ import annotations
 import libcst as cst
 
 from patcher.families import registry
-from patcher.families.base import MAKE_TRAIN_LOADER, PRODUCERS, ModuleLoader
+from patcher.families.base import MAKE_TRAIN_LOADER, PRODUCERS, THREAD_LOADER_RUNTIME, ModuleLoader
 from patcher.families.sources import device_arg, imported_sources
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
-THREAD_RUNTIME = "prefetch_loader"
+THREAD_RUNTIME = THREAD_LOADER_RUNTIME
 # What module mode renames a rewritten loader generator's original definition to.
 ORIGINAL_PREFIX = "_original_"
 
@@ -56,12 +56,13 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     loaders = registry.module_loaders(survey.module, survey.collector)
     if loaders:  # module mode: the data-loader module a training script imports
         return _module_mode(module, ctx, loaders)
-    variables = registry.data_sources(survey)
-    staged = [i for i in survey.iterators if i.staged]
+    verdicts = ctx.verdicts
+    variables = registry.data_sources(verdicts)
+    staged = [i for i in verdicts.iterators if i.staged]
     if not variables and staged:  # the generator's reason, not that of a loader built inside it
         return module, [Note(FEATURE, False, f"`{i.target}`: {i.reason}", i.line) for i in staged]
     if not variables:
-        return module, [Note(FEATURE, False, _no_site_reason(survey), _first_line(survey))]
+        return module, [Note(FEATURE, False, _no_site_reason(verdicts), _first_line(verdicts))]
     notes: list[Note] = []
     replacements: dict[cst.CSTNode, cst.CSTNode] = {}
     # First pass: each variable's plan, runners written at once, so that the runtime
@@ -79,11 +80,13 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
                 replacements[site.call] = _runner_call(plan.producer, site, ctx, module)
             notes.append(Note(FEATURE, True, plan.note, variable.line))
             ctx.need(plan.runtime)
-    # A runner's template that uses the thread runtime brings it for every variable.
-    full = any(plan.thread for _, plan in wrapped) or any(THREAD_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
+    # A script has one `_make_train_loader`: the thread runtime serves every variable where
+    # one plan asks for it, or a runner's template uses it anyway.
+    full = any(plan.runtime == THREAD_RUNTIME for _, plan in wrapped) or any(THREAD_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
     for variable, plan in wrapped:
+        options = {k: v for k, v in plan.options.items() if full or k not in plan.thread_only}
         for site in variable.sites:
-            replacements[site.call] = _wrapped_call(site, ctx, plan.reshape_arg, plan.rollback, module, plan.attrs, full)
+            replacements[site.call] = _wrapped_call(site, ctx, options, module)
         notes.append(Note(FEATURE, True, plan.note if full else plan.forked_note, variable.line))
     if replacements:
         ctx.need(THREAD_RUNTIME if full else wrapped[0][1].runtime)
@@ -136,39 +139,33 @@ def _rewrite_loader_generators(module: cst.Module, ctx: Context, loaders: list[M
     return module.with_changes(body=body)
 
 
-def _no_site_reason(survey) -> str:
+def _no_site_reason(verdicts) -> str:
+    survey = verdicts.survey
     if not survey.loader_classes:
-        reasons = sorted({i.reason for i in survey.iterators if i.reason})
-        return "; ".join(reasons or imported_sources(survey)) or "no loader with next_batch or data generator found"
+        return "; ".join(verdicts.iterator_reasons() or imported_sources(survey)) or "no loader with next_batch or data generator found"
     if not survey.constructions:
         names = ", ".join(survey.loader_classes)
         return f"{names} defined but never built as `name = {next(iter(survey.loader_classes))}(...)`"
-    return "; ".join(sorted({c.reason for c in survey.constructions if c.reason}))
+    return "; ".join(verdicts.construction_reasons())
 
 
-def _first_line(survey) -> int | None:
-    lines = [c.line for c in survey.loader_classes.values()] or [i.line for i in survey.iterators]
+def _first_line(verdicts) -> int | None:
+    lines = [c.line for c in verdicts.survey.loader_classes.values()] or [i.line for i in verdicts.iterators]
     return min(lines) if lines else None
 
 
-def _wrapped_call(site, ctx: Context, reshape_arg: int | None, rollback: str | None, module: cst.Module, attrs: bool = False, full: bool = True) -> cst.Call:
+def _wrapped_call(site, ctx: Context, plan_options: dict, module: cst.Module) -> cst.Call:
+    """`_make_train_loader(lambda loader_device: <the construction on loader_device>, <its device>, …)`:
+    the run-time switches, then the plan's options (`plan_options`), then `name=`."""
     cls = ctx.survey.loader_classes[site.class_name]
     index = device_arg(site.call, cls)
     device_expr = module.code_for_node(site.call.args[index].value)
     args = list(site.call.args)
     args[index] = args[index].with_changes(value=cst.Name("loader_device"))
     inner = module.code_for_node(site.call.with_changes(args=args))
-    options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH"), **_queue_depth(ctx), "copy_stream": _copy_stream(ctx)}
-    if reshape_arg is not None:
-        options["reshape_arg"] = reshape_arg
-    if rollback:
-        options["rollback"] = True
-    if cls.writes_arrays is None and full:  # the lean runtime always copies out of its slots
-        options["host_copy"] = False
+    options = {"prefetch": ctx.toggle_value("TRAIN_PREFETCH"), **_queue_depth(ctx), "copy_stream": _copy_stream(ctx), **plan_options}
     if site.target != "train_loader":
         options["name"] = site.target
-    if attrs:
-        options.update(attrs=True, replay=True)
     lambda_ = ctx.code(f"lambda loader_device: {inner}", f"lambda loader_device:{inner}")
     return ctx.runtime_call("_make_train_loader", [lambda_, device_expr], options, holder=site.target)
 

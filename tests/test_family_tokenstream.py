@@ -16,7 +16,7 @@ import libcst as cst
 import pytest
 from patch_tables import RUNTIME, assert_noop, assert_patch
 
-from patcher.families.registry import judge
+from patcher.families.registry import data_sources, judge
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -837,3 +837,15 @@ def test_rewrites(before, after, note):
 def test_noops(before, reason, line):
     result = assert_noop(before, reason, line, only="train_prefetch")
     assert list(result.verdicts.families.values()) == ["tokenstream"]
+
+
+@pytest.mark.parametrize("fixture, runtime, options", [
+    ("tokenstream_readable.py", "prefetch_lean", {"host_copy": False}),  # run constants: the forked producer
+    ("curriculum.py", "prefetch_loader", {"reshape_arg": 1, "host_copy": False}),  # seq_len applied at hand-out
+    ("batch_switch.py", "prefetch_loader", {"rollback": True, "host_copy": False}),  # a batch-size schedule
+])
+def test_the_plan_names_its_runtime_and_options_as_data(fixture, runtime, options):
+    # What train_prefetch writes is the plan's: the thread runtime where an option needs
+    # it, and host_copy (which only the thread runtime takes) marked so.
+    [variable] = data_sources(judge(cst.parse_module((FIXTURES / fixture).read_text(encoding="utf-8"))))
+    assert (variable.plan.runtime, dict(variable.plan.options), variable.plan.thread_only) == (runtime, options, {"host_copy"})

@@ -180,7 +180,7 @@ def main(h, rank, world_size, device):
         tokens = h.train_batch_tokens * (1 + step // 5)
         x, y = train_loader.next_batch(tokens, h.train_seq_len, 1)
 """,
-        "`train_loader` built at line 30 prefetches; per-step argument `tokens`: batches queued with older values are dropped and the loader restored from a snapshot",
+        "`train_loader` built at line 30 prefetches; a thread of this process builds the batches (the thread runtime: the snapshot rollback); per-step argument `tokens`: batches queued with older values are dropped and the loader restored from a snapshot",
         id="batch-size-schedule-gets-rollback",
     ),
 ]

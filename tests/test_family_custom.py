@@ -187,7 +187,7 @@ def main(device):
         n = n * 2
         x = train_loader.next_batch(n)
 """,
-        "`train_loader` built at line 18 prefetches; per-step argument `n`: batches queued with older values are dropped and the loader restored from a snapshot",
+        "`train_loader` built at line 18 prefetches; a thread of this process builds the batches (the thread runtime: the snapshot rollback); per-step argument `n`: batches queued with older values are dropped and the loader restored from a snapshot",
         id="per-step-argument-gets-rollback",
     ),
     pytest.param(

@@ -285,7 +285,7 @@ def main(device):
         seq_len = 32 if step < 5 else 64
         x, y = train_loader.next_batch(512, seq_len, 1)
 """,
-        "`train_loader` built at line 23 prefetches",
+        "`train_loader` built at line 23 prefetches; a thread of this process builds the batches (the thread runtime: next_batch's `seq_len` changes during the run, applied at hand-out)",
         id="seq-len-curriculum-reshaped-at-hand-out",
     ),
     pytest.param(
@@ -352,7 +352,7 @@ def main(device):
         batch_tokens = batch_tokens * 2
         x, y = train_loader.next_batch(batch_tokens, 64, 1)
 """,
-        "`train_loader` built at line 23 prefetches; per-step argument `batch_tokens`: batches queued with older values are dropped and the loader restored from a snapshot",
+        "`train_loader` built at line 23 prefetches; a thread of this process builds the batches (the thread runtime: the snapshot rollback); per-step argument `batch_tokens`: batches queued with older values are dropped and the loader restored from a snapshot",
         id="batch-size-schedule-gets-rollback",
     ),
     pytest.param(
@@ -417,7 +417,7 @@ def main(device):
     x, y = train_loader.next_batch(512, 64, 1)
     print(train_loader.rank)
 """,
-        "`train_loader` built at line 24 prefetches; reading train_loader.rank first replays the loader to the caller's position (exact, costs one pass)",
+        "`train_loader` built at line 24 prefetches; a thread of this process builds the batches (the thread runtime: the script uses `train_loader` beyond next_batch); reading train_loader.rank first replays the loader to the caller's position (exact, costs one pass)",
         id="attribute-read-settles-the-loader",
     ),
     pytest.param(
@@ -486,7 +486,7 @@ def main(device):
         seq_len = 32 if step < 5 else 64
         x, y = train_loader.next_batch(512, seq_len, 1)
 """,
-        "`train_loader` built at line 25 prefetches",
+        "`train_loader` built at line 25 prefetches; a thread of this process builds the batches (the thread runtime: next_batch's `seq_len` changes during the run, applied at hand-out)",
         id="loader-writing-a-kept-array-keeps-the-host-copy",
     ),
     pytest.param(
@@ -557,7 +557,7 @@ def main(device):
         seq_len = 32 if step < 5 else 64
         x, y = train_loader.next_batch(512, seq_len, 1)
 """,
-        "`train_loader` built at line 26 prefetches",
+        "`train_loader` built at line 26 prefetches; a thread of this process builds the batches (the thread runtime: next_batch's `seq_len` changes during the run, applied at hand-out)",
         id="writes-into-a-list-attribute-are-not-array-writes",
     ),
 ]

@@ -59,6 +59,7 @@ def plan_rebuilt_on_cpu(variable: DataVariable, verdicts) -> Plan:
     if rollback:
         options["rollback"] = True
     thread = bool(options) or attrs
+    needs = _thread_reasons(variable, survey, reshape_arg, rollback, attrs)
     # The forked runtime always copies a batch out of its slot; the thread one need not
     # where the loader never writes into an array it keeps.
     if variable.loader.writes_arrays is None:
@@ -66,12 +67,27 @@ def plan_rebuilt_on_cpu(variable: DataVariable, verdicts) -> Plan:
     if attrs:
         options.update(attrs=True, replay=True)
     return Plan(
-        note=f"{head}{tail}",
+        note=f"{head}; a thread of this process builds the batches (the thread runtime: {needs}){tail}",
         forked_note=f"{head}; {_planned_start(variable, survey)}{tail}",
         options=options,
         thread_only=frozenset({"host_copy"}),
         runtime=THREAD_LOADER_RUNTIME if thread else None,
     )
+
+
+def _thread_reasons(variable: DataVariable, survey, reshape_arg: int | None, rollback: str | None, attrs: bool) -> str:
+    """Why `variable` runs on the thread runtime, as the report says it: what of it the
+    forked one cannot serve, or else that another data source of the script needs it (a
+    script has one `_make_train_loader`)."""
+    reasons = []
+    if reshape_arg is not None:
+        changing = sorted({f"`{call.args[reshape_arg]}`" for site in variable.sites for call in survey.calls_on(site) if not call.constant[reshape_arg]})
+        reasons.append(f"next_batch's {', '.join(changing)} {'change' if len(changing) > 1 else 'changes'} during the run, applied at hand-out")
+    if rollback:
+        reasons.append("the snapshot rollback")
+    if attrs:
+        reasons.append(f"the script uses `{variable.target}` beyond next_batch")
+    return "; ".join(reasons) or "another data source of this script needs it"
 
 
 def _blocker(variable: DataVariable, verdicts) -> tuple[str | None, int | None, int | None, str | None]:

@@ -1,12 +1,14 @@
 """The producer runs through the training loop in the conditions real scripts create.
 
 Each test takes fixtures/tokenstream_readable.py, adds one condition to the ORIGINAL (a
-`torch.compile`d model, a thread of the script's own, two ranks under torchrun), patches
-it with the default patch, and runs original and patched. Half-way through training,
-after the warm-up steps and the loader's rebuild, each rank of the patched run says what
-it runs (its pid and its threads' names) and waits on a FIFO while the test looks at it:
-its producer is there (a forked child process, or the thread `prefetch train_loader`).
-Then both runs finish, and their step and loss lines must be the same, bit for bit.
+`torch.compile`d model, a thread of the script's own, two ranks under torchrun, a
+`seq_len` that changes during the run, which takes the thread runtime), patches it with
+the default patch, and runs original and patched. Half-way through training, after the
+warm-up steps and the loader's rebuild, each rank of the patched run says what it runs
+(its pid and its threads' names) and waits on a FIFO while the test looks at it: its
+producer is there (a forked child process, the lean runtime's thread `prefetch
+train_loader`, or the thread runtime's `train-prefetch`). Then both runs finish, and
+their step and loss lines must be the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -54,6 +56,17 @@ OWN_THREAD = (
     "    train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)\n\n    def lr_scale",
 )
 
+# A curriculum: the training loop's `seq_len` halves on odd steps (the loader only
+# reshapes with it), so the plan takes the thread runtime, `seq_len` applied at hand-out.
+CURRICULUM = (
+    "            x, y = train_loader.next_batch(args.train_batch_tokens, args.train_seq_len, grad_accum_steps)\n"
+    "            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == \"cuda\"):\n"
+    "                loss = model(x, y)\n",
+    "            x, y = train_loader.next_batch(args.train_batch_tokens, args.train_seq_len // (1 + step % 2), grad_accum_steps)\n"
+    "            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == \"cuda\"):\n"
+    "                loss = model(x, y)\n",
+)
+
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -64,15 +77,16 @@ def env(tmp_path_factory):
     return env
 
 
-def scripts(tmp_path: Path, *edits: tuple[str, str]) -> tuple[Path, Path]:
+def scripts(tmp_path: Path, *edits: tuple[str, str], thread: bool = False) -> tuple[Path, Path]:
     """The original with `edits` (each old text occurs once) and the observation point,
-    and its default patch (which must give the forked producer). Returns (original, patched)."""
+    and its default patch (which must give the forked producer, or the thread runtime
+    where `thread`). Returns (original, patched)."""
     source = ORIGINAL
     for old, new in (*edits, OBSERVE, COUNT_FORKS):
         assert source.count(old) == 1, old
         source = source.replace(old, new)
     result = patch_source(source)
-    assert "class _PrefetchLoader" in result.source, [n.reason for n in result.notes]
+    assert ("class _Worker" in result.source) == thread and "class _PrefetchLoader" in result.source, [n.reason for n in result.notes]
     original, patched = tmp_path / "original.py", tmp_path / "patched.py"
     original.write_text(source, encoding="utf-8")
     patched.write_text(result.source, encoding="utf-8")
@@ -192,3 +206,13 @@ def test_two_ranks_under_torchrun_each_keep_a_forked_producer(env, tmp_path, one
         assert forks == 1, f"rank {rank}: {forks} forks: the rebuild forked again"
     assert not [line for line in patched.stderr if "prefetch:" in line], patched.stderr[-10:]
     assert_same_training(original, patched)  # rank 0's lines: it alone logs
+
+
+def test_two_ranks_under_torchrun_each_keep_the_thread_runtimes_producer(env, tmp_path, one_torchrun_at_a_time):
+    # The thread runtime (a `seq_len` curriculum): each rank's producer thread runs through
+    # the loop after the rebuild, and no rank forks.
+    original, patched, held = run_observed(*scripts(tmp_path, CURRICULUM, thread=True), env, tmp_path, ranks=2)
+    for rank, (pid, forks, threads, child_pids) in held.items():
+        assert forks == 0 and threads.count("train-prefetch") == 1, f"rank {rank}: {forks} forks, threads {threads}"
+    assert not [line for line in patched.stderr if "prefetch:" in line], patched.stderr[-10:]
+    assert_same_training(original, patched)

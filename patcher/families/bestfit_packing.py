@@ -18,7 +18,7 @@ into it with `non_blocking=`, and yields a tuple ending in a dict literal's name
 state dict). Refused, with the reason: a `*args`/`**kwargs` or positional-only
 signature, a device parameter used for more than the final copy (then the packing
 itself would differ on the CPU), threads, a global RNG or a torch.distributed
-collective in the loader (`generator._generator_unsafe`).
+collective in the loader (`generator.unsafe_reason`).
 
 Module mode: the "module" driver's family (`module_sources`, reached through
 `registry.module_loaders`), producer `_spawn_generator`, runtime `spawn_generator`.

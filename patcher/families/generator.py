@@ -5,7 +5,7 @@ modded-nanogpt's `distributed_data_generator(filename_pattern, num_tokens, seq_l
 device), which takes new batch sizes through `.send()`.
 
 Recognised: a generator function (one that yields) defined at module level. A site
-built from one is refused (`refuse`, read by the survey) where the script uses the
+built from one is refused (`refuse`, asked by `sources.judge`) where the script uses the
 generator object for more than `next()` / `.send()`, never advances it, or where the
 generator already loads in the background (`Thread`, `load_async`), draws from a
 global RNG, or calls a torch.distributed collective (local queries such as
@@ -121,7 +121,7 @@ def unsafe_reason(function: cst.FunctionDef) -> str | None:
 
 
 def plan(variable: DataVariable, verdicts) -> Plan:
-    """Run it ahead: the survey has refused the sites that cannot be."""
+    """Run it ahead: `refuse` has already turned away the sites that cannot be."""
     return Plan(note=f"`{variable.target}` (generator {variable.sites[0].function}) built at line {variable.lines} runs ahead on a background thread")
 
 

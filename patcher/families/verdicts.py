@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
-    import libcst as cst
-
     from patcher.survey.sites import Construction, IteratorSite
     from patcher.survey.survey import Survey
 
@@ -26,12 +24,12 @@ if TYPE_CHECKING:
 class SiteVerdict:
     """A family's verdict on one generator site (`name = generator_function(...)`).
 
-    site: the survey's `IteratorSite` (target, function, node, call, line, binding,
-    sends). family: the name of the generator function's family unit. training: the
-    training data source run ahead (advanced with `next()` / `.send()`, named for
-    training, not refused). reason: why it is not run ahead, or None. staged: not run
-    ahead, but the training data source whose own H2D copies get pinned staging
-    (`Family.stages`).
+    site: the survey's `IteratorSite`, whose facts (target, function, node, call, line,
+    binding, sends) read through the verdict too. family: the name of the generator
+    function's family unit. training: the training data source run ahead (advanced with
+    `next()` / `.send()`, named for training, not refused). reason: why it is not run
+    ahead, or None. staged: not run ahead, but the training data source whose own H2D
+    copies get pinned staging (`Family.stages`).
     """
 
     site: IteratorSite
@@ -40,33 +38,12 @@ class SiteVerdict:
     reason: str | None = None
     staged: bool = False
 
-    @property
-    def target(self) -> str:
-        return self.site.target
-
-    @property
-    def function(self) -> str:
-        return self.site.function
-
-    @property
-    def line(self) -> int:
-        return self.site.line
-
-    @property
-    def call(self) -> cst.Call:
-        return self.site.call
-
-    @property
-    def node(self) -> cst.Assign:
-        return self.site.node
-
-    @property
-    def binding(self) -> object:
-        return self.site.binding
-
-    @property
-    def sends(self) -> list:
-        return self.site.sends
+    def __getattr__(self, name: str):
+        """The site's facts, read through the verdict: `target`, `function`, `line`,
+        `call`, `node`, `binding`, `sends`. Raises AttributeError for anything else."""
+        if name.startswith("__") or name == "site":  # copy and pickle probe before `site` is set
+            raise AttributeError(name)
+        return getattr(self.site, name)
 
 
 @dataclass(frozen=True)

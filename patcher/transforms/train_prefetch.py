@@ -43,7 +43,6 @@ from patcher.families.sources import device_arg, imported_sources
 from patcher.transforms.base import Context, Feature, Note, Toggle, replace_nodes
 
 FEATURE = "train_prefetch"
-THREAD_RUNTIME = THREAD_LOADER_RUNTIME
 # What module mode renames a rewritten loader generator's original definition to.
 ORIGINAL_PREFIX = "_original_"
 
@@ -82,14 +81,14 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             ctx.need(plan.runtime)
     # A script has one `_make_train_loader`: the thread runtime serves every variable where
     # one plan asks for it, or a runner's template uses it anyway.
-    full = any(plan.runtime == THREAD_RUNTIME for _, plan in wrapped) or any(THREAD_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
+    full = any(plan.runtime == THREAD_LOADER_RUNTIME for _, plan in wrapped) or any(THREAD_LOADER_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
     for variable, plan in wrapped:
         options = {k: v for k, v in plan.options.items() if full or k not in plan.thread_only}
         for site in variable.sites:
             replacements[site.call] = _wrapped_call(site, ctx, options, module)
         notes.append(Note(FEATURE, True, plan.note if full else plan.forked_note, variable.line))
     if replacements:
-        ctx.need(THREAD_RUNTIME if full else wrapped[0][1].runtime)
+        ctx.need(THREAD_LOADER_RUNTIME if full else wrapped[0][1].runtime)
         module = replace_nodes(module, replacements, ctx)
     return module, notes
 

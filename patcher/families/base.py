@@ -185,8 +185,8 @@ class Plan:
     writes into no array it keeps, so a batch need not be copied out; `attrs=True,
     replay=True` where the script reads the loader beyond `.next_batch`); the transform
     writes the run-time switches (`prefetch=`, `copy_stream=`, ...) before them and
-    `name=` after. thread_only: the options only the thread runtime takes, left out
-    where the forked one runs the variable.
+    `name=` after, leaving out those the runtime it writes for does not take (the
+    forked one takes none of them).
     """
 
     refusal: str | None = None
@@ -194,7 +194,6 @@ class Plan:
     note: str = ""
     forked_note: str | None = None
     options: Mapping[str, object] = field(default_factory=dict)
-    thread_only: frozenset[str] = frozenset()
     producer: str | None = None
     runtime: str | None = None
     driver: str | None = None

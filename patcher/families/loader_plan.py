@@ -70,7 +70,6 @@ def plan_rebuilt_on_cpu(variable: DataVariable, verdicts) -> Plan:
         note=f"{head}; a thread of this process builds the batches (the thread runtime: {needs}){tail}",
         forked_note=f"{head}; {_planned_start(variable, survey)}{tail}",
         options=options,
-        thread_only=frozenset({"host_copy"}),
         runtime=THREAD_LOADER_RUNTIME if thread else None,
     )
 

@@ -82,13 +82,16 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     # A script has one `_make_train_loader`: the thread runtime serves every variable where
     # one plan asks for it, or a runner's template uses it anyway.
     full = any(plan.runtime == THREAD_LOADER_RUNTIME for _, plan in wrapped) or any(THREAD_LOADER_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
+    runtime = THREAD_LOADER_RUNTIME if full else wrapped[0][1].runtime if wrapped else None
     for variable, plan in wrapped:
-        options = {k: v for k, v in plan.options.items() if full or k not in plan.thread_only}
+        # The thread runtime takes every option a plan chooses; the forked one only those
+        # of its own (`OPTIONS`), so a plan's `host_copy=False` is not written for it.
+        options = {k: v for k, v in plan.options.items() if full or k in OPTIONS[runtime]}
         for site in variable.sites:
             replacements[site.call] = _wrapped_call(site, ctx, options, module)
         notes.append(Note(FEATURE, True, plan.note if full else plan.forked_note, variable.line))
     if replacements:
-        ctx.need(THREAD_LOADER_RUNTIME if full else wrapped[0][1].runtime)
+        ctx.need(runtime)
         module = replace_nodes(module, replacements, ctx)
     return module, notes
 

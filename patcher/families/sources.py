@@ -112,25 +112,25 @@ def data_sources(verdicts: Verdicts, units: list[Family]) -> list[DataVariable]:
     its family and its family's `Plan` (producer, runtime and driver filled from the
     family where the plan names none): the data generators first, then the loaders,
     each kind by variable name."""
-    return [_planned(variable, verdicts) for variable in _variables(verdicts, units, [i for i in verdicts.iterators if i.training])]
+    variables = _variables(verdicts, units, [i for i in verdicts.iterators if i.training], verdicts.training_constructions())
+    return [_planned(variable, verdicts) for variable in variables]
 
 
 def verified_sources(verdicts: Verdicts, units: list[Family]) -> list[DataVariable]:
     """What `verify` drives: `data_sources`, then each staged generator variable (not run
     ahead, its own copies staged), whose plan is its family's refusal with the family's
     driver."""
-    staged = _variables(verdicts, units, [i for i in verdicts.iterators if i.staged and not i.training], loaders=False)
+    staged = _variables(verdicts, units, [i for i in verdicts.iterators if i.staged and not i.training], [])
     return data_sources(verdicts, units) + [replace(v, plan=_filled(Plan(refusal=v.sites[0].reason, line=v.line), v.family)) for v in staged]
 
 
-def _variables(verdicts: Verdicts, units: list[Family], iterators: list[SiteVerdict], loaders: bool = True) -> list[DataVariable]:
-    """The variables of `iterators` (by name), then those of the training constructions."""
+def _variables(verdicts: Verdicts, units: list[Family], iterators: list[SiteVerdict], constructions: list) -> list[DataVariable]:
+    """The variables of generator sites `iterators`, then those of loader `constructions`, each kind by name."""
     by_name = {u.name: u for u in units}
     variables = []
     for target in sorted({i.target for i in iterators}):
         sites = tuple(i for i in iterators if i.target == target)
         variables.append(DataVariable(target, sites, by_name[sites[0].family]))
-    constructions = verdicts.training_constructions() if loaders else []
     survey = verdicts.survey
     for target in sorted({c.target for c in constructions}):
         sites = tuple(c for c in constructions if c.target == target)

@@ -50,7 +50,7 @@ ALPHA = 0.05  # a difference is claimed when the 95 % CI excludes 0 and p < ALPH
 TAIL_LINES = 20  # lines of stderr (and stdout) kept per run for an error report
 SHOWN_TAIL = 5  # of them, in the one-line error
 # A producer that could not run says so in one line on stderr (patcher/templates/prefetch_lean.py,
-# patcher/templates/spawn_generator.py); every line starting with "prefetch:" is quoted.
+# its forked and its spawned start); every line starting with "prefetch:" is quoted.
 FALLBACK_MARKERS = ("runs without prefetch", "runs in the training process")
 PREFETCH_PREFIX = "prefetch:"
 # torchrun's `--tee`/`--log-line-prefix-template` put `[default0]:` before a rank's lines.

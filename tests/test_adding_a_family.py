@@ -48,7 +48,7 @@ def module_sources(module, index):
     return [ModuleLoader(s, "device") for s in module.body if isinstance(s, cst.FunctionDef) and s.name.value == "zigzag_loader"]
 
 
-UNIT = Family("zigzag", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="spawn_generator", order=1, kind="generator", refuse=refuse, module_sources=module_sources)
+UNIT = Family("zigzag", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="prefetch_lean", order=1, kind="generator", refuse=refuse, module_sources=module_sources)
 '''
 
 SCRIPT = """\

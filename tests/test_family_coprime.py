@@ -101,7 +101,7 @@ def main(h, rank, world_size, device):
     for step in range(10):
         x, y = train_loader.next_batch(h.train_batch_tokens, h.train_seq_len, 1)
 """,
-        "`train_loader` built at line 30 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 30 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="run-constant-arguments-forked-producer",
     ),
     pytest.param(

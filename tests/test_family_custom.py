@@ -77,7 +77,7 @@ def main(device):
     for step in range(3):
         x = train_loader.next_batch(4)
 """,
-        "`train_loader` built at line 18 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 18 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="run-constant-argument",
     ),
     pytest.param(
@@ -131,7 +131,7 @@ def main(device):
     train_loader = _make_train_loader(lambda loader_device: Loader(loader_device), device, prefetch=Hyperparameters.train_prefetch, copy_stream=False)
     x = train_loader.next_batch(4)
 """,
-        "`train_loader` built at line 18, 20 prefetches; a child process forked once, at the first batch, builds the batches; the rebuild at line 20 resets it, without another fork (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 18, 20 prefetches; a child process forked once, at the first batch, builds the batches; the rebuild at line 20 resets it, without another fork (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="rebuilt-after-warmup-both-rewritten",
     ),
     pytest.param(
@@ -239,7 +239,7 @@ def main(device):
     for step in range(3):
         x = batches.next_batch(4)
 """,
-        "`batches` built at line 18 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`batches` built at line 18 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="loader-in-another-variable-gets-its-name",
     ),
     pytest.param(
@@ -789,9 +789,10 @@ def test_structured_batches_verify_identical_and_a_frozen_value_is_caught(tmp_pa
     result = verify(original, patched, batches=12)
     assert result.identical, result.difference
     # A runtime that handed out the first batch's values again would be caught, at the value's path.
-    frozen = "iter(self.value_conn.recv() if self.values else ())"
+    # (Each batch's message read for its slot, but the first message's values kept.)
+    frozen = "_hand_out(message[1],"
     assert text.count(frozen) == 1
-    patched.write_text(text.replace(frozen, "iter(self.values)"))
+    patched.write_text(text.replace(frozen, "_hand_out(self.__dict__.setdefault('first', message[1]),"))
     result = verify(original, patched, batches=12)
     assert not result.identical
     assert result.difference.field == {"tuple-with-counter": 2, "dict-with-state": "['state']['shard']"}[name], result.difference

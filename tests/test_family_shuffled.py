@@ -137,7 +137,7 @@ def main(h, device):
     for step in range(10):
         x, y = train_loader.next_batch(h.train_batch_tokens, h.grad_accum_steps)
 """,
-        "`train_loader` built at line 48 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 48 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="forked-producer-by-default",
     ),
 ]
@@ -254,7 +254,7 @@ def main(h, device):
     for step in range(10):
         x, y = train_loader.next_batch(h.train_batch_tokens, h.grad_accum_steps)
 """,
-        "`train_loader` built at line 48 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 48 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="producer-toggles-forked-producer-with-a-depth-toggle",
     ),
 ]

@@ -89,7 +89,7 @@ def main(device):
     for step in range(10):
         x, y = train_loader.next_batch(512, 64, 1)
 """,
-        "`train_loader` built at line 23 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 23 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="run-constant-arguments-forked-producer",
     ),
     pytest.param(
@@ -156,7 +156,7 @@ def main(device):
     for step in range(10):
         x, y = train_loader.next_batch(512, 64, 1)
 """,
-        "`train_loader` built at line 23, 25 prefetches; a child process forked once, at the first batch, builds the batches; the rebuild at line 25 resets it, without another fork (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 23, 25 prefetches; a child process forked once, at the first batch, builds the batches; the rebuild at line 25 resets it, without another fork (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="rebuilt-after-warmup-both-constructions-rewritten",
     ),
     pytest.param(
@@ -221,7 +221,7 @@ def main(device):
     for step in range(10):
         x, y = train_loader.next_batch(B, T, 1)
 """,
-        "`train_loader` built at line 24 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)",
+        "`train_loader` built at line 24 prefetches; a child process forked once, at the first batch, builds the batches (a thread of this process instead where threads other than torch's own run at the first batch)",
         id="parallel-assignment-names-are-run-constants",
     ),
     pytest.param(

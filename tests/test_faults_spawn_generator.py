@@ -1,4 +1,4 @@
-"""patcher/templates/spawn_generator.py when the host gets in the way: no room for named
+"""patcher/templates/prefetch_lean.py's spawned start when the host gets in the way: no room for named
 semaphores (a full /dev/shm), no descriptors to spare, an argument that pickles but does
 not unpickle in the spawned process, and a run killed with SIGKILL (the whole process
 group, or the training process alone).
@@ -27,7 +27,7 @@ import multiprocessing.synchronize  # imported before SemLock is replaced: it re
 import pytest
 import torch
 
-from patcher.templates.spawn_generator import _spawn_generator
+from patcher.templates.prefetch_lean import _spawn_generator
 from tests.processes import exits_within, readable_within, session
 
 REPO = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ RUN = """
 import sys
 sys.path.insert(0, {path!r})
 from {name} import gen
-from patcher.templates.spawn_generator import _spawn_generator
+from patcher.templates.prefetch_lean import _spawn_generator
 batches = _spawn_generator(gen, {{"n": 10**6, "device": "cpu", "tokenizer": None}}, "device")
 next(batches)
 print("ready", flush=True)

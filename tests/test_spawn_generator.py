@@ -1,4 +1,4 @@
-"""patcher/templates/spawn_generator.py as plain Python: a generator run ahead in a spawned process.
+"""patcher/templates/prefetch_lean.py started by spawn, as plain Python: a generator run ahead in a spawned process.
 
 Each test builds a small importable module (a generator that, like nanochat's loader,
 refills one buffer it keeps and yields views of it with a state dict) and compares what
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from patcher.proof.host_cuda import cuda_on_host
-from patcher.templates.spawn_generator import _spawn_generator
+from patcher.templates.prefetch_lean import _spawn_generator
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,7 +163,7 @@ def test_a_process_the_script_forks_and_exits_leaves_the_producer_alone(module, 
         import torch
         sys.path.insert(0, {str(tmp_path)!r})
         from {module.__name__} import gen
-        from patcher.templates.spawn_generator import _spawn_generator
+        from patcher.templates.prefetch_lean import _spawn_generator
         got = []
         for k, batch in enumerate(_spawn_generator(gen, {{"n": 6, "device": "cpu", "fail_at": None, "stop": None}}, "device")):
             got.append(batch)
@@ -238,7 +238,7 @@ def test_batches_larger_or_smaller_than_the_first_and_any_dtype(module):
     gc.collect()  # a mapping an earlier test's traceback kept (a cycle through its generator's frame) goes first
     assert "memfd:prefetch-slots" not in open("/proc/self/maps").read()
     want = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in module.gen_shapes()]
-    generator = _spawn_generator(module.gen_shapes, {"device": "cpu"}, "device", queue_depth=1)
+    generator = _spawn_generator(module.gen_shapes, {"device": "cpu"}, "device", depth=1)
     got = [next(generator)]
     assert "memfd:prefetch-slots" in open("/proc/self/maps").read()  # shared through an anonymous file
     got += list(generator)

@@ -43,29 +43,31 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
-# Anchored where next_batch (patcher/templates/prefetch_lean.py) has copied a batch out of a
-# filled slot (every batch after the first, which the training process builds itself).
-# Taking one more: the slot counted and freed, the next filled one waited for and copied.
-_TAKEN = "            self.taken += 1\n"
+# Anchored where next_batch (patcher/templates/prefetch_lean.py) has copied a batch out of
+# its slot and freed the slot (every batch: the producer builds them all).
+# Taking one more: the slot freed, the next message read and its batch copied out.
+_FREED = "            pass\n        return batch\n"  # after the free slot's byte is written
 _TAKE_ANOTHER = (
-    "self.taken += 1; self.free.release(); self.filled.acquire(); "
-    "batch = _each_tensor(self.slots[self.taken % self.depth], lambda t: t.clone())"
+    'os.write(self.fd, b"\\0"); message = _receive(self.conn, self.slots, self.depth); '
+    "batch = _hand_out(message[1], self.slots[message[2]] if self.slots else None, self.device, self.copy_stream)"
 )
 SWAP_TWO = (
-    _TAKEN,
-    "            self.k = getattr(self, 'k', 0) + 1\n"
-    "            if self.k == 3:\n"
-    f"                held = batch; {_TAKE_ANOTHER}; self.held = held\n"
-    "            elif self.k == 4:\n"
-    "                batch = self.held\n"
-    + _TAKEN,
+    _FREED,
+    "            pass\n"
+    "        self.k = getattr(self, 'k', 0) + 1\n"
+    "        if self.k == 4:\n"
+    f"            held = batch; {_TAKE_ANOTHER}; self.held = held\n"
+    "        elif self.k == 5:\n"
+    "            batch = self.held\n"
+    + "        return batch\n",
 )
 DROP_ONE = (
-    _TAKEN,
-    "            self.k = getattr(self, 'k', 0) + 1\n"
-    "            if self.k == 5:\n"
-    f"                {_TAKE_ANOTHER}\n"
-    + _TAKEN,
+    _FREED,
+    "            pass\n"
+    "        self.k = getattr(self, 'k', 0) + 1\n"
+    "        if self.k == 6:\n"
+    f"            {_TAKE_ANOTHER}\n"
+    + "        return batch\n",
 )
 IGNORE_CHANGED_ARG = (
     "item = _each_tensor(item, lambda t, n=args[self._reshape_arg]: t.reshape(-1, n))",
@@ -376,10 +378,10 @@ def test_verify_runs_the_forked_producer_beside_the_harnesss_own_threads(tmp_pat
 
     fixture = FIXTURES / "tokenstream_readable.py"
     text = patch_source(fixture.read_text()).source
-    uncopied = "v if pin else v.clone()"
+    uncopied = "v.tensor(slot).clone()"
     assert text.count(uncopied) == 1
     patched = tmp_path / "patched.py"
-    patched.write_text(text.replace(uncopied, "v"))
+    patched.write_text(text.replace(uncopied, "v.tensor(slot)"))
     stop = threading.Event()
     clock = threading.Thread(target=stop.wait, name="harness-clock", daemon=True)
     clock.start()

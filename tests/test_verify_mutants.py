@@ -115,9 +115,9 @@ def _split_after(line: cst.SimpleStatementLine, index: int, inserted: list[cst.B
     return cst.FlattenSentinel([head, *inserted, *tail])
 
 
-# A batch taken from the hand-off: `batch = _each_leaf(self.slots[...], ...)` (the lean
-# runtime's copy out of a filled slot, with the batch's own non-tensor values), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
-SLOT_COPY = m.Call(func=m.Name("_each_tensor") | m.Name("_each_leaf") | m.Attribute(attr=m.Name("_hand_out")), args=[m.Arg(m.Subscript(value=m.Attribute(attr=m.Name("slots")))), m.ZeroOrMore()])
+# A batch taken from the hand-off: `batch = _hand_out(message[1], ...)` (the process
+# producer's copy out of a filled slot, with the batch's own non-tensor values), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
+SLOT_COPY = m.Call(func=m.Name("_hand_out"), args=[m.Arg(m.Subscript(value=m.Name("message"))), m.ZeroOrMore()])
 TAKE = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name("_next_built")) | SLOT_COPY)
 
 
@@ -135,8 +135,8 @@ class _AfterTake(_InInjected):
 
 
 # Before a mutant takes one more batch from the lean runtime (patcher/templates/prefetch_lean.py):
-# the slot just copied counted and freed, the next filled one waited for.
-ROOM = "if hasattr(self, 'free'): self.taken += 1; self.free.release(); self.filled.acquire()\n"
+# the slot just copied freed, the next batch's message read.
+ROOM = "if hasattr(self, 'fd'): os.write(self.fd, bytes(1)); message = _receive(self.conn, self.slots, self.depth)\n"
 
 
 class SkipABatch(_AfterTake):
@@ -175,9 +175,11 @@ class WorkerDropsABatch(_InInjected):
     def leave_SimpleStatementLine(self, original, updated):
         if self.edits or not self.inside("_run", "_produce"):
             return updated
-        builds = m.Call(func=m.Attribute(attr=m.Name("next_batch") | m.Name("plan")))
+        # `batch = build()` in the process producer's loop (not the method that passes
+        # it `lambda: self.loader.next_batch(...)`), a thread's `next_batch` or `plan`.
+        builds = m.Call(func=m.Attribute(attr=m.Name("next_batch") | m.Name("plan")) | m.Name("build"))
         for index, small in enumerate(updated.body):
-            if m.matches(small, m.Assign(targets=[m.AssignTarget(m.Name() | m.Tuple())]) | m.Expr()) and m.findall(small.value, builds):
+            if m.matches(small, m.Assign(targets=[m.AssignTarget(m.Name() | m.Tuple())]) | m.Expr(value=builds)) and m.findall(small.value, builds):
                 self.edits += 1
                 return _split_after(updated, index, [cst.parse_statement(f"if _mutant_nth('build', 12): {_code(small)}\n")])
         return updated
@@ -215,12 +217,13 @@ class OldWorkerLeftRunning(_InInjected):
 
 class ResetKeepsTheOldBatches(_InInjected):
     """The lean runtime's reset at a rebuild does not drop the batches its producer had
-    built ahead from the old loader (`range(made - self.taken)` read as `range(0)`)."""
+    built ahead from the old loader (its loop over their messages, up to the reset's
+    answer, read as that answer received)."""
 
-    def leave_Call(self, original, updated):
-        if self.inside("reset") and m.matches(updated, m.Call(func=m.Name("range"), args=[m.Arg(m.BinaryOperation(operator=m.Subtract()))])):
+    def leave_While(self, original, updated):
+        if self.inside("reset"):
             self.edits += 1
-            return updated.with_changes(args=[cst.Arg(cst.Integer("0"))])
+            return cst.parse_statement('message = ("reset",)\n')
         return updated
 
 

@@ -42,7 +42,8 @@ KINDS = ("loader_class", "generator")
 # template that defines it: `_make_train_loader` rebuilds a loader on the CPU in a
 # producer (the forked `prefetch_lean`; a plan that needs a thread gets `prefetch_loader`);
 # `_prefetch_iterator` / `_prefetch_next_batch` run the script's own call ahead on a
-# thread; `_spawn_generator` runs a data-loader module's generator in a spawned process.
+# thread; `_spawn_generator` runs a data-loader module's generator in a spawned process
+# (the same process producer, `prefetch_lean`, started by spawn).
 MAKE_TRAIN_LOADER = "_make_train_loader"
 PREFETCH_ITERATOR = "_prefetch_iterator"
 PREFETCH_NEXT_BATCH = "_prefetch_next_batch"
@@ -55,7 +56,7 @@ PRODUCERS = {
     MAKE_TRAIN_LOADER: "prefetch_lean",
     PREFETCH_ITERATOR: "prefetch_iterator",
     PREFETCH_NEXT_BATCH: "prefetch_iterator",
-    SPAWN_GENERATOR: "spawn_generator",
+    SPAWN_GENERATOR: "prefetch_lean",
 }
 
 

@@ -21,12 +21,12 @@ itself would differ on the CPU), threads, a global RNG or a torch.distributed
 collective in the loader (`generator.unsafe_reason`).
 
 Module mode: the "module" driver's family (`module_sources`, reached through
-`registry.module_loaders`), producer `_spawn_generator`, runtime `spawn_generator`.
+`registry.module_loaders`), producer `_spawn_generator`, runtime `prefetch_lean` (the process producer, started by spawn).
 Rewrite (`train_prefetch`, module mode): the loader's `def name(` becomes `def _original_name(` (nothing else
 of it changes) and a new `def name(<the same parameters>)` follows it:
 `yield from _spawn_generator(_original_name, {every argument by name}, "<device param>",
 prefetch=TRAIN_PREFETCH, split_param="split", train_split="train",
-every_split=TRAIN_PREFETCH_EVERY_SPLIT)` (`patcher/templates/spawn_generator.py`: a spawned
+every_split=TRAIN_PREFETCH_EVERY_SPLIT)` (`patcher/templates/prefetch_lean.py`: a spawned
 process rebuilds the generator from its arguments and sends CPU batches; this process
 does the pinned copy and the H2D). The split options are written where the loader
 asserts its split parameter's values (`_training_split`): a build for another split (the
@@ -228,4 +228,4 @@ def _is_param_name(name: cst.Name, nodes) -> bool:
     return any(isinstance(p, cst.Param) and p.name is name for p in nodes)
 
 
-UNIT = Family("bestfit_packing", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="spawn_generator", order=5, kind="generator", refuse=refuse, module_sources=loader_generators)
+UNIT = Family("bestfit_packing", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="prefetch_lean", order=5, kind="generator", refuse=refuse, module_sources=loader_generators)

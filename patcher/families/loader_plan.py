@@ -159,7 +159,7 @@ def _planned_start(variable: DataVariable, survey) -> str:
     """How the forked runtime's producer will start, and why, as the report says it: a
     child process forked once at the first batch, which a rebuild resets; a thread of the
     training process instead where the script's own threads run at that batch (the
-    calls that start threads outside the loader classes are named), or /dev/shm is short."""
+    calls that start threads outside the loader classes are named)."""
     rebuilds = [site.line for site in variable.sites[1:]]
     start = "a child process forked once, at the first batch, builds the batches"
     if rebuilds:
@@ -167,7 +167,7 @@ def _planned_start(variable: DataVariable, survey) -> str:
     threads = _thread_starts(survey)
     if threads:
         return f"the script starts threads (line {', '.join(map(str, threads))}): where one runs at the first batch, a thread of this process builds the batches; else {start}"
-    return f"{start} (a thread of this process instead where threads other than torch's own run at the first batch, or /dev/shm is short)"
+    return f"{start} (a thread of this process instead where threads other than torch's own run at the first batch)"
 
 
 _THREAD_CALL = m.Call(func=m.Name(m.MatchIfTrue(THREAD_NAMES.__contains__)) | m.Attribute(attr=m.Name(m.MatchIfTrue(THREAD_NAMES.__contains__))))

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from patcher.proof.compare import queued_batches
 from patcher.proof.harness import HarnessError, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import active_copies, cuda_on_host, host_only_pinning
 from patcher.proof.recipes import LoaderRecipe, hparams_factory, patched_constructions
@@ -326,9 +327,9 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
             kept = [loader.next_batch(*args) for _ in range(batches)]
             return len(kept) / (time.perf_counter() - t0)
         _with_depth(loader, batches)  # `batches` slots or queue places, read at the first call
-        lean = hasattr(loader, "taken")  # patcher/templates/prefetch_lean.py
+        lean = hasattr(loader, "slots")  # patcher/templates/prefetch_lean.py
         if lean:
-            wait_full = lambda timeout: _wait_queued(loader.filled, batches, timeout)
+            wait_full = lambda timeout: _wait_queued(loader, batches, timeout)
         loader.next_batch(*args)  # cold start: worker start and its first batch
         t0 = time.perf_counter()
         if not lean:
@@ -341,10 +342,11 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
         _close(loader)
 
 
-def _wait_queued(filled, count: int, timeout: float) -> bool:
-    """Poll (every ms) until the semaphore `filled` counts `count` filled slots; False after `timeout` s."""
+def _wait_queued(loader, count: int, timeout: float) -> bool:
+    """Poll (every ms) until the process producer of `loader` has `count` batches
+    waiting (`queued_batches`); False after `timeout` s."""
     deadline = time.monotonic() + timeout
-    while filled.get_value() < count:
+    while queued_batches(loader) < count:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.001)

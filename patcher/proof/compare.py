@@ -17,6 +17,8 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -501,6 +503,40 @@ def reset_producer(loader) -> set:
     if type(pid) is int and pid > 0:
         return {ChildProcess(pid)}
     return {thread} if pid is False and thread is not None else set()
+
+
+def queued_batches(loader) -> int | None:
+    """How many messages the producer of a process-producer loader
+    (patcher/templates/prefetch_lean.py) has sent that the loader has not read yet: the
+    batches built ahead and waiting (a reset's answer would count too). Read from the
+    loader's end of its socket pair without consuming anything (`MSG_PEEK`), counting
+    the complete frames of `multiprocessing.connection` (a 4-byte big-endian length, or
+    -1 and an 8-byte one, then the pickle). None for other loaders, or before the
+    producer started. Assumes the slots' descriptor (sent once, before the first
+    batch's message) has been received already: call it after a first batch.
+    """
+    own = vars(loader) if hasattr(loader, "__dict__") else {}  # not getattr: a `_SettlingLoader` settles on attribute reads
+    conn = own.get("conn")
+    if conn is None or "slots" not in own:
+        return None
+    with socket.socket(fileno=os.dup(conn.fileno())) as peer:
+        try:
+            waiting = peer.recv(1 << 24, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return 0
+    count, at = 0, 0
+    while at + 4 <= len(waiting):
+        (size,) = struct.unpack("!i", waiting[at : at + 4])
+        at += 4
+        if size == -1:
+            if at + 8 > len(waiting):
+                break
+            (size,) = struct.unpack("!Q", waiting[at : at + 8])
+            at += 8
+        if at + size > len(waiting):
+            break
+        count, at = count + 1, at + size
+    return count
 
 
 def still_alive(threads: set, grace_s: float) -> list:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from patcher.proof import host_cuda
-from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, reset_producer, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, queued_batches, reset_producer, script_threads, still_alive, thread_kind, unexcused
 from patcher.proof.harness import SimulatedDist, environment
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.loop_order import early_fetch_line
@@ -225,12 +225,12 @@ def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
     then rewritten, so a batch that still views its slot shows it when compared again
     (deterministically, not by the child's timing). Other runtimes: returns at once."""
     own = vars(loader) if hasattr(loader, "__dict__") else {}  # not getattr: a `_SettlingLoader` settles on attribute reads
-    filled, pid = own.get("filled"), own.get("pid")
-    if filled is None or not pid:
+    pid = own.get("pid")
+    if queued_batches(loader) is None or not pid:
         return
     child = ChildProcess(pid)
     deadline = time.monotonic() + timeout_s
-    while filled.get_value() < loader.depth and child.is_alive() and time.monotonic() < deadline:
+    while queued_batches(loader) < loader.depth and child.is_alive() and time.monotonic() < deadline:
         time.sleep(0.0005)
 
 

@@ -171,8 +171,8 @@ class NothingToVerify(CannotVerify):
     """The patched script holds none of this tool's runtime: comparing it proves nothing."""
 
 
-# The runtime functions a training prefetch injects (patcher/templates/prefetch_*.py,
-# spawn_generator.py): the producers a family's plan may call.
+# The runtime functions a training prefetch injects (patcher/templates/prefetch_*.py):
+# the producers a family's plan may call.
 TRAIN_RUNTIME = tuple(PRODUCERS)
 
 

@@ -1,4 +1,7 @@
-"""Injected runtime: train-batch prefetch for constant `next_batch` arguments (feature `train_prefetch`).
+"""Injected runtime: the one process producer (feature `train_prefetch`): a training
+loader's batches built ahead by a forked child process (`_make_train_loader`), and a
+data-loader module's generator run ahead by a spawned one (`_spawn_generator`, module
+mode). Both run `_produce` and hand out through `_receive` and `_hand_out`.
 
 The common case, and the one a submission can afford (every injected byte counts
 against the artifact cap): the survey proved that every `next_batch` call passes run
@@ -16,11 +19,16 @@ becomes
 The script's loader is built with `device=cpu`. The first `next_batch` runs it in the
 training process, as the original does; then a child process, forked with the loader
 in that state, keeps calling its `next_batch` with the same arguments and writes batch
-n into shared-memory slot `n % queue_depth`. Two semaphores count the filled slots and
-the free ones. `next_batch` takes the next filled slot, copies it out and frees the slot:
+n into shared-memory slot `n % queue_depth` (an anonymous file, memfd: nothing named in
+/dev/shm, and not bound by its size, which is 64 MB in a container unless raised). A
+socket pair joins the two: one message a batch from the child (its structure, its
+non-tensor values, its slot), one byte a free slot back (`queue_depth` of them written
+before the start). `next_batch` reads the message, copies the slot out and frees it:
 on CUDA into pinned memory, the H2D copy queued from there on the copy stream
-(`_staged_h2d`, `patcher/templates/staging.py`); elsewhere a clone. Only the child advances the loader, with exactly the
-calls the original makes, so the batches are bit-identical.
+(`_staged_h2d`, `patcher/templates/staging.py`); elsewhere a clone. Only the child
+advances the loader, with exactly the calls the original makes, so the batches are
+bit-identical. A batch of another shape or structure than the first travels as well:
+each message carries its own, and a tensor the slot has no room for travels in it.
 
 Why a process, and why no thread in the training process: a host-bound training loop
 launches thousands of kernels a step, each a torch call that releases and re-takes
@@ -29,15 +37,11 @@ launch, so the loop's wait falls while its step grows (bench `--main-thread op-b
 a thread running the loader recovered 25-45 % of the original's data time as a
 shorter step; a thread that only pinned the child's batches still slowed the op loop
 by 2-4 %). The child holds no GIL of the training process. The hand-out costs one
-semaphore operation each way (an atomic operation, no system call while the batch is
-ready and the child is not asleep on it) and one copy of the batch. The child waits
-for a free slot by polling every 0.5 ms for 5 ms, then sleeps on the semaphore 50 ms at
-a time: a hand-out while it polls wakes no sleeper (in bench op-bound mode on a
-ShuffledSequenceLoader record, a sleeping waiter made a hand-out 0.11 ms against
-0.08), and an idle child (a loop that validates, or waits) wakes 20 times a second,
-not 2,000. The semaphores order the memory too: a slot is read only after the child
-filled it and rewritten only after the copy. This is the design of PyTorch's DataLoader (forked workers into shared
-memory), for a loader whose order must not change.
+small read and one byte written on the socket, and one copy of the batch. The socket
+orders the memory too: a slot is read only after the child's message says it is
+filled, and rewritten only after the byte that frees it. This is the design of
+PyTorch's DataLoader (forked workers into shared memory), for a loader whose order
+must not change.
 
 Contracts: at most `queue_depth` batches are built ahead (in the slots); a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
@@ -51,12 +55,12 @@ One producer, started once. Building the loader again for the same variable (the
 warm-up reset: 55 of 66 parameter-golf loader scripts do it, after `torch.compile`
 has left its compile pool running) does not fork again: the producer builds the
 loader again itself, from the rebuild's own expression and the values it reads now
-(`_PrefetchLoader.reset`), and the batches it had built ahead from the old loader are
-dropped. The fork happens at the first batch, before the warm-up compiles the model
-and, in most scripts, before any thread of the script's own runs. The rebuilt loader's
-constructor runs in the producer, not in the training process: what a construction
-changes outside the loader (a global it sets, an argument it mutates) stays in the
-training process as the first construction left it.
+(`_PrefetchLoader.reset`: an order on the same socket), and the batches it had built
+ahead from the old loader are dropped. The fork happens at the first batch, before the
+warm-up compiles the model and, in most scripts, before any thread of the script's own
+runs. The rebuilt loader's constructor runs in the producer, not in the training
+process: what a construction changes outside the loader (a global it sets, an argument
+it mutates) stays in the training process as the first construction left it.
 
 What real scripts do around it. The child is started with `os.fork()`, not as a
 `multiprocessing.Process`: a script's own raw fork whose child exits through
@@ -65,24 +69,24 @@ it inherited, the producer among them; the hook here acts only in the process th
 forked the producer. The child sets SIGTERM, SIGINT and SIGHUP to their defaults first,
 so that the script's handlers (one that ignores SIGTERM, say) never run there. Where
 a fork cannot be trusted, a thread of the training process runs the same producer
-(`_produce`, through the same slots, semaphores and pipes), with one line on stderr
-naming the cause: threads other than the caller and torch's own pools alive at the
-first `next_batch` (the child would lack them, and a loader that hands them work
-would wait forever), or shared memory too small for the slots (a container's
-/dev/shm is 64 MB unless raised). Arguments that differ from the
-first call's, a batch whose tensor shapes differ from the first batch's, or a
-`next_batch` after `shutdown()` raise RuntimeError: they cannot happen where this
-runtime is injected, and would otherwise hand out wrong batches. The child never
-touches CUDA (the loader is built on the CPU) and runs torch on one thread (a forked
-OpenMP team would hang). Needs `os.fork` and /dev/shm (Linux).
-Scripts with per-step arguments, attribute reads or the producer tuning toggles get
-`patcher/templates/prefetch_loader.py` instead.
+(`_produce`, through the same socket pair and slots), with one line on stderr naming
+the cause: threads other than the caller and torch's own pools alive at the first
+`next_batch` (the child would lack them, and a loader that hands them work would wait
+forever). Arguments that differ from the first call's, or a `next_batch` after
+`shutdown()`, raise RuntimeError: they cannot happen where this runtime is injected,
+and would otherwise hand out wrong batches. The child never touches CUDA (the loader
+is built on the CPU) and runs torch on one thread (a forked OpenMP team would hang).
+Needs `os.fork` (Linux, macOS); without memfd (not Linux) the batches travel in the
+messages. Scripts with per-step arguments, attribute reads or the producer tuning
+toggles get `patcher/templates/prefetch_loader.py` instead.
 """
 
 import atexit
-import glob
+import importlib
 import marshal
+import mmap
 import multiprocessing
+import multiprocessing.reduction
 import os
 import pickle
 import signal
@@ -141,49 +145,34 @@ class _PrefetchLoader:
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
         self.loader, self.scope = make_loader(torch.device("cpu")), make_loader.__globals__
         self.device, self.copy_stream, self.name, self.args, self.pid = device, copy_stream, name, None, None
-        self.depth, self.taken = max(1, int(queue_depth)), 0
+        self.depth = max(1, int(queue_depth))
+        self.slots = [None] * self.depth  # the slots' memory once the producer sends it (None: each batch in its message)
 
     def next_batch(self, *args):
-        if self.pid is None:  # the first call (shutdown() leaves 0)
+        if self.pid is None:  # the first call (shutdown() leaves 0): the producer starts, and builds every batch
             self.args = args
-            batch = self.loader.next_batch(*args)  # the first batch here; the producer goes on from this state
-            self.values = []  # the first batch's non-tensor leaves: none means no batch has any
-            self.layout = _layout(batch, self.values)
-            handed = self._hand_out(batch)  # before the producer (a thread) calls the loader again
-            self._start(batch)
-            return handed
+            self._start()
         elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
-        else:
-            while not self.filled.acquire(timeout=_POLL_S):
-                if self.conn.poll():  # the producer's error, or the end of the pipe: the child is gone
-                    try:
-                        error = self.conn.recv()
-                    except EOFError:  # gone without a word
-                        raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
-                    self.shutdown()
-                    raise _rebuilt(error[0]) from RuntimeError(error[1])  # (the exception, the producer's formatted traceback)
-            # Each batch's own non-tensor values (a counter, a state dict's ints, a
-            # string) come through a pipe, in order, beside its tensors in the slot.
-            batch = self._hand_out(self.slots[self.taken % self.depth], iter(self.value_conn.recv() if self.values else ()))
-            self.taken += 1
-            self.free.release()
-            return batch
+        try:
+            message = _receive(self.conn, self.slots)
+        except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)
+            raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
+        if message[0] == "error":
+            self.shutdown()
+            raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
+        batch = _hand_out(message[1], self.slots[message[2]], self.device, self.copy_stream)
+        try:
+            os.write(self.fd, b"\0")  # the slot is copied out: the producer may refill it
+        except OSError:  # the producer has ended (its error sent, or killed): the next call reads why
+            pass
+        return batch
 
-    def _hand_out(self, batch, values=None):
-        """`batch` on `self.device`, each tensor a copy that the producer cannot
-        rewrite: on CUDA a pinned copy and its H2D (`_staged_h2d`, the staging every
-        producer shares), elsewhere a clone. values: the batch's non-tensor leaves, in
-        order, where `batch` is a slot (a slot holds the first batch's)."""
-        pin = self.device.type == "cuda" and torch.cuda.is_available()  # then `_staged_h2d`'s pinned copy is the copy
-        return _each_leaf(batch, lambda v: _staged_h2d(v if pin else v.clone(), self.device, self.copy_stream) if isinstance(v, torch.Tensor) else v if values is None else next(values))
-
-    def _start(self, batch):
-        """Allocate the slots and start the producer that fills them, after the first
-        batch: a forked child process, or a thread of this process where a fork cannot
-        be trusted (`_threads_a_fork_lacks`, or /dev/shm too small for the slots: a
-        container's is 64 MB), with one line on stderr saying why. Both run `_produce`
-        and hand out through the same slots, semaphores and pipes.
+    def _start(self):
+        """Start the producer, at the first batch: a forked child process, or a
+        thread of this process where a fork cannot be trusted (`_threads_a_fork_lacks`),
+        with one line on stderr saying why. Both run `_produce` over the same socket
+        pair and slots.
 
         The GIL is shared with the training loop, so a host-bound loop gains less from a
         thread than from a child process (bench `--main-thread op-bound`: 25-45 % of the
@@ -191,81 +180,37 @@ class _PrefetchLoader:
         would lose (a shard reader pool) runs on a thread as in the original.
         """
         threads = _threads_a_fork_lacks()
-        cause = threads and f"threads running {threads}: a forked producer would not have them"
-        if not cause:
-            before = _shm_files()
-            try:
-                self.slots = [_each_tensor(batch, lambda t: torch.empty_like(t).share_memory_()) for _ in range(self.depth)]
-                fork = multiprocessing.get_context("fork")
-                self.filled, self.free = fork.Semaphore(0), fork.Semaphore(self.depth)
-            except (OSError, RuntimeError) as error:  # no room: a bare ENOSPC, or torch's error
-                self.slots = None  # frees what was allocated; torch leaves the file of an allocation that failed
-                for file in _shm_files() - before:
-                    os.unlink(file)
-                cause = "no shared memory for the batches (" + str(error).split("\n")[0] + ")"
-        if cause:
-            print(f"prefetch: {cause}; {self.name} prefetches on a thread (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
-            self.slots = [_each_tensor(batch, torch.empty_like) for _ in range(self.depth)]
-            self.filled, self.free = threading.Semaphore(0), threading.Semaphore(self.depth)
-        (self.conn, self.sender), (self.value_conn, self.value_sender), (self.orders, self.order_sender) = (multiprocessing.Pipe(False) for _ in range(3))
-        self.parent = os.getpid()
-        if cause:
-            self.pid, self.thread = False, threading.Thread(target=self._produce, name=f"prefetch {self.name}", daemon=True)
-            return self.thread.start()  # (None: the first batch is handed out by the caller)
+        # A socket pair: batches one way, free slots and reset orders the other. The
+        # producer's end stays open here for a thread (its end of file would mean nothing).
+        self.conn, self.end = multiprocessing.Pipe()
+        self.fd, self.parent = self.conn.fileno(), os.getpid()
+        os.write(self.fd, bytes(self.depth))  # the free slots: one byte each, the producer takes one a batch
+        if threads:
+            print(f"prefetch: threads running {threads}: a forked producer would not have them; {self.name} prefetches on a thread (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
+            self.pid, self.thread = False, threading.Thread(target=self._produce, args=(self.end,), name=f"prefetch {self.name}", daemon=True)
+            return self.thread.start()
         sys.stdout.flush()  # what is buffered here must not be written by the child too (stderr is line-buffered)
         self.pid = os.fork()
         if not self.pid:  # the child: never returns into the script, runs none of its exit hooks
             try:
                 _producer_setup()  # default signal handlers, one torch thread
-                self._produce()
+                self._produce(self.end)
             finally:
                 os._exit(0)
-        self.sender.close()  # the child's ends: closed here, so the child's exit is an end of file
-        self.value_sender.close()
+        self.end.close()  # the child's end: closed here, so the child's exit is an end of file
 
-    def _produce(self):
-        """The producer (the child process, or the thread): `next_batch(*self.args)` into
-        the slots in turn, forever.
+    def _produce(self, conn):
+        """The producer (the child process, or the thread): `_produce` with the loader's
+        `next_batch(*self.args)`, until the training process has gone (the child's
+        parent is no longer `self.parent`) or, on a thread (`self.pid` False), until
+        `shutdown` (which sets it to 0: the thread's process is `self.parent` itself)."""
+        _produce(conn, lambda: self.loader.next_batch(*self.args), self.depth, lambda: self.pid is False or os.getppid() == self.parent, self._rebuild)
 
-        Takes a free slot (`free`), fills it, counts it filled (`filled`). A reset order
-        (`reset`) is carried out instead where one is waiting. An exception is sent on
-        the pipe instead, with its traceback, and ends the producer; so does the training
-        process's exit (the child's parent is no longer `self.parent`), or a thread's
-        `shutdown`.
-        """
-        on_thread, made = self.pid is False, 0
-        alive = lambda: self.pid is False if on_thread else os.getppid() == self.parent
-        try:
-            while alive():  # before each batch too: a thread stopped at exit builds no more
-                polls = 0
-                # 5 ms of polling (a release then wakes no sleeper), then sleeps on the
-                # semaphore, waking every `_POLL_S` to see whether the training process is there.
-                while not self.free.acquire(timeout=_POLL_S if polls > 9 else 0):
-                    if not alive():
-                        return
-                    polls += 1
-                    if polls < 10:
-                        time.sleep(0.0005)
-                if self.orders.poll():  # a reset: the rebuilt loader, made here from the rebuild's own expression
-                    code, names, cells = pickle.loads(self.orders.recv_bytes())
-                    make = types.FunctionType(marshal.loads(code), {**self.scope, **names}, None, None, tuple(map(types.CellType, cells)))
-                    self.loader = make(torch.device("cpu"))
-                    self.sender.send(made)  # the batches made from the old loader, for the caller to drop
-                    continue  # the free slot taken is the one `reset` added
-                batch, values, into, built = self.loader.next_batch(*self.args), [], [], []
-                layout = _layout(batch, values)
-                if layout != self.layout:
-                    raise RuntimeError(f"prefetch: batch structure {layout} is not the first batch's {self.layout}; set TRAIN_PREFETCH=0")
-                _each_tensor(self.slots[made % self.depth], into.append)
-                _each_tensor(batch, built.append)
-                for tensor, new in zip(into, built):
-                    tensor.copy_(new)
-                made += 1
-                self.filled.release()
-                if self.values:  # after the release: the caller reads it then (a value larger than the pipe's buffer cannot block the producer)
-                    self.value_sender.send(values)
-        except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause
-            self.sender.send((_producer_error(error), traceback.format_exc()))
+    def _rebuild(self, order):
+        """In the producer: the loader built again from a reset order (`reset`)."""
+        code, names, cells = pickle.loads(order)
+        make = types.FunctionType(marshal.loads(code), {**self.scope, **names}, None, None, tuple(map(types.CellType, cells)))
+        self.loader = make(torch.device("cpu"))
 
     def reset(self, make_loader):
         """The warm-up rebuild without a new producer: the producer builds the loader
@@ -284,28 +229,13 @@ class _PrefetchLoader:
         try:
             names = {name: scope[name] for name in code.co_names if name in scope and not isinstance(scope[name], types.ModuleType)}
             order = pickle.dumps((marshal.dumps(code), names, [cell.cell_contents for cell in make_loader.__closure__ or ()]))
-        except Exception:  # a local class, a lock: not sent
+            os.write(self.fd, b"\1")  # an order follows (not a free slot)
+            self.conn.send_bytes(order)
+            while (message := _receive(self.conn, self.slots))[0] == "batch":  # the old loader's, built ahead: dropped
+                os.write(self.fd, b"\0")
+        except Exception:  # a value that does not pickle (a local class, a lock), or the producer has gone
             return False
-        self.order_sender.send_bytes(order)
-        self.free.release()  # a producer waiting for a free slot wakes; it keeps this one back
-        read = 0  # values of old batches read while waiting: a producer blocked on a full value pipe would never see the order
-        while not self.conn.poll(_POLL_S):
-            while self.values and self.value_conn.poll():
-                self.value_conn.recv()
-                read += 1
-        try:
-            made = self.conn.recv()
-        except EOFError:
-            made = None
-        if type(made) is not int:
-            return False
-        for dropped in range(made - self.taken):  # the old loader's batches built ahead
-            self.filled.acquire()
-            if self.values and dropped >= read:
-                self.value_conn.recv()
-            self.free.release()
-        self.taken = made
-        return True
+        return message[0] == "reset"
 
     def shutdown(self, until=float("inf")):
         """Kill the child process and reap it, or stop the producer thread and join it
@@ -316,20 +246,135 @@ class _PrefetchLoader:
         process must not touch its producer."""
         pid, self.pid = self.pid, 0
         while pid is False and self.thread.is_alive() and time.monotonic() < until:
-            for conn in self.value_conn, self.conn:  # a thread blocked writing a value or an error larger than the pipe's buffer ends once it is read
-                while conn.poll():
-                    conn.recv()
+            while self.conn.poll():  # a thread blocked sending a message larger than the socket's buffer ends once it is read
+                _receive(self.conn, self.slots)
             self.thread.join(_POLL_S)
         if pid and os.getpid() == self.parent:
             os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def _layout(batch, values):
-    """The layout of a batch, which every batch must share with the first: its
-    structure with each tensor as (dtype, shape) and each other leaf as its type. Its
-    non-tensor leaves, which each batch carries for itself, are appended to `values`."""
-    return _each_leaf(batch, lambda v: (v.dtype, v.shape) if isinstance(v, torch.Tensor) else values.append(v) or type(v))
+def _produce(conn, build, depth, alive, rebuild):
+    """The producer's loop, in a child process (forked or spawned) or on a thread: one
+    batch `build()` per free slot, handed over on `conn`, forever.
+
+    Each batch takes a free slot, a byte from the training process (as many as `depth`
+    written before the start). Batch n's tensors are written into shared-memory slot
+    `n % depth` (`_make_slots`: sized by the first batch built here), and one message
+    follows: ("batch", the batch with each tensor as a `_HostTensor`, the slot's number),
+    a few hundred bytes with its non-tensor values (the state dict of THAT batch) that one
+    write delivers; a tensor the slot has no room for (a batch larger than the first)
+    travels in the message. The byte b"\\1" instead of a free slot is a reset order:
+    `rebuild(order bytes)`, answered ("reset",). A send that finds the training process
+    gone raises (BrokenPipeError) out of the loop: a child ends there. An exception is sent instead, as
+    ("error", exception, traceback text), and ends the producer (a generator's end
+    arrives so, as its StopIteration). The loop ends when `alive()` is false, checked while waiting.
+
+    The wait for a free slot polls every 0.5 ms for 5 ms (a hand-out while it polls wakes
+    no sleeper: in bench op-bound mode on a ShuffledSequenceLoader record, a sleeping
+    waiter made a hand-out 0.11 ms against 0.08), then sleeps on the socket `_POLL_S` at
+    a time: an idle producer (a loop that validates, or waits) wakes 20 times a second.
+    """
+    slots, made = None, 0
+    try:
+        while True:
+            polls = 0
+            while not conn.poll(_POLL_S if polls > 9 else 0):
+                if not alive():
+                    return
+                polls += 1
+                if polls < 10:
+                    time.sleep(0.0005)
+            order = os.read(conn.fileno(), 1)
+            if not order:  # an end of file: the training process has gone
+                return
+            if order == b"\1":  # a reset: the rebuilt loader, made here
+                rebuild(conn.recv_bytes())
+                conn.send(("reset",))
+                continue
+            batch = build()
+            if slots is None:  # the first batch sizes the slots
+                tensors = []
+                _each_tensor(batch, tensors.append)
+                size = sum(map(_slot_bytes, tensors))
+                slots = _make_slots(conn, size, depth) if size else [None] * depth
+            slot, at = slots[made % depth], [0]
+            conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, slot, at)), made % depth))
+            made += 1
+    except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause
+        conn.send(("error", _producer_error(error), traceback.format_exc()))  # the training process gone: BrokenPipeError, the producer's end
+
+
+def _receive(conn, slots):
+    """The producer's next message other than its slots: ("slots", bytes a slot), the
+    slots' descriptor after it, is mapped into the list `slots` (one entry a slot, None
+    until then). Raises EOFError when the producer has gone."""
+    while (message := conn.recv())[0] == "slots":
+        slots[:] = _map_slots(multiprocessing.reduction.recv_handle(conn), message[1], len(slots))
+    return message
+
+
+def _hand_out(batch, slot, device, copy_stream):
+    """The batch of a message (its tensors `_HostTensor`s, in `slot`) on `device`, each
+    tensor a copy that the producer cannot rewrite: on CUDA a pinned copy and its H2D
+    (`_staged_h2d`, the staging every producer shares), elsewhere a clone."""
+    pin = device.type == "cuda" and torch.cuda.is_available()  # then `_staged_h2d`'s pinned copy is the copy
+    return _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot) if pin else v.tensor(slot).clone(), device, copy_stream) if isinstance(v, _HostTensor) else v)
+
+
+class _HostTensor:
+    """A tensor as it crosses to the training process: dtype, shape, and where its bytes
+    are: at `offset` in the batch's shared-memory slot (`data` None), or at 0 in `data`
+    (a numpy uint8 array, pickled with the message) where the slot has no room for it
+    (a batch larger than the first, or no slots)."""
+
+    def __init__(self, tensor, slot, at):
+        """at: [the offset in `slot` of this tensor], advanced past it (tensors of a batch in turn)."""
+        self.dtype, self.shape, self.offset, self.data = tensor.dtype, tuple(tensor.shape), at[0], None
+        at[0] += _slot_bytes(tensor)
+        if slot is None or at[0] > len(slot):
+            self.data, self.offset = tensor.detach().flatten().view(torch.uint8).numpy().copy(), 0
+        else:
+            _view(slot, self.offset, tensor.dtype, tensor.shape).copy_(tensor)
+
+    def tensor(self, slot):
+        """The tensor: a view of `slot` (valid until the slot is freed), or of its own memory."""
+        return _view(slot if self.data is None else torch.from_numpy(self.data), self.offset, self.dtype, self.shape)
+
+
+def _slot_bytes(tensor):
+    """The bytes `tensor` takes in a slot: its own, rounded up to a multiple of 64, so
+    that every tensor of a slot starts aligned for any dtype's view of its bytes."""
+    return -(-tensor.nbytes // 64) * 64
+
+
+def _view(slot, offset, dtype, shape):
+    """The tensor of `dtype` and `shape` whose bytes start at `offset` of `slot` (uint8)."""
+    return slot[offset:].view(dtype)[: torch.Size(shape).numel()].view(shape)  # (slots and offsets are multiples of 64 bytes)
+
+
+def _make_slots(conn, size, depth):
+    """`depth` slots of `size` bytes in one anonymous shared file (memfd), its descriptor
+    sent after the message ("slots", size); `depth` Nones and no message where there is
+    no such file (not Linux, no memory): the tensors then travel in the messages. The file has no name
+    (nothing to leak in /dev/shm, and not bound by its size: a container's is 64 MB) and
+    goes when both sides have unmapped it."""
+    try:
+        fd = os.memfd_create("prefetch-slots")
+        os.ftruncate(fd, size * depth)
+    except Exception:  # no memfd_create (AttributeError), no memory (OSError)
+        return [None] * depth
+    conn.send(("slots", size))
+    multiprocessing.reduction.send_handle(conn, fd, 0)  # (the pid is not used on POSIX)
+    return _map_slots(fd, size, depth)
+
+
+def _map_slots(fd, size, depth):
+    """The file `fd` mapped as `depth` uint8 tensors of `size` bytes; closes `fd` (the
+    mapping keeps the file). The training process maps the descriptor it receives with this too."""
+    memory = mmap.mmap(fd, size * depth)
+    os.close(fd)
+    return [*torch.frombuffer(memory, dtype=torch.uint8).view(depth, size)]
 
 
 def _threads_a_fork_lacks():
@@ -365,7 +410,172 @@ def _torch_pool_threads():
     return {t for pool in pools for t in getattr(pool, "_threads", ())}
 
 
-def _shm_files():
-    """The paths of the files in /dev/shm named as torch names this process's shared
-    memory (none where there is no /dev/shm: macOS)."""
-    return set(glob.glob(f"/dev/shm/torch_{os.getpid()}_*"))
+# A spawned producer's niceness: it yields the CPU to the training loop (`_spawn_generator` says why).
+_PRODUCER_NICE = 10
+# The producers this process spawned, as keys (`_forget_spawned`), and whether the
+# fork hook that forgets them is registered (once a process).
+_spawned = {}
+_fork_hook = []
+
+
+def _spawn_generator(function, arguments, device_param="device", prefetch=True, depth=2, split_param=None, train_split=None, every_split=False):
+    """Yield what `function(**arguments)` yields, built ahead by a spawned process (module
+    mode: the producer of a "module" family's loader generators, nanochat's
+    `dataloader.py`).
+
+    Takes: function: a module-level generator function of an importable module (the
+    loader, e.g. yielding `inputs, targets: int64 [B, T]` on `device` and a state dict
+    `{pq_idx, rg_idx, epoch}`); arguments: its arguments by parameter name, defaults
+    applied; device_param: the name of its device parameter (the child gets "cpu");
+    prefetch: bool (`TRAIN_PREFETCH`); depth: batches built ahead (>= 1);
+    split_param, train_split: the parameter naming the split and its training value
+    (`"split"`, `"train"`): a build whose split is another (`"val"`) runs `function` here,
+    as the original, unless every_split (`TRAIN_PREFETCH_EVERY_SPLIT`); None: every
+    build spawns.
+    Yields: each batch of the original, equal bit for bit, in order, with the same
+    structure; tensors on `arguments[device_param]`.
+    Raises: the child's exception at its batch (cause: the child's traceback);
+    RuntimeError when the child dies without a word after the first batch.
+
+    Why spawned: nanochat's loader tokenizes (the tokenizer runs its own threads) and
+    packs documents by best fit in pure Python; on a thread of the training process that
+    Python would take the GIL from the training loop, and a forked child would inherit
+    neither the tokenizer's nor pyarrow's threads. The child (`multiprocessing` "spawn"
+    context) imports the module by name and calls the original generator with the same
+    arguments (its own resume state among them) but `device="cpu"`; it is the producer
+    the forked one runs (`_produce`: slots sized by its first batch, a message per batch
+    with that batch's state dict, a byte back per free slot), and the batch is handed
+    out as there (`_hand_out`), with the H2D on the current stream, as the original's.
+    Sent whole through a `multiprocessing.Queue`, a batch of nanochat's default sizes
+    (64 KiB) was larger than a pipe's buffer: each `next()` waited for the child to be
+    scheduled to write the rest (0.7-0.8 ms median, up to 31 ms, on a loaded 2-core
+    host); through the slots it is one small read and two copies (0.35-0.46 ms median).
+    The child runs at nice +10: on a host without a core to spare, a woken child that
+    has slept preempts the training process (the kernel favours sleepers), which then
+    waited out the child's batch inside its own `next()`; niced, it yields to the
+    training loop. Where cores are free, niceness changes nothing.
+
+    Lifetime: the original yields views of one reused device buffer (valid until the next
+    `next()`); here each batch is a fresh device tensor (pinned on CUDA: torch's caching
+    host allocator hands a pinned block out again only after the event behind its last
+    H2D has completed), so a batch stays valid as long as it is held. Where the child
+    cannot be used (the module runs as `__main__`, the arguments do not pickle, no
+    descriptors or processes to spare, the child cannot import the module or find the
+    function, an argument does not unpickle there, the child dies before its first
+    batch), the original runs in this process, exactly, with one line on stderr saying
+    why. Only the training split's loader spawns: a loader of another split, such as the
+    val loader a training script rebuilds at every evaluation, runs the original here,
+    silently, since a child's start (4.6-6.8 s on a loaded 2-core host, nearly all
+    importing torch and pyarrow) would cost each evaluation more than it gives back. The
+    child is a daemon: `multiprocessing` terminates it at exit; closing the generator (or
+    dropping it) kills and reaps it at once; it has default signal handlers
+    (`_producer_setup`), and leaves by itself when the training process has gone.
+    """
+    if not prefetch or (split_param is not None and not every_split and arguments.get(split_param) != train_split):
+        yield from function(**arguments)
+        return
+    module_name = getattr(sys.modules.get(function.__module__), "__spec__", None)
+    module_name = module_name.name if module_name is not None else function.__module__
+    if module_name in ("__main__", "__mp_main__") or getattr(sys.modules.get(module_name), function.__name__, None) is not function:
+        yield from _run_here(function, arguments, f"module {function.__module__} cannot be imported by name in a spawned process")
+        return
+    depth = max(1, int(depth))
+    main, sender, refused = sys.modules["__main__"], None, None
+    # Spawn re-runs the main script in the child unless it is guarded; a training script
+    # that trains at top level would train there. The child needs only this module.
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        # Each argument pickled here and unpickled by the child itself, which can then say
+        # which one fails there (unpickled by multiprocessing, it would end the child first).
+        pickled = {name: pickle.dumps(value) for name, value in dict(arguments, **{device_param: "cpu"}).items()}
+        spawn = multiprocessing.get_context("spawn")
+        receiver, sender = spawn.Pipe()  # a socket pair: it carries the slots' file descriptor too
+        os.write(receiver.fileno(), bytes(depth))  # the free slots
+        child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, pickled, sender, depth), daemon=True, name=f"prefetch {function.__name__}")
+        child.start()
+    except Exception as error:  # an argument does not pickle, no descriptors or processes to spare
+        refused = f"no spawned producer ({type(error).__name__}: {error})"
+        if sender:
+            receiver.close()
+    finally:
+        sys.modules["__main__"] = main  # before any batch: the fallback runs with the script's own
+        if sender:
+            sender.close()  # the child's end: closed here, so that the child's exit is an end of file
+    if refused:
+        yield from _run_here(function, arguments, refused)
+        return
+    if not _fork_hook:
+        _fork_hook.append(os.register_at_fork(after_in_child=_forget_spawned))
+    owner = os.getpid()
+    _spawned[child] = owner
+    device, slots, first = torch.device(arguments[device_param]), [None] * depth, True  # first: no batch received yet
+    try:
+        while True:
+            try:
+                message = _receive(receiver, slots)
+            except (EOFError, ConnectionResetError):  # the child is gone (reset: it left bytes of free slots unread)
+                child.join(_STOP_WAIT_S)
+                if not first:
+                    raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None
+                # it died unpickling its own start (its traceback is on stderr), or killed
+                message = "setup", f"its spawned producer died before its first batch (exit code {child.exitcode})"
+            if message[0] == "setup":  # the child could not build the generator: nothing was yielded yet
+                yield from _run_here(function, arguments, message[1])
+                return
+            if message[0] == "error":
+                if message[1][0] is StopIteration:  # the generator returned
+                    return
+                raise _rebuilt(message[1]) from RuntimeError(message[2])
+            first = False
+            batch = _hand_out(message[1], slots[message[2]], device, False)
+            try:
+                os.write(receiver.fileno(), b"\0")  # the slot is copied out: the child may refill it
+            except OSError:  # the child has ended after its last batch: its last messages are still to read
+                pass
+            yield batch
+    finally:
+        if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
+            _spawned.pop(child, None)
+            child.kill()  # as the forked start's shutdown: killed and reaped (its handlers are the defaults)
+            child.join()
+        receiver.close()
+
+
+def _spawn_producer(module_name, function_name, pickled, sender, depth):
+    """The spawned child: `_produce` over `module.function(**arguments)`'s batches.
+
+    pickled: the arguments by name, each pickled, unpickled here one by one to name the
+    one that fails; ("setup", reason) is sent instead of any batch when an argument does
+    not unpickle here or the generator cannot be built. Leaves when the training process
+    has gone."""
+    _producer_setup()  # default signal handlers, one torch thread
+    os.nice(_PRODUCER_NICE)  # before the loader starts its threads: they inherit it
+    parent, arguments = os.getppid(), {}
+    try:
+        for name, value in pickled.items():
+            reason = f"its argument {name} does not unpickle in a spawned producer"
+            arguments[name] = pickle.loads(value)
+        reason = "a spawned producer cannot build it"
+        batches = getattr(importlib.import_module(module_name), function_name)(**arguments)
+    except Exception as error:
+        return sender.send(("setup", f"{reason} ({type(error).__name__}: {error})"))
+    try:
+        _produce(sender, lambda: next(batches), depth, lambda: os.getppid() == parent, None)
+    except OSError:  # the training process has gone
+        pass
+
+
+def _run_here(function, arguments, reason):
+    """The original generator, in this process, after one line on stderr saying why."""
+    print(f"prefetch: {function.__name__} runs in the training process: {reason} (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
+    yield from function(**arguments)
+
+
+def _forget_spawned():
+    """In a process the script forks from the training process: forget the producers
+    it spawned. The fork inherits multiprocessing's list of children; its exit
+    (`sys.exit`) would terminate them as its own daemons and then fail to join them ("can
+    only join a child process"). They are the training process's, as a forked producer
+    is (`_PrefetchLoader` acts only in the process that forked it)."""
+    multiprocessing.process._children.difference_update(_spawned)
+    _spawned.clear()

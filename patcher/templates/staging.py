@@ -3,7 +3,7 @@
 (`patcher/templates/prefetch_lean.py`), the per-step-argument thread
 (`patcher/templates/prefetch_loader.py`, `patcher/templates/prefetch_iterator.py`), pinned staging of
 generators (`patcher/templates/pinned_staging.py`) and the spawned generator
-(`patcher/templates/spawn_generator.py`).
+(the same process producer started by spawn).
 
 - The structure walk (`_each_leaf`, `_each_tensor`): a batch of any structure.
 - The H2D of a host tensor (`_staged_h2d`): copied into pinned memory that torch's

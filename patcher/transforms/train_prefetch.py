@@ -206,7 +206,6 @@ RUNTIME = {
     "prefetch_lean": ("staging",),
     "prefetch_loader": ("copy_stream", "staging"),
     "prefetch_iterator": ("prefetch_loader",),
-    "spawn_generator": ("staging",),
 }
 # The options of `_make_train_loader` whose code a script gets only where a call site
 # chooses them. The lean runtime's depth is one: a default patch passes none (the

@@ -13,12 +13,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import fcntl
 import multiprocessing
 import os
 import random
 import signal
 import socket
 import struct
+import termios
 import threading
 import time
 from dataclasses import dataclass
@@ -519,11 +521,11 @@ def queued_batches(loader) -> int | None:
     conn = own.get("conn")
     if conn is None or "slots" not in own:
         return None
+    (available,) = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, bytes(4)))  # bytes waiting
+    if not available:
+        return 0
     with socket.socket(fileno=os.dup(conn.fileno())) as peer:
-        try:
-            waiting = peer.recv(1 << 24, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return 0
+        waiting = peer.recv(available, socket.MSG_PEEK)
     count, at = 0, 0
     while at + 4 <= len(waiting):
         (size,) = struct.unpack("!i", waiting[at : at + 4])

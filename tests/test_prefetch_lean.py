@@ -720,7 +720,7 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     for gone in ('"""', "# ", "_stage(", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    # Bytes a raw-counted script pays: 10,471 today (7,309 before the producer ran where
+    # Bytes a raw-counted script pays: 10,459 today (7,309 before the producer ran where
     # a fork cannot be trusted, 9,136 before one producer started once, 10,509 before
     # the staging, error transport and signal set-up every producer shares, 10,912 before
     # a producer thread was stopped and joined at exit, 11,019 before the one process
@@ -731,7 +731,7 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     # (on a thread, torch's own pools told by identity, the script's exception rebuilt
     # as itself, its pipes read while it is joined); about 1,200 reset the producer at a
     # rebuild instead of forking again.
-    assert len(code.encode()) <= 10471, len(code.encode())
+    assert len(code.encode()) <= 10459, len(code.encode())
 
 
 # --------------------------------------------------------------------------- any batch structure

@@ -45,16 +45,14 @@ def test_identical_on_patched_fixtures(tmp_path, name):
 
 # Anchored where next_batch (patcher/templates/prefetch_lean.py) has copied a batch out of
 # its slot and freed the slot (every batch: the producer builds them all).
-# Taking one more: the slot freed, the next message read and its batch copied out.
-_FREED = "            pass\n        return batch\n"  # after the free slot's byte is written
-_TAKE_ANOTHER = (
-    'os.write(self.fd, b"\\0"); message = _receive(self.conn, self.slots, self.depth); '
-    "batch = _hand_out(message[1], self.slots[message[2]] if self.slots else None, self.device, self.copy_stream)"
-)
+# Taking one more: the next message read, its batch copied out and its slot freed.
+_TAKE = "_hand_out(message[1], self.slots[message[2]], self.fd, self.device, self.copy_stream)"
+_FREED = f"        return {_TAKE}\n"
+_HANDED = f"        batch = {_TAKE}\n"
+_TAKE_ANOTHER = f"message = _receive(self.conn, self.slots); batch = {_TAKE}"
 SWAP_TWO = (
     _FREED,
-    "            pass\n"
-    "        self.k = getattr(self, 'k', 0) + 1\n"
+    _HANDED + "        self.k = getattr(self, 'k', 0) + 1\n"
     "        if self.k == 4:\n"
     f"            held = batch; {_TAKE_ANOTHER}; self.held = held\n"
     "        elif self.k == 5:\n"
@@ -63,8 +61,7 @@ SWAP_TWO = (
 )
 DROP_ONE = (
     _FREED,
-    "            pass\n"
-    "        self.k = getattr(self, 'k', 0) + 1\n"
+    _HANDED + "        self.k = getattr(self, 'k', 0) + 1\n"
     "        if self.k == 6:\n"
     f"            {_TAKE_ANOTHER}\n"
     + "        return batch\n",
@@ -96,6 +93,7 @@ def test_catches_a_broken_prefetch(tmp_path, capsys, name, breakage, phase, batc
     result = verify(original, out, batches=16)
     assert not result.identical
     assert (result.difference.rank, result.difference.phase, result.difference.batch) == (0, phase, batch)
+    assert "the patched loader raised" not in result.difference.what, result.difference  # the breakage runs, and differs
     assert f"rank 0, {phase} batch {batch}" in stdout
 
 

@@ -115,19 +115,26 @@ def _split_after(line: cst.SimpleStatementLine, index: int, inserted: list[cst.B
     return cst.FlattenSentinel([head, *inserted, *tail])
 
 
-# A batch taken from the hand-off: `batch = _hand_out(message[1], ...)` (the process
-# producer's copy out of a filled slot, with the batch's own non-tensor values), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
+# A batch taken from the hand-off: `return _hand_out(message[1], ...)` (the process
+# producer's copy out of a filled slot, with the batch's own non-tensor values, the slot
+# then freed), `item = worker.queue.get(...)`, `item = _next_built(worker)`.
 SLOT_COPY = m.Call(func=m.Name("_hand_out"), args=[m.Arg(m.Subscript(value=m.Name("message"))), m.ZeroOrMore()])
 TAKE = m.Assign(targets=[m.AssignTarget(m.Name())], value=m.Call(func=m.Attribute(attr=m.Name("get")) | m.Name("_next_built")) | SLOT_COPY)
 
 
 class _AfterTake(_InInjected):
-    """Inserts statements after the first batch taken in `next_batch` / `__next__`."""
+    """Inserts statements after the first batch taken in `next_batch` / `__next__`
+    (`return _hand_out(...)` taken as `batch = _hand_out(...)`, the inserted statements,
+    `return batch`)."""
 
     def leave_SimpleStatementLine(self, original, updated):
         if self.edits or not self.inside("next_batch", "__next__"):
             return updated
         for index, small in enumerate(updated.body):
+            if m.matches(small, m.Return(value=SLOT_COPY)):
+                self.edits += 1
+                taken = cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name("batch"))], small.value)])
+                return cst.FlattenSentinel([taken, *self.inserted("batch", _code(small.value)), cst.parse_statement("return batch\n")])
             if m.matches(small, TAKE):
                 self.edits += 1
                 return _split_after(updated, index, self.inserted(small.targets[0].target.value, _code(small.value)))
@@ -135,8 +142,8 @@ class _AfterTake(_InInjected):
 
 
 # Before a mutant takes one more batch from the lean runtime (patcher/templates/prefetch_lean.py):
-# the slot just copied freed, the next batch's message read.
-ROOM = "if hasattr(self, 'fd'): os.write(self.fd, bytes(1)); message = _receive(self.conn, self.slots, self.depth)\n"
+# the next batch's message read (`_hand_out` freed the slot just copied).
+ROOM = "if hasattr(self, 'fd'): message = _receive(self.conn, self.slots)\n"
 
 
 class SkipABatch(_AfterTake):
@@ -217,13 +224,20 @@ class OldWorkerLeftRunning(_InInjected):
 
 class ResetKeepsTheOldBatches(_InInjected):
     """The lean runtime's reset at a rebuild does not drop the batches its producer had
-    built ahead from the old loader (its loop over their messages, up to the reset's
-    answer, read as that answer received)."""
+    built ahead from the old loader: its loop over their messages, up to the reset's
+    answer, read as that answer received, and `next_batch` passing over the answer when
+    it comes (so the old batches are handed out as the new loader's, and nothing raises)."""
 
     def leave_While(self, original, updated):
         if self.inside("reset"):
             self.edits += 1
             return cst.parse_statement('message = ("reset",)\n')
+        return updated
+
+    def leave_SimpleStatementLine(self, original, updated):
+        received = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name("message"))], value=m.Call(func=m.Name("_receive")))])
+        if self.inside("next_batch") and m.matches(updated, received):
+            return cst.FlattenSentinel([updated, cst.parse_statement('if message[0] == "reset": message = _receive(self.conn, self.slots)\n')])
         return updated
 
 
@@ -360,6 +374,9 @@ def test_verify_catches_the_mutant_with_default_settings(tmp_path, fixture, tran
     original, out = mutant(tmp_path, fixture, transformer, helpers)
     result = verify(original, out)
     assert not result.identical, f"{transformer.__name__} survived: {result.notes}"
+    # Caught for what it breaks: a mutant that fails to run (a stale call into the
+    # runtime raising TypeError) would be "caught" too.
+    assert "the patched loader raised" not in result.difference.what, result.difference
 
 
 class _Counted(_InInjected):

@@ -16,9 +16,9 @@ becomes
         lambda loader_device: DistributedTokenLoader(args.train_files, rank, world_size, loader_device),
         device, prefetch=..., queue_depth=..., copy_stream=...)
 
-The script's loader is built with `device=cpu`. The first `next_batch` runs it in the
-training process, as the original does; then a child process, forked with the loader
-in that state, keeps calling its `next_batch` with the same arguments and writes batch
+The script's loader is built with `device=cpu`. At the first `next_batch` a child
+process is forked with the loader as the construction left it; it calls the loader's
+`next_batch` with the same arguments, every batch the first included, and writes batch
 n into shared-memory slot `n % queue_depth` (an anonymous file, memfd: nothing named in
 /dev/shm, and not bound by its size, which is 64 MB in a container unless raised). A
 socket pair joins the two: one message a batch from the child (its structure, its
@@ -161,12 +161,7 @@ class _PrefetchLoader:
         if message[0] == "error":
             self.shutdown()
             raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
-        batch = _hand_out(message[1], self.slots[message[2]], self.device, self.copy_stream)
-        try:
-            os.write(self.fd, b"\0")  # the slot is copied out: the producer may refill it
-        except OSError:  # the producer has ended (its error sent, or killed): the next call reads why
-            pass
-        return batch
+        return _hand_out(message[1], self.slots[message[2]], self.fd, self.device, self.copy_stream)
 
     def _start(self):
         """Start the producer, at the first batch: a forked child process, or a
@@ -314,12 +309,19 @@ def _receive(conn, slots):
     return message
 
 
-def _hand_out(batch, slot, device, copy_stream):
+def _hand_out(batch, slot, fd, device, copy_stream):
     """The batch of a message (its tensors `_HostTensor`s, in `slot`) on `device`, each
     tensor a copy that the producer cannot rewrite: on CUDA a pinned copy and its H2D
-    (`_staged_h2d`, the staging every producer shares), elsewhere a clone."""
+    (`_staged_h2d`, the staging every producer shares), elsewhere a clone. Then the slot
+    is freed: one byte to the producer on the socket `fd` (a producer that has ended, its
+    error sent or killed, leaves that to the next `_receive`)."""
     pin = device.type == "cuda" and torch.cuda.is_available()  # then `_staged_h2d`'s pinned copy is the copy
-    return _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot) if pin else v.tensor(slot).clone(), device, copy_stream) if isinstance(v, _HostTensor) else v)
+    batch = _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot) if pin else v.tensor(slot).clone(), device, copy_stream) if isinstance(v, _HostTensor) else v)
+    try:
+        os.write(fd, b"\0")
+    except OSError:
+        pass
+    return batch
 
 
 class _HostTensor:
@@ -527,12 +529,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
                     return
                 raise _rebuilt(message[1]) from RuntimeError(message[2])
             first = False
-            batch = _hand_out(message[1], slots[message[2]], device, False)
-            try:
-                os.write(receiver.fileno(), b"\0")  # the slot is copied out: the child may refill it
-            except OSError:  # the child has ended after its last batch: its last messages are still to read
-                pass
-            yield batch
+            yield _hand_out(message[1], slots[message[2]], receiver.fileno(), device, False)
     finally:
         if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
             _spawned.pop(child, None)

@@ -243,13 +243,15 @@ def test_batches_larger_or_smaller_than_the_first_and_any_dtype(module):
     assert "memfd:prefetch-slots" in open("/proc/self/maps").read()  # shared through an anonymous file
     got += list(generator)
     del generator
-    assert "memfd:prefetch-slots" not in open("/proc/self/maps").read()  # and unmapped when the loader ends
     assert len(got) == len(want) == 4
     for w, g in zip(want, got):  # every batch still holds its values after all later ones
         assert g.keys() == w.keys() and g["k"] == w["k"] and g["name"] == w["name"]
         for key in ("x", "mask", "count"):
             assert g[key].dtype == w[key].dtype and g[key].shape == w[key].shape and torch.equal(g[key], w[key])
     assert not multiprocessing.active_children()
+    assert "memfd:prefetch-slots" in open("/proc/self/maps").read()  # the first batch is lent: views of its slot
+    del got, g
+    assert "memfd:prefetch-slots" not in open("/proc/self/maps").read()  # unmapped when the loader and its batches end
 
 
 def test_the_producer_yields_the_cpu_to_the_training_process(module):

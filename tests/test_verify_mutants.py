@@ -193,14 +193,14 @@ class WorkerDropsABatch(_InInjected):
 
 
 class HandOutTheSlot(_InInjected):
-    """The lean runtime hands out its shared-memory slot instead of a copy of it
-    (`_h2d(v.clone(), ...)` -> `_h2d(v, ...)`): the child then rewrites a batch the
-    caller still holds."""
+    """The lean runtime frees a slot as it hands the batch out, not when the batch's
+    views of the slot die (`lent[index] = weakref.ref(...)` -> `_free(conn, index)`):
+    the child then rewrites a batch the caller still holds."""
 
-    def leave_Call(self, original, updated):
-        if self.inside("_hand_out") and m.matches(updated, m.Call(func=m.Attribute(attr=m.Name("clone")), args=[])):
+    def leave_Assign(self, original, updated):
+        if self.inside("_hand_out") and m.matches(updated, m.Assign(targets=[m.AssignTarget(m.Subscript(value=m.Name("lent")))])):
             self.edits += 1
-            return updated.func.value
+            return cst.Expr(cst.parse_expression("_free(conn, index)"))
         return updated
 
 
@@ -318,7 +318,7 @@ LEAN, FULL_RESHAPE, FULL_ROLLBACK, GENERATOR, VAL = (
 MUTANTS = [
     pytest.param(LEAN, HandOutEarly, NTH_CALL, id="lean-batch-handed-out-early"),
     pytest.param(LEAN, SkipABatch, NTH_CALL, id="lean-batch-skipped"),
-    pytest.param(LEAN, HandOutTheSlot, "", id="lean-slot-handed-out-uncopied"),
+    pytest.param(LEAN, HandOutTheSlot, "", id="lean-slot-freed-while-lent"),
     pytest.param(LEAN, WorkerDropsABatch, NTH_CALL, id="lean-worker-drops-a-batch"),
     pytest.param(LEAN, OldWorkerLeftRunning, "", id="lean-old-worker-left-running"),
     pytest.param(LEAN, ResetKeepsTheOldBatches, "", id="lean-reset-keeps-the-old-batches"),

@@ -519,7 +519,7 @@ def queued_batches(loader) -> int | None:
     """
     own = vars(loader) if hasattr(loader, "__dict__") else {}  # not getattr: a `_SettlingLoader` settles on attribute reads
     conn = own.get("conn")
-    if conn is None or "slots" not in own:
+    if conn is None or "lent" not in own:
         return None
     (available,) = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, bytes(4)))  # bytes waiting
     if not available:

@@ -18,16 +18,19 @@ becomes
 
 The script's loader is built with `device=cpu`. At the first `next_batch` a child
 process is forked with the loader as the construction left it; it calls the loader's
-`next_batch` with the same arguments, every batch the first included, and writes batch
-n into shared-memory slot `n % queue_depth` (an anonymous file, memfd: nothing named in
-/dev/shm, and not bound by its size, which is 64 MB in a container unless raised). A
+`next_batch` with the same arguments, every batch the first included, and writes each
+batch into a free shared-memory slot (an anonymous file, memfd: nothing named in
+/dev/shm, and not bound by its size, which is 64 MB in a container unless raised;
+`queue_depth + 1` slots: those built ahead and the one whose batch the caller holds). A
 socket pair joins the two: one message a batch from the child (its structure, its
-non-tensor values, its slot), one byte a free slot back (`queue_depth` of them written
-before the start). `next_batch` reads the message, copies the slot out and frees it:
-on CUDA into pinned memory, the H2D copy queued from there on the copy stream
-(`_staged_h2d`, `patcher/templates/staging.py`); elsewhere a clone. Only the child
-advances the loader, with exactly the calls the original makes, so the batches are
-bit-identical. A batch of another shape or structure than the first travels as well:
+non-tensor values, its slot's number), one byte a free slot back (its number; every
+slot's written before the start). `next_batch` reads the message and hands the batch
+out as views of its slot, lent (`_hand_out`): the slot goes back to the child when the
+last tensor over it dies. On CUDA that is at once: the views are copied into pinned
+memory and the H2D copy queued from there on the copy stream (`_staged_h2d`,
+`patcher/templates/staging.py`); elsewhere the views are the batch, with no copy. Only
+the child advances the loader, with exactly the calls the original makes, so the
+batches are bit-identical. A batch of another shape or structure than the first travels as well:
 each message carries its own, and a tensor the slot has no room for travels in it.
 
 Why a process, and why no thread in the training process: a host-bound training loop
@@ -37,13 +40,17 @@ launch, so the loop's wait falls while its step grows (bench `--main-thread op-b
 a thread running the loader recovered 25-45 % of the original's data time as a
 shorter step; a thread that only pinned the child's batches still slowed the op loop
 by 2-4 %). The child holds no GIL of the training process. The hand-out costs one
-small read and one byte written on the socket, and one copy of the batch. The socket
-orders the memory too: a slot is read only after the child's message says it is
-filled, and rewritten only after the byte that frees it. This is the design of
+small read on the socket and a few views, and the batch's death one byte written
+(on the root script in bench op-bound mode, 0.17-0.18 ms at p50 where a copy out of
+the slot made it 0.41-0.45 ms). The socket orders the memory too: a slot is read only
+after the child's message says it is filled, and rewritten only after the byte that
+frees it. This is the design of
 PyTorch's DataLoader (forked workers into shared memory), for a loader whose order
 must not change.
 
-Contracts: at most `queue_depth` batches are built ahead (in the slots); a child's
+Contracts: at most `queue_depth` batches are built ahead of the one the caller holds
+(`queue_depth + 1` when it holds none); a caller that keeps more batches than that
+gets copies past the last free slot (`_hand_out`), never a wait for a slot; a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
 traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
 a RuntimeError naming its type and message, with that cause); a child that dies
@@ -95,6 +102,7 @@ import threading
 import time
 import traceback
 import types
+import weakref
 
 import torch
 
@@ -145,8 +153,7 @@ class _PrefetchLoader:
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
         self.loader, self.scope = make_loader(torch.device("cpu")), make_loader.__globals__
         self.device, self.copy_stream, self.name, self.args, self.pid = device, copy_stream, name, None, None
-        self.depth = max(1, int(queue_depth))
-        self.slots = [None] * self.depth  # the slots' memory once the producer sends it (None: each batch in its message)
+        self.depth, self.lent = min(max(1, int(queue_depth)), 250), {}  # lent: the slots the caller holds (`_hand_out`)
 
     def next_batch(self, *args):
         if self.pid is None:  # the first call (shutdown() leaves 0): the producer starts, and builds every batch
@@ -161,7 +168,7 @@ class _PrefetchLoader:
         if message[0] == "error":
             self.shutdown()
             raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
-        return _hand_out(message[1], self.slots[message[2]], self.fd, self.device, self.copy_stream)
+        return _hand_out(message[1], message[2], self.slots, self.lent, self.conn, self.device, self.copy_stream)
 
     def _start(self):
         """Start the producer, at the first batch: a forked child process, or a
@@ -178,8 +185,11 @@ class _PrefetchLoader:
         # A socket pair: batches one way, free slots and reset orders the other. The
         # producer's end stays open here for a thread (its end of file would mean nothing).
         self.conn, self.end = multiprocessing.Pipe()
-        self.fd, self.parent = self.conn.fileno(), os.getpid()
-        os.write(self.fd, bytes(self.depth))  # the free slots: one byte each, the producer takes one a batch
+        # depth slots built ahead and one the caller holds: their memory once the producer
+        # sends it (None: each batch in its message)
+        self.slots = [None] * (self.depth + 1)
+        self.parent = os.getpid()
+        os.write(self.conn.fileno(), bytes(range(len(self.slots))))  # the free slots: a byte each, its number; the producer takes one a batch
         if threads:
             print(f"prefetch: threads running {threads}: a forked producer would not have them; {self.name} prefetches on a thread (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
             self.pid, self.thread = False, threading.Thread(target=self._produce, args=(self.end,), name=f"prefetch {self.name}", daemon=True)
@@ -199,7 +209,7 @@ class _PrefetchLoader:
         `next_batch(*self.args)`, until the training process has gone (the child's
         parent is no longer `self.parent`) or, on a thread (`self.pid` False), until
         `shutdown` (which sets it to 0: the thread's process is `self.parent` itself)."""
-        _produce(conn, lambda: self.loader.next_batch(*self.args), self.depth, lambda: self.pid is False or os.getppid() == self.parent, self._rebuild)
+        _produce(conn, lambda: self.loader.next_batch(*self.args), len(self.slots), lambda: self.pid is False or os.getppid() == self.parent, self._rebuild)
 
     def _rebuild(self, order):
         """In the producer: the loader built again from a reset order (`reset`)."""
@@ -224,10 +234,10 @@ class _PrefetchLoader:
         try:
             names = {name: scope[name] for name in code.co_names if name in scope and not isinstance(scope[name], types.ModuleType)}
             order = pickle.dumps((marshal.dumps(code), names, [cell.cell_contents for cell in make_loader.__closure__ or ()]))
-            os.write(self.fd, b"\1")  # an order follows (not a free slot)
+            _free(self.conn, 255)  # not a free slot: an order follows
             self.conn.send_bytes(order)
             while (message := _receive(self.conn, self.slots))[0] == "batch":  # the old loader's, built ahead: dropped
-                os.write(self.fd, b"\0")
+                _free(self.conn, message[2])
         except Exception:  # a value that does not pickle (a local class, a lock), or the producer has gone
             return False
         return message[0] == "reset"
@@ -253,13 +263,14 @@ def _produce(conn, build, depth, alive, rebuild):
     """The producer's loop, in a child process (forked or spawned) or on a thread: one
     batch `build()` per free slot, handed over on `conn`, forever.
 
-    Each batch takes a free slot, a byte from the training process (as many as `depth`
-    written before the start). Batch n's tensors are written into shared-memory slot
-    `n % depth` (`_make_slots`: sized by the first batch built here), and one message
-    follows: ("batch", the batch with each tensor as a `_HostTensor`, the slot's number),
+    Each batch takes a free slot, a byte from the training process: the slot's number
+    (each of the `depth` slots' written before the start). The batch's tensors are
+    written into that shared-memory slot (`_make_slots`: sized by the first batch built
+    here), and one message follows: ("batch", the batch with each tensor as a
+    `_HostTensor`, the slot's number),
     a few hundred bytes with its non-tensor values (the state dict of THAT batch) that one
     write delivers; a tensor the slot has no room for (a batch larger than the first)
-    travels in the message. The byte b"\\1" instead of a free slot is a reset order:
+    travels in the message. The byte 255 instead of a free slot is a reset order:
     `rebuild(order bytes)`, answered ("reset",). A send that finds the training process
     gone raises (BrokenPipeError) out of the loop: a child ends there. An exception is sent instead, as
     ("error", exception, traceback text), and ends the producer (a generator's end
@@ -270,7 +281,7 @@ def _produce(conn, build, depth, alive, rebuild):
     waiter made a hand-out 0.11 ms against 0.08), then sleeps on the socket `_POLL_S` at
     a time: an idle producer (a loop that validates, or waits) wakes 20 times a second.
     """
-    slots, made = None, 0
+    slots = None
     try:
         while True:
             polls = 0
@@ -283,7 +294,7 @@ def _produce(conn, build, depth, alive, rebuild):
             order = os.read(conn.fileno(), 1)
             if not order:  # an end of file: the training process has gone
                 return
-            if order == b"\1":  # a reset: the rebuilt loader, made here
+            if order == b"\xff":  # a reset: the rebuilt loader, made here
                 rebuild(conn.recv_bytes())
                 conn.send(("reset",))
                 continue
@@ -293,9 +304,8 @@ def _produce(conn, build, depth, alive, rebuild):
                 _each_tensor(batch, tensors.append)
                 size = sum(map(_slot_bytes, tensors))
                 slots = _make_slots(conn, size, depth) if size else [None] * depth
-            slot, at = slots[made % depth], [0]
-            conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, slot, at)), made % depth))
-            made += 1
+            slot, at = slots[order[0]], [0]
+            conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, slot, at)), order[0]))
     except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause
         conn.send(("error", _producer_error(error), traceback.format_exc()))  # the training process gone: BrokenPipeError, the producer's end
 
@@ -309,19 +319,38 @@ def _receive(conn, slots):
     return message
 
 
-def _hand_out(batch, slot, fd, device, copy_stream):
-    """The batch of a message (its tensors `_HostTensor`s, in `slot`) on `device`, each
-    tensor a copy that the producer cannot rewrite: on CUDA a pinned copy and its H2D
-    (`_staged_h2d`, the staging every producer shares), elsewhere a clone. Then the slot
-    is freed: one byte to the producer on the socket `fd` (a producer that has ended, its
-    error sent or killed, leaves that to the next `_receive`)."""
-    pin = device.type == "cuda" and torch.cuda.is_available()  # then `_staged_h2d`'s pinned copy is the copy
-    batch = _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot) if pin else v.tensor(slot).clone(), device, copy_stream) if isinstance(v, _HostTensor) else v)
+def _hand_out(batch, index, slots, lent, conn, device, copy_stream):
+    """The batch of a message (its tensors `_HostTensor`s, in slot `index` of `slots`) on
+    `device`, as views of the slot, lent: the slot goes back to the producer (`_free`)
+    when the last tensor over it dies (`lent`: slot number -> the weak reference that
+    frees it). On CUDA the views live only until `_staged_h2d` has copied them into
+    pinned memory and queued the H2D; elsewhere they are the batch, with no copy (the
+    hand-out a thread producer's queue gives: parameter-golf #591). A batch whose views
+    would leave the producer no slot (a caller that keeps every batch) is a copy
+    instead, its slot freed at once, as is a batch that travelled in its message: a
+    wait for a slot there would never end. Only this process frees a slot: a process
+    the script forks off this one may drop the views it inherited.
+    Returns: the batch's structure, its tensors (e.g. `x, y: int64 [batch, seq_len]`)
+    on `device`."""
+    slot = slots[index]
+    if slot is None:
+        _free(conn, index)
+    else:
+        slot = slot.numpy()  # an object of this batch's own, kept alive by each tensor over it
+        lent[index] = weakref.ref(slot, lambda _, pid=os.getpid(): os.getpid() == pid and lent.pop(index) and _free(conn, index))
+        slot = torch.from_numpy(slot)
+        if len(lent) == len(slots):  # views would leave the producer no slot: a copy, the slot freed as `slot` goes
+            slot = slot.clone()
+    return _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot), device, copy_stream) if isinstance(v, _HostTensor) else v)
+
+
+def _free(conn, index):
+    """Slot `index` back to the producer: its number, a byte on `conn` (a producer that
+    has ended, its error sent or killed, leaves that to the next `_receive`)."""
     try:
-        os.write(fd, b"\0")
+        os.write(conn.fileno(), bytes([index]))
     except OSError:
         pass
-    return batch
 
 
 class _HostTensor:
@@ -460,7 +489,8 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     Lifetime: the original yields views of one reused device buffer (valid until the next
     `next()`); here each batch is a fresh device tensor (pinned on CUDA: torch's caching
     host allocator hands a pinned block out again only after the event behind its last
-    H2D has completed), so a batch stays valid as long as it is held. Where the child
+    H2D has completed), or on the CPU views of a slot that the child refills only once
+    the batch has died, so a batch stays valid as long as it is held. Where the child
     cannot be used (the module runs as `__main__`, the arguments do not pickle, no
     descriptors or processes to spare, the child cannot import the module or find the
     function, an argument does not unpickle there, the child dies before its first
@@ -481,7 +511,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     if module_name in ("__main__", "__mp_main__") or getattr(sys.modules.get(module_name), function.__name__, None) is not function:
         yield from _run_here(function, arguments, f"module {function.__module__} cannot be imported by name in a spawned process")
         return
-    depth = max(1, int(depth))
+    depth = min(max(1, int(depth)), 250) + 1  # slots: those built ahead and the one the caller holds
     main, sender, refused = sys.modules["__main__"], None, None
     # Spawn re-runs the main script in the child unless it is guarded; a training script
     # that trains at top level would train there. The child needs only this module.
@@ -492,7 +522,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         pickled = {name: pickle.dumps(value) for name, value in dict(arguments, **{device_param: "cpu"}).items()}
         spawn = multiprocessing.get_context("spawn")
         receiver, sender = spawn.Pipe()  # a socket pair: it carries the slots' file descriptor too
-        os.write(receiver.fileno(), bytes(depth))  # the free slots
+        os.write(receiver.fileno(), bytes(range(depth)))  # the free slots, by number
         child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, pickled, sender, depth), daemon=True, name=f"prefetch {function.__name__}")
         child.start()
     except Exception as error:  # an argument does not pickle, no descriptors or processes to spare
@@ -510,7 +540,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         _fork_hook.append(os.register_at_fork(after_in_child=_forget_spawned))
     owner = os.getpid()
     _spawned[child] = owner
-    device, slots, first = torch.device(arguments[device_param]), [None] * depth, True  # first: no batch received yet
+    device, slots, lent, first = torch.device(arguments[device_param]), [None] * depth, {}, True  # first: no batch received yet
     try:
         while True:
             try:
@@ -529,7 +559,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
                     return
                 raise _rebuilt(message[1]) from RuntimeError(message[2])
             first = False
-            yield _hand_out(message[1], slots[message[2]], receiver.fileno(), device, False)
+            yield _hand_out(message[1], message[2], slots, lent, receiver, device, False)
     finally:
         if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
             _spawned.pop(child, None)

@@ -13,7 +13,7 @@ step, on the same shards:
 - staged: the patched script's generator on the CUDA path driven with host memory
   (`cuda_on_host`): each copy goes into pinned memory, as on a GPU;
 - thread: the original generator run ahead by the thread producer
-  (`patcher/templates/prefetch_iterator.py`), what a default patch gives generators without
+  (`patcher/templates/prefetch_loader.py`), what a default patch gives generators without
   shard threads.
 
 Prints the mean and median step (ms) of each side and its ratio to the original's.
@@ -45,7 +45,7 @@ from patcher.proof.timing import step_function as _step_function  # noqa: E402
 from patcher.proof.harness import load_definitions  # noqa: E402
 from patcher.proof.host_cuda import cuda_on_host, host_only_pinning  # noqa: E402
 from patcher.proof.shards import write_shards  # noqa: E402
-from patcher.templates.prefetch_iterator import _prefetch_iterator  # noqa: E402
+from patcher.templates.prefetch_loader import _prefetch_iterator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

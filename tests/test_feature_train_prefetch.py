@@ -144,7 +144,7 @@ def test_a_family_is_asked_through_its_unit_alone(monkeypatch):
         asked.append((variable.target, variable.lines, variable.loader.name))
         return Plan(note="runs ahead as the strange family says")
 
-    strange = Family("strange", "loader_class", lambda loader: loader.name == "StrangeLoader", plan, producer="_prefetch_next_batch", runtime="prefetch_iterator", order=1)
+    strange = Family("strange", "loader_class", lambda loader: loader.name == "StrangeLoader", plan, producer="_prefetch_next_batch", runtime="prefetch_loader", order=1)
     monkeypatch.setattr(registry, "UNITS", [strange, *registry.UNITS])
     monkeypatch.setitem(registry.BY_NAME, "strange", strange)
     result = assert_patch(
@@ -182,6 +182,6 @@ def test_a_family_declares_a_known_kind_and_producer_and_generators_their_refusa
     with pytest.raises(ValueError, match="producer '_prefetch_loader'"):
         Family("x", "loader_class", bool, plan, producer="_prefetch_loader", runtime=None)
     with pytest.raises(ValueError, match="`refuse` is for generator families"):
-        Family("x", "generator", bool, plan, producer="_prefetch_iterator", runtime="prefetch_iterator", kind="generator")
+        Family("x", "generator", bool, plan, producer="_prefetch_iterator", runtime="prefetch_loader", kind="generator")
     with pytest.raises(ValueError, match="`refuse` is for generator families"):
         Family("x", "loader_class", bool, plan, producer=None, runtime=None, refuse=lambda site, function, index: None)

@@ -1,4 +1,4 @@
-"""patcher/templates/prefetch_iterator.py as plain Python: a data generator run ahead on a thread."""
+"""The thread producer's generator runner (patcher/templates/prefetch_loader.py) as plain Python: a data generator run ahead on a thread."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patcher.templates.prefetch_iterator import _prefetch_iterator, _prefetch_next_batch, _PrefetchIterator, _record_stream
+from patcher.templates.prefetch_loader import _prefetch_iterator, _prefetch_next_batch, _PrefetchIterator, _record_stream
 from patcher.templates.prefetch_loader import _live_prefetchers
 
 WAIT_S = 5.0

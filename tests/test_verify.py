@@ -46,10 +46,10 @@ def test_identical_on_patched_fixtures(tmp_path, name):
 # Anchored where next_batch (patcher/templates/prefetch_lean.py) has copied a batch out of
 # its slot and freed the slot (every batch: the producer builds them all).
 # Taking one more: the next message read, its batch copied out and its slot freed.
-_TAKE = "_hand_out(message[1], message[2], self.slots, self.lent, self.conn, self.device, self.copy_stream)"
+_TAKE = "_hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)"
 _FREED = f"        return {_TAKE}\n"
 _HANDED = f"        batch = {_TAKE}\n"
-_TAKE_ANOTHER = f"message = _receive(self.conn, self.slots); batch = {_TAKE}"
+_TAKE_ANOTHER = f"message = _receive(self.conn, self.slots, self.lent); batch = {_TAKE}"
 SWAP_TWO = (
     _FREED,
     _HANDED + "        self.k = getattr(self, 'k', 0) + 1\n"
@@ -371,15 +371,15 @@ def test_a_patch_without_training_prefetch_says_nothing_was_prefetched(tmp_path,
 def test_verify_runs_the_forked_producer_beside_the_harnesss_own_threads(tmp_path):
     # A test runner's or the progress clock's thread is running while verify loads the
     # scripts; the lean runtime must still fork (else verify proves the unprefetched path):
-    # a runtime that frees a slot as it lends it out (not when the batch's views die) is caught.
+    # a runtime that gives a slot back while its batch's views live is caught.
     import threading
 
     fixture = FIXTURES / "tokenstream_readable.py"
     text = patch_source(fixture.read_text()).source
-    lent, freed_at_death = "lent[index] = weakref.ref(", " and lent.pop(index) and _free(conn, index))"
-    assert text.count(lent) == 1 and text.count(freed_at_death) == 1
+    lent = "lent[index] = weakref.ref(slot)"
+    assert text.count(lent) == 1
     patched = tmp_path / "patched.py"
-    patched.write_text(text.replace(freed_at_death, " and lent.pop(index))").replace(lent, "_free(conn, index); " + lent))
+    patched.write_text(text.replace(lent, "lent[index] = lambda: None"))
     stop = threading.Event()
     clock = threading.Thread(target=stop.wait, name="harness-clock", daemon=True)
     clock.start()

@@ -6,7 +6,7 @@ The runtimes covered are the ones a patch injects: the lean train prefetch
 (patcher/templates/prefetch_lean.py: constant `next_batch` arguments, a forked producer
 process), the full one (patcher/templates/prefetch_loader.py: a per-step argument applied at
 hand-out, a rollback to a snapshot), the generator runtime
-(patcher/templates/prefetch_iterator.py) and the validation generator (patcher/templates/prefetch_val.py).
+(patcher/templates/prefetch_loader.py's `_prefetch_iterator`) and the validation generator (patcher/templates/prefetch_val.py).
 Every mutant in `MUTANTS` can change the batches a CPU run hands out (or leaves a
 replaced loader's thread running), so verify must catch every one (a difference, never
 "cannot verify"). `NOT_ON_A_CPU` lists the kinds that only a GPU run could tell apart.
@@ -143,7 +143,7 @@ class _AfterTake(_InInjected):
 
 # Before a mutant takes one more batch from the lean runtime (patcher/templates/prefetch_lean.py):
 # the next batch's message read (`_hand_out` freed the slot just copied).
-ROOM = "if hasattr(self, 'fd'): message = _receive(self.conn, self.slots)\n"
+ROOM = "if hasattr(self, 'fd'): message = _receive(self.conn, self.slots, self.lent)\n"
 
 
 class SkipABatch(_AfterTake):
@@ -193,14 +193,14 @@ class WorkerDropsABatch(_InInjected):
 
 
 class HandOutTheSlot(_InInjected):
-    """The lean runtime frees a slot as it hands the batch out, not when the batch's
-    views of the slot die (`lent[index] = weakref.ref(...)` -> `_free(conn, index)`):
-    the child then rewrites a batch the caller still holds."""
+    """The lean runtime gives a slot back at the next batch whatever its batch's views
+    (`lent[index] = weakref.ref(...)` -> `lent[index] = lambda: None`, a reference
+    always dead): the child then rewrites a batch the caller still holds."""
 
     def leave_Assign(self, original, updated):
-        if self.inside("_hand_out") and m.matches(updated, m.Assign(targets=[m.AssignTarget(m.Subscript(value=m.Name("lent")))])):
+        if self.inside("_hand_out") and m.matches(updated, m.Assign(targets=[m.AssignTarget(m.Subscript(value=m.Name("lent")))], value=m.Call(func=m.Attribute(attr=m.Name("ref"))))):
             self.edits += 1
-            return cst.Expr(cst.parse_expression("_free(conn, index)"))
+            return updated.with_changes(value=cst.parse_expression("lambda: None"))
         return updated
 
 
@@ -237,7 +237,7 @@ class ResetKeepsTheOldBatches(_InInjected):
     def leave_SimpleStatementLine(self, original, updated):
         received = m.SimpleStatementLine(body=[m.Assign(targets=[m.AssignTarget(m.Name("message"))], value=m.Call(func=m.Name("_receive")))])
         if self.inside("next_batch") and m.matches(updated, received):
-            return cst.FlattenSentinel([updated, cst.parse_statement('if message[0] == "reset": message = _receive(self.conn, self.slots)\n')])
+            return cst.FlattenSentinel([updated, cst.parse_statement('if message[0] == "reset": message = _receive(self.conn, self.slots, self.lent)\n')])
         return updated
 
 
@@ -311,7 +311,7 @@ LEAN, FULL_RESHAPE, FULL_ROLLBACK, GENERATOR, VAL = (
     "own_configuration",  # TokenStream, patcher/templates/prefetch_lean.py
     "curriculum",  # a per-step sequence length: patcher/templates/prefetch_loader.py, reshape at hand-out
     "batch_switch",  # a per-step batch size: patcher/templates/prefetch_loader.py, rollback
-    "generator_toplevel",  # a data generator with .send(): patcher/templates/prefetch_iterator.py
+    "generator_toplevel",  # a data generator with .send(): `_prefetch_iterator`
     "tokenstream_readable",  # the validation generator: patcher/templates/prefetch_val.py
 )
 

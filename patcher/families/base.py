@@ -54,8 +54,8 @@ SPAWN_GENERATOR = "_spawn_generator"
 THREAD_LOADER_RUNTIME = "prefetch_loader"
 PRODUCERS = {
     MAKE_TRAIN_LOADER: "prefetch_lean",
-    PREFETCH_ITERATOR: "prefetch_iterator",
-    PREFETCH_NEXT_BATCH: "prefetch_iterator",
+    PREFETCH_ITERATOR: "prefetch_loader",
+    PREFETCH_NEXT_BATCH: "prefetch_loader",
     SPAWN_GENERATOR: "prefetch_lean",
 }
 
@@ -86,7 +86,7 @@ class Family:
     a thread), `_spawn_generator` (a data-loader module's loader generators); None for
     a family always left alone.
     runtime: the template that defines `producer` unless its `Plan` names another
-    (`prefetch_lean`, the forked producer; `prefetch_iterator`, the thread runner).
+    (`prefetch_lean`, the forked producer; `prefetch_loader`, the thread producer and its runners).
     order: recognition precedence, lower first (a catch-all family comes last).
     kind: "loader_class" or "generator" (`KINDS`): what `recognise` is asked about.
     prefetches: loaders of this family already build batches ahead by design, threads

@@ -10,7 +10,7 @@ to CUDA itself, and which uses no threads. Refusals: a loader that draws from a 
 RNG, calls torch.distributed or torch.cuda (`LoaderClass.unsafe`); a `next_batch` call
 with an argument that changes during the run (the thread runs calls ahead with the
 arguments it was given). Producer: `_prefetch_next_batch`, thread runtime
-`prefetch_iterator`. Verify: the "loader_class" driver (its `.cuda()` kept on the host).
+`prefetch_loader`. Verify: the "loader_class" driver (its `.cuda()` kept on the host).
 """
 
 from __future__ import annotations
@@ -36,4 +36,4 @@ def plan(variable: DataVariable, verdicts) -> Plan:
     return Plan(note=f"`{variable.target}` built at line {variable.lines}: next_batch() runs ahead on a background thread, its own .cuda() copies on the copy stream")
 
 
-UNIT = Family("distributed_data_loader", "loader_class", recognise, plan, producer=PREFETCH_NEXT_BATCH, runtime="prefetch_iterator", order=20)
+UNIT = Family("distributed_data_loader", "loader_class", recognise, plan, producer=PREFETCH_NEXT_BATCH, runtime="prefetch_loader", order=20)

@@ -10,7 +10,7 @@ generator object for more than `next()` / `.send()`, never advances it, or where
 generator already loads in the background (`Thread`, `load_async`), draws from a
 global RNG, or calls a torch.distributed collective (local queries such as
 `get_rank` are fine). Producer: `_prefetch_iterator`, thread runtime
-`prefetch_iterator`: the generator runs ahead on a thread, its own H2D copies on the
+`prefetch_loader`: the generator runs ahead on a thread, its own H2D copies on the
 copy stream; a `.send(value)` rebuilds and replays it, exactly. Verify: the
 "generator" driver.
 
@@ -125,4 +125,4 @@ def plan(variable: DataVariable, verdicts) -> Plan:
     return Plan(note=f"`{variable.target}` (generator {variable.sites[0].function}) built at line {variable.lines} runs ahead on a background thread")
 
 
-UNIT = Family("generator", "generator", recognise, plan, producer=PREFETCH_ITERATOR, runtime="prefetch_iterator", order=10, kind="generator", refuse=refuse, stages=stages)
+UNIT = Family("generator", "generator", recognise, plan, producer=PREFETCH_ITERATOR, runtime="prefetch_loader", order=10, kind="generator", refuse=refuse, stages=stages)

@@ -163,16 +163,20 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     if leaked:
                         names = ", ".join(sorted({t.name for t in leaked}))
                         return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
-                held = None  # (n, batch): the last batch compared, compared again before the next draw
+                held = None  # (n, batch): the last batch compared, held while the next is drawn and compared again then
                 early = early_at.get(index)
                 early_words = f" (the edited loop fetches the next batch before it uses this one, line {early})" if early else ""
                 in_flight = InFlight(use_delay=1 if early else 0)
+                # The tool's own runtime hands out batches that hold as long as they are held,
+                # as the original's fresh tensors do (a loop holds one while it takes the next,
+                # `x, y = train_loader.next_batch(...)`); a hand-edited loop's batch need only
+                # hold until the next call, unless that loop fetches the next batch first.
+                after_the_draw = calls is None or early
                 for n in range(count):
-                    if held is not None and (early or not reference.reuses[phase]):
-                        _producer_caught_up(loader)
-                        diff = first_difference(reference.batches[phase][held[0]], held[1])
+                    if held is not None and not after_the_draw and not reference.reuses[phase]:
+                        diff = _changed_since_handed_out(loader, reference.batches[phase][held[0]], held[1])
                         if diff is not None:
-                            return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, before batch {n} was taken{early_words}: {diff[1]}")
+                            return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
                     try:
                         with draw_deadline(timeout_s):
                             candidate = loader.next_batch(*(calls or recipe).arguments(ns, n, plan.seq_lens))
@@ -180,6 +184,10 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                         raise CannotVerify(f"the patched loader hangs here (rank {rank}, {phase} batch {n}, {configuration.label}): {error}") from None
                     except Exception as error:
                         return Difference(rank, phase, n, None, f"the patched loader raised {type(error).__name__}: {one_line(error)}")
+                    if held is not None and after_the_draw and (early or not reference.reuses[phase]):
+                        diff = _changed_since_handed_out(loader, reference.batches[phase][held[0]], held[1])
+                        if diff is not None:
+                            return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, by the time batch {n} was taken{early_words}: {diff[1]}")
                     for m, batch in in_flight.drawn(n, candidate):
                         diff = first_difference(reference.batches[phase][m], batch)
                         if diff is not None:
@@ -219,18 +227,27 @@ def _early_fetches(calls: LoaderRecipe) -> dict[int, int]:
     return found
 
 
+def _changed_since_handed_out(loader, want, batch):
+    """`first_difference(want, batch)` for a batch handed out earlier and still held,
+    once the producer of `loader` has filled the slots it was given (`_producer_caught_up`)."""
+    _producer_caught_up(loader)
+    return first_difference(want, batch)
+
+
 def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
     """Wait until a lean runtime's child (patcher/templates/prefetch_lean.py) has filled every
-    free slot, at most `timeout_s` seconds: the slot of the batch handed out last is
-    then rewritten, so a batch that still views its slot shows it when compared again
-    (deterministically, not by the child's timing). Other runtimes: returns at once."""
+    slot it was given, at most `timeout_s` seconds: every slot but those the loader
+    still lends (`lent`, the batches handed out since the last slots went back). A slot
+    given back too early (its batch still held) is then rewritten, so the batch shows
+    it when compared again (deterministically, not by the child's timing). Other
+    runtimes: returns at once."""
     own = vars(loader) if hasattr(loader, "__dict__") else {}  # not getattr: a `_SettlingLoader` settles on attribute reads
     pid = own.get("pid")
     if queued_batches(loader) is None or not pid:
         return
     child = ChildProcess(pid)
     deadline = time.monotonic() + timeout_s
-    while queued_batches(loader) < loader.depth and child.is_alive() and time.monotonic() < deadline:
+    while queued_batches(loader) < len(own["slots"]) - len(own["lent"]) and child.is_alive() and time.monotonic() < deadline:
         time.sleep(0.0005)
 
 

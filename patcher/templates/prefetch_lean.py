@@ -162,13 +162,13 @@ class _PrefetchLoader:
         elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
             raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
         try:
-            message = _receive(self.conn, self.slots)
+            message = _receive(self.conn, self.slots, self.lent)
         except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)
             raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
         if message[0] == "error":
             self.shutdown()
             raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
-        return _hand_out(message[1], message[2], self.slots, self.lent, self.conn, self.device, self.copy_stream)
+        return _hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
 
     def _start(self):
         """Start the producer, at the first batch: a forked child process, or a
@@ -185,11 +185,12 @@ class _PrefetchLoader:
         # A socket pair: batches one way, free slots and reset orders the other. The
         # producer's end stays open here for a thread (its end of file would mean nothing).
         self.conn, self.end = multiprocessing.Pipe()
-        # depth slots built ahead and one the caller holds: their memory once the producer
-        # sends it (None: each batch in its message)
-        self.slots = [None] * (self.depth + 1)
-        self.parent = os.getpid()
-        os.write(self.conn.fileno(), bytes(range(len(self.slots))))  # the free slots: a byte each, its number; the producer takes one a batch
+        # depth slots built ahead, the one whose batch the caller holds and the one it held
+        # before (given back at the next hand-out): their memory once the producer sends it
+        # (None: each batch in its message)
+        self.slots = [None] * (self.depth + 2)
+        self.fd, self.parent = self.conn.fileno(), os.getpid()
+        os.write(self.fd, bytes(range(len(self.slots))))  # the free slots: a byte each, its number; the producer takes one a batch
         if threads:
             print(f"prefetch: threads running {threads}: a forked producer would not have them; {self.name} prefetches on a thread (TRAIN_PREFETCH=0 silences this)", file=sys.stderr)
             self.pid, self.thread = False, threading.Thread(target=self._produce, args=(self.end,), name=f"prefetch {self.name}", daemon=True)
@@ -234,10 +235,10 @@ class _PrefetchLoader:
         try:
             names = {name: scope[name] for name in code.co_names if name in scope and not isinstance(scope[name], types.ModuleType)}
             order = pickle.dumps((marshal.dumps(code), names, [cell.cell_contents for cell in make_loader.__closure__ or ()]))
-            _free(self.conn, 255)  # not a free slot: an order follows
+            os.write(self.fd, b"\xff")  # not a free slot: an order follows
             self.conn.send_bytes(order)
-            while (message := _receive(self.conn, self.slots))[0] == "batch":  # the old loader's, built ahead: dropped
-                _free(self.conn, message[2])
+            while (message := _receive(self.conn, self.slots, self.lent))[0] == "batch":  # the old loader's, built ahead: dropped
+                os.write(self.fd, bytes([message[2]]))
         except Exception:  # a value that does not pickle (a local class, a lock), or the producer has gone
             return False
         return message[0] == "reset"
@@ -252,7 +253,7 @@ class _PrefetchLoader:
         pid, self.pid = self.pid, 0
         while pid is False and self.thread.is_alive() and time.monotonic() < until:
             while self.conn.poll():  # a thread blocked sending a message larger than the socket's buffer ends once it is read
-                _receive(self.conn, self.slots)
+                _receive(self.conn, self.slots, self.lent)
             self.thread.join(_POLL_S)
         if pid and os.getpid() == self.parent:
             os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
@@ -310,47 +311,49 @@ def _produce(conn, build, depth, alive, rebuild):
         conn.send(("error", _producer_error(error), traceback.format_exc()))  # the training process gone: BrokenPipeError, the producer's end
 
 
-def _receive(conn, slots):
+def _receive(conn, slots, lent):
     """The producer's next message other than its slots: ("slots", bytes a slot), the
     slots' descriptor after it, is mapped into the list `slots` (one entry a slot, None
-    until then). Raises EOFError when the producer has gone."""
+    until then). First, each slot of `lent` whose batch has died (`_hand_out`) goes back
+    to the producer: its number, a byte on `conn` (a producer that has ended, its error
+    sent or killed, leaves its messages to read). Raises EOFError or OSError when the
+    producer has gone."""
+    for dead in [i for i, ref in lent.items() if ref() is None]:
+        del lent[dead]
+        try:
+            os.write(conn.fileno(), bytes([dead]))
+        except OSError:
+            pass
     while (message := conn.recv())[0] == "slots":
         slots[:] = _map_slots(multiprocessing.reduction.recv_handle(conn), message[1], len(slots))
     return message
 
 
-def _hand_out(batch, index, slots, lent, conn, device, copy_stream):
+def _hand_out(batch, index, slots, lent, device, copy_stream):
     """The batch of a message (its tensors `_HostTensor`s, in slot `index` of `slots`) on
-    `device`, as views of the slot, lent: the slot goes back to the producer (`_free`)
-    when the last tensor over it dies (`lent`: slot number -> the weak reference that
-    frees it). On CUDA the views live only until `_staged_h2d` has copied them into
-    pinned memory and queued the H2D; elsewhere they are the batch, with no copy (the
-    hand-out a thread producer's queue gives: parameter-golf #591). A batch whose views
-    would leave the producer no slot (a caller that keeps every batch) is a copy
-    instead, its slot freed at once, as is a batch that travelled in its message: a
-    wait for a slot there would never end. Only this process frees a slot: a process
-    the script forks off this one may drop the views it inherited.
+    `device`, as views of the slot, lent: `lent[index]` becomes a weak reference to an
+    object that only the batch's tensors keep alive, and the next `_receive` that finds
+    it dead gives the slot back to the producer. On CUDA the views die inside this
+    call, once `_staged_h2d` has copied them into pinned memory and queued the H2D;
+    elsewhere they are the batch, with no copy (the hand-out a thread producer's queue
+    gives: parameter-golf #591). A batch whose views would leave the producer no slot
+    (a caller that keeps every batch) is a copy instead, as is a batch that travelled
+    in its message: a wait for a slot there would never end.
+
+    Polled at the next batch, not a weak reference's callback: a callback is Python
+    code run wherever the last tensor dies, and a Ctrl-C that lands in it is lost
+    (printed as ignored, and the training goes on); in a process the script forks off
+    this one, the views it inherited would die and free slots there too.
     Returns: the batch's structure, its tensors (e.g. `x, y: int64 [batch, seq_len]`)
     on `device`."""
-    slot = slots[index]
-    if slot is None:
-        _free(conn, index)
-    else:
+    slot, lent[index] = slots[index], lambda: None  # no slot, nothing lent: free at the next batch
+    if slot is not None:
         slot = slot.numpy()  # an object of this batch's own, kept alive by each tensor over it
-        lent[index] = weakref.ref(slot, lambda _, pid=os.getpid(): os.getpid() == pid and lent.pop(index) and _free(conn, index))
+        lent[index] = weakref.ref(slot)
         slot = torch.from_numpy(slot)
-        if len(lent) == len(slots):  # views would leave the producer no slot: a copy, the slot freed as `slot` goes
+        if len(lent) == len(slots):  # views would leave the producer no slot: a copy
             slot = slot.clone()
     return _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot), device, copy_stream) if isinstance(v, _HostTensor) else v)
-
-
-def _free(conn, index):
-    """Slot `index` back to the producer: its number, a byte on `conn` (a producer that
-    has ended, its error sent or killed, leaves that to the next `_receive`)."""
-    try:
-        os.write(conn.fileno(), bytes([index]))
-    except OSError:
-        pass
 
 
 class _HostTensor:
@@ -511,7 +514,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     if module_name in ("__main__", "__mp_main__") or getattr(sys.modules.get(module_name), function.__name__, None) is not function:
         yield from _run_here(function, arguments, f"module {function.__module__} cannot be imported by name in a spawned process")
         return
-    depth = min(max(1, int(depth)), 250) + 1  # slots: those built ahead and the one the caller holds
+    depth = min(max(1, int(depth)), 250) + 2  # slots: those built ahead, the batch the caller holds and the one before
     main, sender, refused = sys.modules["__main__"], None, None
     # Spawn re-runs the main script in the child unless it is guarded; a training script
     # that trains at top level would train there. The child needs only this module.
@@ -544,8 +547,8 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     try:
         while True:
             try:
-                message = _receive(receiver, slots)
-            except (EOFError, ConnectionResetError):  # the child is gone (reset: it left bytes of free slots unread)
+                message = _receive(receiver, slots, lent)
+            except (EOFError, OSError):  # the child is gone (a reset connection: it left bytes of free slots unread)
                 child.join(_STOP_WAIT_S)
                 if not first:
                     raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None
@@ -559,7 +562,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
                     return
                 raise _rebuilt(message[1]) from RuntimeError(message[2])
             first = False
-            yield _hand_out(message[1], message[2], slots, lent, receiver, device, False)
+            yield _hand_out(message[1], message[2], slots, lent, device, False)
     finally:
         if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
             _spawned.pop(child, None)

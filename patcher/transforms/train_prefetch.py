@@ -21,7 +21,7 @@ transform writes what the families decided, and names none of them:
   (patcher/render/cut.py).
 - a runner (`_prefetch_iterator`, `_prefetch_next_batch`): the script's own call runs
   ahead on a thread, `train_loader = _prefetch_iterator(lambda: gen(...), ...)`
-  (`patcher/templates/prefetch_iterator.py`).
+  (`patcher/templates/prefetch_loader.py`, the thread producer).
 - module mode: a data-loader module (no training script) whose loader generators a
   "module" family finds (`registry.module_loaders`): each accepted `def name(` becomes
   `def _original_name(` and a new `def name(<the same parameters>)` after it calls the
@@ -80,8 +80,8 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
             notes.append(Note(FEATURE, True, plan.note, variable.line))
             ctx.need(plan.runtime)
     # A script has one `_make_train_loader`: the thread runtime serves every variable where
-    # one plan asks for it, or a runner's template uses it anyway.
-    full = any(plan.runtime == THREAD_LOADER_RUNTIME for _, plan in wrapped) or any(THREAD_LOADER_RUNTIME in RUNTIME.get(t, ()) for t in ctx.templates)
+    # one plan asks for it, or where a runner (which is in it) is used anyway.
+    full = any(plan.runtime == THREAD_LOADER_RUNTIME for _, plan in wrapped) or THREAD_LOADER_RUNTIME in ctx.templates
     runtime = THREAD_LOADER_RUNTIME if full else wrapped[0][1].runtime if wrapped else None
     for variable, plan in wrapped:
         # The thread runtime takes every option a plan chooses; the forked one only those
@@ -205,7 +205,6 @@ RUNTIME = {
     "staging": ("copy_stream",),
     "prefetch_lean": ("staging",),
     "prefetch_loader": ("copy_stream", "staging"),
-    "prefetch_iterator": ("prefetch_loader",),
 }
 # The options of `_make_train_loader` whose code a script gets only where a call site
 # chooses them. The lean runtime's depth is one: a default patch passes none (the

@@ -21,14 +21,15 @@ process is forked with the loader as the construction left it; it calls the load
 `next_batch` with the same arguments, every batch the first included, and writes each
 batch into a free shared-memory slot (an anonymous file, memfd: nothing named in
 /dev/shm, and not bound by its size, which is 64 MB in a container unless raised;
-`queue_depth + 1` slots: those built ahead and the one whose batch the caller holds). A
-socket pair joins the two: one message a batch from the child (its structure, its
-non-tensor values, its slot's number), one byte a free slot back (its number; every
-slot's written before the start). `next_batch` reads the message and hands the batch
-out as views of its slot, lent (`_hand_out`): the slot goes back to the child when the
-last tensor over it dies. On CUDA that is at once: the views are copied into pinned
-memory and the H2D copy queued from there on the copy stream (`_staged_h2d`,
-`patcher/templates/staging.py`); elsewhere the views are the batch, with no copy. Only
+`queue_depth + 2` slots: those built ahead, the one whose batch the caller holds and
+the one it held before). A socket pair joins the two: one message a batch from the
+child (its structure, its non-tensor values, its slot's number), one byte a free slot
+back (its number; every slot's written before the start). `next_batch` reads the
+message and hands the batch out as views of its slot, lent (`_hand_out`): the slot
+goes back to the child at the first `next_batch` after the last tensor over it died.
+On CUDA the views die at once: they are copied into pinned memory and the H2D copy
+queued from there on the copy stream (`_staged_h2d`, `patcher/templates/staging.py`);
+elsewhere the views are the batch, with no copy. Only
 the child advances the loader, with exactly the calls the original makes, so the
 batches are bit-identical. A batch of another shape or structure than the first travels as well:
 each message carries its own, and a tensor the slot has no room for travels in it.
@@ -40,17 +41,18 @@ launch, so the loop's wait falls while its step grows (bench `--main-thread op-b
 a thread running the loader recovered 25-45 % of the original's data time as a
 shorter step; a thread that only pinned the child's batches still slowed the op loop
 by 2-4 %). The child holds no GIL of the training process. The hand-out costs one
-small read on the socket and a few views, and the batch's death one byte written
-(on the root script in bench op-bound mode, 0.17-0.18 ms at p50 where a copy out of
-the slot made it 0.41-0.45 ms). The socket orders the memory too: a slot is read only
+small read on the socket, a few views, and one byte written for the slots whose
+batches died (on the root script in bench op-bound mode, 0.23-0.24 ms at p50 where a
+copy out of the slot made it 0.41-0.45 ms). The socket orders the memory too: a slot is read only
 after the child's message says it is filled, and rewritten only after the byte that
 frees it. This is the design of
 PyTorch's DataLoader (forked workers into shared memory), for a loader whose order
 must not change.
 
-Contracts: at most `queue_depth` batches are built ahead of the one the caller holds
-(`queue_depth + 1` when it holds none); a caller that keeps more batches than that
-gets copies past the last free slot (`_hand_out`), never a wait for a slot; a child's
+Contracts: at most `queue_depth` batches are built ahead of the one the caller holds,
+where it takes each batch while it holds the one before (`x, y = next_batch(...)`),
+and at most `queue_depth + 2` in all; a caller that keeps more batches gets copies
+past the last free slot (`_hand_out`), never a wait for a slot; a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
 traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
 a RuntimeError naming its type and message, with that cause); a child that dies

@@ -42,7 +42,7 @@ a thread running the loader recovered 25-45 % of the original's data time as a
 shorter step; a thread that only pinned the child's batches still slowed the op loop
 by 2-4 %). The child holds no GIL of the training process. The hand-out costs one
 small read on the socket, a few views, and one byte written for the slots whose
-batches died (on the root script in bench op-bound mode, 0.23-0.24 ms at p50 where a
+batches died (on the root script in bench op-bound mode, 0.23-0.25 ms at p50 where a
 copy out of the slot made it 0.41-0.45 ms). The socket orders the memory too: a slot is read only
 after the child's message says it is filled, and rewritten only after the byte that
 frees it. This is the design of
@@ -262,12 +262,12 @@ class _PrefetchLoader:
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def _produce(conn, build, depth, alive, rebuild):
+def _produce(conn, build, count, alive, rebuild):
     """The producer's loop, in a child process (forked or spawned) or on a thread: one
     batch `build()` per free slot, handed over on `conn`, forever.
 
     Each batch takes a free slot, a byte from the training process: the slot's number
-    (each of the `depth` slots' written before the start). The batch's tensors are
+    (each of the `count` slots' written before the start). The batch's tensors are
     written into that shared-memory slot (`_make_slots`: sized by the first batch built
     here), and one message follows: ("batch", the batch with each tensor as a
     `_HostTensor`, the slot's number),
@@ -306,7 +306,7 @@ def _produce(conn, build, depth, alive, rebuild):
                 tensors = []
                 _each_tensor(batch, tensors.append)
                 size = sum(map(_slot_bytes, tensors))
-                slots = _make_slots(conn, size, depth) if size else [None] * depth
+                slots = _make_slots(conn, size, count) if size else [None] * count
             slot, at = slots[order[0]], [0]
             conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, slot, at)), order[0]))
     except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause
@@ -318,8 +318,8 @@ def _receive(conn, slots, lent):
     slots' descriptor after it, is mapped into the list `slots` (one entry a slot, None
     until then). First, each slot of `lent` whose batch has died (`_hand_out`) goes back
     to the producer: its number, a byte on `conn` (a producer that has ended, its error
-    sent or killed, leaves its messages to read). Raises EOFError or OSError when the
-    producer has gone."""
+    sent or killed, leaves its messages to read). Raises EOFError when the producer has
+    gone (ConnectionResetError where it left free-slot bytes unread)."""
     for dead in [i for i, ref in lent.items() if ref() is None]:
         del lent[dead]
         try:
@@ -389,28 +389,28 @@ def _view(slot, offset, dtype, shape):
     return slot[offset:].view(dtype)[: torch.Size(shape).numel()].view(shape)  # (slots and offsets are multiples of 64 bytes)
 
 
-def _make_slots(conn, size, depth):
-    """`depth` slots of `size` bytes in one anonymous shared file (memfd), its descriptor
-    sent after the message ("slots", size); `depth` Nones and no message where there is
+def _make_slots(conn, size, count):
+    """`count` slots of `size` bytes in one anonymous shared file (memfd), its descriptor
+    sent after the message ("slots", size); `count` Nones and no message where there is
     no such file (not Linux, no memory): the tensors then travel in the messages. The file has no name
     (nothing to leak in /dev/shm, and not bound by its size: a container's is 64 MB) and
     goes when both sides have unmapped it."""
     try:
         fd = os.memfd_create("prefetch-slots")
-        os.ftruncate(fd, size * depth)
+        os.ftruncate(fd, size * count)
     except Exception:  # no memfd_create (AttributeError), no memory (OSError)
-        return [None] * depth
+        return [None] * count
     conn.send(("slots", size))
     multiprocessing.reduction.send_handle(conn, fd, 0)  # (the pid is not used on POSIX)
-    return _map_slots(fd, size, depth)
+    return _map_slots(fd, size, count)
 
 
-def _map_slots(fd, size, depth):
-    """The file `fd` mapped as `depth` uint8 tensors of `size` bytes; closes `fd` (the
+def _map_slots(fd, size, count):
+    """The file `fd` mapped as `count` uint8 tensors of `size` bytes; closes `fd` (the
     mapping keeps the file). The training process maps the descriptor it receives with this too."""
-    memory = mmap.mmap(fd, size * depth)
+    memory = mmap.mmap(fd, size * count)
     os.close(fd)
-    return [*torch.frombuffer(memory, dtype=torch.uint8).view(depth, size)]
+    return [*torch.frombuffer(memory, dtype=torch.uint8).view(count, size)]
 
 
 def _threads_a_fork_lacks():
@@ -516,7 +516,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     if module_name in ("__main__", "__mp_main__") or getattr(sys.modules.get(module_name), function.__name__, None) is not function:
         yield from _run_here(function, arguments, f"module {function.__module__} cannot be imported by name in a spawned process")
         return
-    depth = min(max(1, int(depth)), 250) + 2  # slots: those built ahead, the batch the caller holds and the one before
+    count = min(max(1, int(depth)), 250) + 2  # slots: those built ahead, the batch the caller holds and the one before
     main, sender, refused = sys.modules["__main__"], None, None
     # Spawn re-runs the main script in the child unless it is guarded; a training script
     # that trains at top level would train there. The child needs only this module.
@@ -527,8 +527,8 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         pickled = {name: pickle.dumps(value) for name, value in dict(arguments, **{device_param: "cpu"}).items()}
         spawn = multiprocessing.get_context("spawn")
         receiver, sender = spawn.Pipe()  # a socket pair: it carries the slots' file descriptor too
-        os.write(receiver.fileno(), bytes(range(depth)))  # the free slots, by number
-        child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, pickled, sender, depth), daemon=True, name=f"prefetch {function.__name__}")
+        os.write(receiver.fileno(), bytes(range(count)))  # the free slots, by number
+        child = spawn.Process(target=_spawn_producer, args=(module_name, function.__name__, pickled, sender, count), daemon=True, name=f"prefetch {function.__name__}")
         child.start()
     except Exception as error:  # an argument does not pickle, no descriptors or processes to spare
         refused = f"no spawned producer ({type(error).__name__}: {error})"
@@ -545,12 +545,12 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         _fork_hook.append(os.register_at_fork(after_in_child=_forget_spawned))
     owner = os.getpid()
     _spawned[child] = owner
-    device, slots, lent, first = torch.device(arguments[device_param]), [None] * depth, {}, True  # first: no batch received yet
+    device, slots, lent, first = torch.device(arguments[device_param]), [None] * count, {}, True  # first: no batch received yet
     try:
         while True:
             try:
                 message = _receive(receiver, slots, lent)
-            except (EOFError, OSError):  # the child is gone (a reset connection: it left bytes of free slots unread)
+            except (EOFError, ConnectionResetError):  # the child is gone (reset: it left bytes of free slots unread)
                 child.join(_STOP_WAIT_S)
                 if not first:
                     raise RuntimeError(f"prefetch: the producer of this loader died (exit code {child.exitcode})") from None
@@ -573,7 +573,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
         receiver.close()
 
 
-def _spawn_producer(module_name, function_name, pickled, sender, depth):
+def _spawn_producer(module_name, function_name, pickled, sender, count):
     """The spawned child: `_produce` over `module.function(**arguments)`'s batches.
 
     pickled: the arguments by name, each pickled, unpickled here one by one to name the
@@ -592,7 +592,7 @@ def _spawn_producer(module_name, function_name, pickled, sender, depth):
     except Exception as error:
         return sender.send(("setup", f"{reason} ({type(error).__name__}: {error})"))
     try:
-        _produce(sender, lambda: next(batches), depth, lambda: os.getppid() == parent, None)
+        _produce(sender, lambda: next(batches), count, lambda: os.getppid() == parent, None)
     except OSError:  # the training process has gone
         pass
 

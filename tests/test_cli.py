@@ -112,7 +112,7 @@ def test_in_place_keeps_a_backup(tmp_path, capsys):
 def test_only_and_skip(tmp_path, capsys):
     out = tmp_path / "out.py"
     code, stdout, _ = run([FIXTURES / "tokenstream_readable.py", "-o", out, "--only", "mlp_fusion", "--json"], capsys)
-    assert code == EXIT_OK and json.loads(stdout)["applied"] == ["mlp_fusion"]
+    assert code == EXIT_OK and json.loads(stdout)["applied"] == ["mlp_fusion", "env_toggles"]
     code, stdout, _ = run([FIXTURES / "tokenstream_readable.py", "-o", out, "--skip", "mlp_fusion", "--json"], capsys)
     assert "mlp_fusion" not in json.loads(stdout)["applied"]
 

@@ -1,11 +1,28 @@
-"""Transform `mlp_fusion`: `act(x).square()` becomes `h = act(x)` then `h * h`.
+"""Transform `mlp_fusion`: `act(x).square()` becomes `h = act(x)` then `h * h`, switched.
 
-The same numbers (`square` is `x * x` in every backend), in a form that Inductor
-fuses into the activation's epilogue; weight casts `w.to(x.dtype)` in the same
-statement are hoisted into statements of their own. Forms seen in parameter-golf:
-`self.proj(x.square())` after `x = torch.relu(self.fc(x))`,
-`self.proj(F.leaky_relu(self.fc(x), negative_slope=.5).square())`, and the banked
-`F.leaky_relu(F.linear(x, up_w.to(x.dtype)), negative_slope=0.5).square()`.
+Source: parameter-golf pull request #785 ("fusion-friendly LeakyReLU² MLP", a
+non-record of 2026-03-26), which wrote the banked MLP as `h * h` with the weight
+casts hoisted and measured 637.55 -> 636.73 ms a step with it on 1×H100 (one run
+each, after its prefetch: within run-to-run noise).
+
+The same numbers (`square` is `pow(x, 2)`, computed as `x * x`). Under
+`torch.compile` it is expected to change nothing: Inductor lowers `pow(x, 2)` to a
+multiply and fuses the activation, the square and the casts into the same kernel
+either way (torch 2.13, Inductor's C++ backend on the banked form: the generated
+kernels are identical but for their names). In eager mode one `pow` kernel becomes
+one `mul` kernel. It is kept, switched, for a competitor who wants PR #785's form
+and an A/B of it: `MLP_FUSION=0` runs the original operations in the original
+order (the activation is only bound to a name first): `self.proj(h * h if
+Hyperparameters.mlp_fusion else h.square())`. Without env_toggles the switch is
+left out (`h * h`).
+
+Forms seen in parameter-golf: `self.proj(x.square())` after `x =
+torch.relu(self.fc(x))`, `self.proj(F.leaky_relu(self.fc(x),
+negative_slope=.5).square())`, and the banked `F.leaky_relu(F.linear(x,
+up_w.to(x.dtype)), negative_slope=0.5).square()`. A square after a statement
+`if self.training ...: return ...` (the 2026-04-29 record returns
+`FusedLeakyReLUSquareMLP(...)` there) or in the `else` of `if self.training` runs
+only outside training: left unchanged, and said.
 """
 
 from __future__ import annotations
@@ -17,12 +34,13 @@ from dataclasses import dataclass
 
 from patcher.cst_walk import dotted, walk
 from patcher.survey.survey import Survey
-from patcher.transforms.base import Context, Feature, Note, ReplaceNodes, Tracking, edit_tops, small_statement
+from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
 
 FEATURE = "mlp_fusion"
 
 ACTIVATIONS = {"relu", "leaky_relu", "gelu", "silu", "relu6", "elu", "mish", "softplus"}
-CAST = m.Call(func=m.Attribute(attr=m.Name("to")), args=[m.Arg(value=m.Attribute(attr=m.Name("dtype")), keyword=None)])
+TRAINING = m.Attribute(value=m.Name("self"), attr=m.Name("training"))
+NOT_IN_TRAINING = "not applied: the branch is not the one training runs"
 
 
 def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
@@ -34,6 +52,9 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
     notes = []
     by_statement: dict[cst.CSTNode, list] = {}
     for site in squares:
+        if not site.in_training:
+            notes.append(Note(FEATURE, False, f"{NOT_IN_TRAINING} ({site.kind} square at line {site.line}, after `if self.training` returned)", site.line))
+            continue
         statement = _small_statement_of(site.function, site.node)
         if statement is None:
             notes.append(Note(FEATURE, False, "square() inside a compound expression statement", site.line))
@@ -41,24 +62,32 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         by_statement.setdefault(statement, []).append(site)
     tops = set()
     plans = {}
+    switch = ctx.toggle("MLP_FUSION") if by_statement and ctx.toggle_home != "literal" else None
     for statement, sites in by_statement.items():
         taken = _names_in(sites[0].function)
-        plans[statement] = _plan(statement, sites, taken, ctx)
+        plans[statement] = _plan(statement, sites, taken, ctx, switch)
         tops.add(survey.top_level_of(sites[0].node))
         for site in sites:
-            notes.append(Note(FEATURE, True, f"{site.kind} square at line {site.line} -> h * h", site.line))
+            notes.append(Note(FEATURE, True, f"{site.kind} square at line {site.line} -> h * h" + (" (MLP_FUSION)" if switch else ""), site.line))
+    if not tops:
+        return module, notes
     module = edit_tops(module, ctx, tops, _Rewrite(plans, ctx))
     return module, notes
 
 
 @dataclass
 class SquareSite:
-    """A `.square()` of an activation in an MLP forward: kind "relu2" | "leaky_relu2" | "banked" | "act2"."""
+    """A `.square()` of an activation in an MLP forward: kind "relu2" | "leaky_relu2" | "banked" | "act2".
+
+    in_training: False where the forward returns earlier under `if self.training`
+    (or the square sits under `if not self.training` / the `else` of `if self.training`).
+    """
 
     node: cst.Call
     function: cst.FunctionDef
     line: int
     kind: str
+    in_training: bool = True
 
 
 def find_squares(survey: Survey) -> list[SquareSite]:
@@ -69,9 +98,12 @@ def find_squares(survey: Survey) -> list[SquareSite]:
         if fn.name.value != "forward":
             continue
         act_names = _names_assigned_from_activation(fn)
+        switched = {id(n.orelse) for n in walk(fn.body) if isinstance(n, cst.IfExp) and m.matches(n.body, m.BinaryOperation(operator=m.Multiply()))}
         for node in walk(fn.body):
             if not m.matches(node, m.Call(func=m.Attribute(attr=m.Name("square")), args=[])):
                 continue
+            if id(node) in switched:
+                continue  # the original side of a switch this transform wrote: already patched
             receiver = node.func.value
             kind = None
             if _is_activation(receiver):
@@ -79,11 +111,50 @@ def find_squares(survey: Survey) -> list[SquareSite]:
             elif isinstance(receiver, cst.Name) and receiver.value in act_names:
                 kind = act_names[receiver.value]
             if kind is not None:
-                sites.append(SquareSite(node=node, function=fn, line=survey.line_of(node), kind=kind))
+                sites.append(SquareSite(node=node, function=fn, line=survey.line_of(node), kind=kind, in_training=_runs_in_training(fn, node)))
     return sites
 
 
-UNIT = Feature(name=FEATURE, apply=apply, order=30, analyse=find_squares)
+UNIT = Feature(
+    name=FEATURE,
+    apply=apply,
+    order=30,
+    analyse=find_squares,
+    toggles=(Toggle("MLP_FUSION", 1, "an MLP's `act(x).square()` computed as `h * h` (parameter-golf PR #785; under `torch.compile` Inductor makes the same kernels either way: expect no change; 0: the original square)", position=13),),
+)
+
+
+def _mentions_training(test: cst.BaseExpression) -> str | None:
+    """"yes" for `self.training` (alone or in an `and`), "no" for `not self.training`, else None."""
+    if m.matches(test, TRAINING):
+        return "yes"
+    if m.matches(test, m.UnaryOperation(operator=m.Not(), expression=TRAINING)):
+        return "no"
+    if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+        return "yes" if "yes" in (_mentions_training(test.left), _mentions_training(test.right)) else None
+    return None
+
+
+def _runs_in_training(fn: cst.FunctionDef, node: cst.CSTNode) -> bool:
+    """False where `node` runs only outside training: after an `if self.training…:` whose
+    body ends in `return`, in the `else` of `if self.training`, or under `if not self.training`.
+    """
+    body = fn.body.body if isinstance(fn.body, cst.IndentedBlock) else []
+    for stmt in body:
+        inside = any(n is node for n in walk(stmt))
+        if isinstance(stmt, cst.If):
+            says = _mentions_training(stmt.test)
+            in_body = any(n is node for n in walk(stmt.body))
+            in_else = inside and not in_body
+            if inside:
+                return not (says == "yes" and in_else or says == "no" and in_body)
+            last = stmt.body.body[-1] if stmt.body.body else None
+            returns = isinstance(last, cst.SimpleStatementLine) and isinstance(last.body[-1], cst.Return)
+            if says == "yes" and returns:
+                return False
+        elif inside:
+            return True
+    return True
 
 
 def _is_activation(expr: cst.BaseExpression) -> bool:
@@ -133,33 +204,28 @@ def _fresh(base: str, taken: set[str]) -> str:
     return name
 
 
-def _plan(statement, sites, taken, ctx: Context):
-    """(statements to insert before, {old node: new node}) for one small statement."""
-    module = ctx.survey.module
+def _plan(statement, sites, taken, ctx: Context, switch: str | None):
+    """(statements to insert before, {old node: new node}) for one small statement.
+
+    The activation is bound to a fresh name (`h = act(x)`, unless the square's receiver
+    already is such a name) and the square becomes `h * h if <switch> else h.square()`
+    (`h * h` without a switch), parenthesised unless it is a whole argument or value.
+    """
     before, replace = [], {}
-    eq = ctx.code(" = ", "=")
     mul = ctx.code(" * ", "*")
+    whole = {id(n.value) for n in walk(statement) if isinstance(n, (cst.Arg, cst.Assign, cst.Return, cst.AugAssign)) and n.value is not None}
     for site in sites:
         receiver = site.node.func.value
-        for cast in (n for n in walk(statement) if isinstance(n, cst.Call) and m.matches(n, CAST)):
-            if cast in replace:
-                continue
-            name = _fresh(_cast_name(cast), taken)
-            before.append(small_statement(f"{name}{eq}{module.code_for_node(cast)}"))
-            replace[cast] = cst.Name(name)
         if isinstance(receiver, cst.Name):
-            replace[site.node] = cst.parse_expression(f"{receiver.value}{mul}{receiver.value}")
-            continue
-        h = _fresh("h", taken)
-        activation = receiver.visit(ReplaceNodes(replace))
-        before.append(cst.Assign(targets=[cst.AssignTarget(cst.Name(h), whitespace_before_equal=cst.SimpleWhitespace(ctx.code(" ", "")), whitespace_after_equal=cst.SimpleWhitespace(ctx.code(" ", "")))], value=activation))
-        replace[site.node] = cst.parse_expression(f"{h}{mul}{h}")
+            h = receiver.value
+        else:
+            h = _fresh("h", taken)
+            before.append(cst.Assign(targets=[cst.AssignTarget(cst.Name(h), whitespace_before_equal=cst.SimpleWhitespace(ctx.code(" ", "")), whitespace_after_equal=cst.SimpleWhitespace(ctx.code(" ", "")))], value=receiver))
+        code = f"{h}{mul}{h}" if switch is None else f"{h}{mul}{h} if {switch} else {h}.square()"
+        if switch is not None and id(site.node) not in whole:
+            code = f"({code})"
+        replace[site.node] = cst.parse_expression(code)
     return before, replace
-
-
-def _cast_name(cast: cst.Call) -> str:
-    base = cast.func.value
-    return f"{base.value}_cast" if isinstance(base, cst.Name) else "w_cast"
 
 
 class _Rewrite(Tracking):

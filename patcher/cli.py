@@ -785,10 +785,12 @@ def _print_report(report: dict, result, stream, colour: bool = False) -> None:
         mark = paint(f"{'applied' if note.applied else 'skipped':8}", GREEN if note.applied else YELLOW, colour)
         where = f" (line {lines[0]})" if len(lines) == 1 else f" (lines {', '.join(map(str, lines))})" if lines else ""
         print(f"  {mark} {note.feature:15} {note.reason}{where}", file=stream)
+    from patcher.code_size import cost_lines
+
     cb = report["code_bytes"]
     print(f"  code bytes, {cb['counted']}: {cb['before']} -> {cb['after']} ({cb['after'] - cb['before']:+d})", file=stream)
-    for name, added in cb["by_feature"].items():
-        print(f"    {name:15} {added:+d}", file=stream)
+    for line in cost_lines(cb):
+        print(f"    {line}", file=stream)
     art = report.get("artifact")
     if art is not None:
         state = f"{art['over']} over the cap" if art["over"] else f"{art['cap'] - art['after']} under the cap"

@@ -502,15 +502,19 @@ def count_patch(script, result, enabled: set[str], counting: Counting, breakdown
     which counts the rest too (a new one when None or of another way of counting). A wrapped script is counted
     re-wrapped (what the record submits); with `rewrap` False (`--no-rewrap`, which
     writes the payload as plain source) its code is counted raw, before and after. With
-    `breakdown`, features are charged in the order of `FEATURES`, `env_toggles` last:
-    `by_feature[f]` is the count of the patch with the features up to `f` minus the
-    count up to the one before, so a runtime piece shared by two features is charged to
-    the first and the parts add up to the total; that costs one more patch per applied
-    feature but the last (counted as minified, the worker minifies only the units each
-    of those changes). Without
-    it `by_feature` is {}. Returns {"before", "after", "counted_as", "counted",
-    "by_feature"}: bytes, `counted_as` "wrapper" | "minified" | "raw" and `counted` its
-    `Counting.label()`. Raises CountError when the minifier fails.
+    `breakdown`, each applied feature's cost (`by_feature[f]`): what `--skip f` saves,
+    the count of the whole patch minus the count of the patch without `f` (the one
+    definition, used by `--byte-breakdown` and by the over-the-cap line alike);
+    `by_feature_raw[f]`, the same in raw UTF-8 bytes of the code, which says why a
+    counted cost is negative (compression, or a runtime cut smaller with the feature);
+    `shared`, the total minus the features' own costs: runtime that two features use
+    and only skipping both removes (negative where a skip removes more than its own,
+    `env_toggles` taking every feature's switches). One more patch and count per
+    applied feature (counted as minified, the worker minifies only the units each of
+    those changes). Without it `by_feature` and `by_feature_raw` are {} and `shared` 0.
+    Returns {"before", "after", "counted_as", "counted", "by_feature",
+    "by_feature_raw", "shared"}: bytes, `counted_as` "wrapper" | "minified" | "raw" and
+    `counted` its `Counting.label()`. Raises CountError when the minifier fails.
     """
     if counting.how == "wrapper" and not rewrap:
         counting = Counting("raw")
@@ -541,18 +545,36 @@ def _count_patch(script, result, enabled: set[str], counting: Counting, breakdow
     if before is None or before.counting != counting:
         before = session.start(script.raw, script.source)
     if not result.changed:
-        return {"before": before.result(), "after": before.result(), "counted_as": counting.how, "counted": counting.label(), "by_feature": {}}
+        return {"before": before.result(), "after": before.result(), "counted_as": counting.how, "counted": counting.label(), "by_feature": {}, "by_feature_raw": {}, "shared": 0}
     after = start(result.source) if after is None else after
     steps = []
     if breakdown:
         order = sorted(result.applied, key=lambda f: (f == "env_toggles", FEATURES.index(f)))
-        so_far = set(enabled) - set(result.applied)
-        for feature in order[:-1]:  # each count is queued before the next patch is made
-            so_far.add(feature)
-            steps.append((feature, start(patch_source(script.source, set(so_far), module=result.survey.module, verdicts=result.verdicts, producer_toggles=result.producer_toggles).source)))
-        steps.append((order[-1], after))
-    by_feature, previous = {}, before.result()
-    for feature, pending in steps:
-        now = pending.result()
-        by_feature[feature], previous = now - previous, now
-    return {"before": before.result(), "after": after.result(), "counted_as": counting.how, "counted": counting.label(), "by_feature": by_feature}
+        for feature in order:  # each count is queued before the next patch is made
+            without = patch_source(script.source, set(enabled) - {feature}, module=result.survey.module, verdicts=result.verdicts, producer_toggles=result.producer_toggles).source
+            steps.append((feature, start(without), without))
+    whole = after.result()
+    raw = len(keep_style(script, result.source).encode())
+    by_feature = {feature: whole - pending.result() for feature, pending, _ in steps}
+    by_feature_raw = {feature: raw - len(keep_style(script, without).encode()) for feature, _, without in steps}
+    shared = whole - before.result() - sum(by_feature.values()) if steps else 0
+    return {"before": before.result(), "after": whole, "counted_as": counting.how, "counted": counting.label(), "by_feature": by_feature, "by_feature_raw": by_feature_raw, "shared": shared}
+
+
+def cost_lines(counted: dict) -> list[str]:
+    """The `--byte-breakdown` lines of a report's `code_bytes` (`count_patch`): one per
+    feature, `name +N` (what `--skip name` saves), with the reason where a feature that
+    adds code costs a negative count, then the shared remainder, if any, so that the
+    lines add up to the total."""
+    lines = []
+    for name, added in counted["by_feature"].items():
+        raw = counted.get("by_feature_raw", {}).get(name)
+        why = ""
+        if added < 0 and raw is not None:
+            why = (f"  (it adds {raw:+d} raw bytes; {counted['counted']} compresses the patch with it smaller)" if raw >= 0
+                   else f"  (the injected runtime, cut to the options chosen, is smaller with it: {raw:+d} raw bytes)")
+        lines.append(f"{name:15} {added:+d}{why}")
+    if counted.get("shared"):
+        what = "runtime two features use: only skipping both removes it" if counted["shared"] > 0 else "counted in two features' costs above: skipping either removes it"
+        lines.append(f"{'shared':15} {counted['shared']:+d}  ({what})")
+    return lines

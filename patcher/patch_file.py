@@ -199,9 +199,9 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
     savings: dict[str, int] = {}
     if budget is not None and budget.over and result.changed and budget.before <= budget.cap:
         # over the cap by the patch: what each --skip saves is what the user needs to choose, so count it
-        savings = _skip_savings(script, result, set(options.enabled), counting, before, options, session, report["code_bytes"]["after"])
+        savings = _skip_savings(script, result, set(options.enabled), counting, before, options, session, report["code_bytes"])
     report["cap_checked"] = budget is not None
-    report["cap_note"] = None if budget is not None else cap_note(in_path, report["code_bytes"])
+    report["cap_note"] = None if budget is not None else cap_note(in_path, report["code_bytes"], capped=capped_competition(in_path, result.verdicts))
     if budget is not None:
         report["artifact"] = budget.as_dict()
         if budget.over:
@@ -341,12 +341,28 @@ def _budget(in_path: Path, counted: dict) -> Budget | None:
     return Budget(ARTIFACT_CAP, reported, reported + counted["after"] - counted["before"])
 
 
-def cap_note(in_path: Path, counted: dict, stdin: bool = False) -> str | None:
-    """The report's line for a script whose artifact size is unknown (no submission.json
-    beside it, or none that gives a size): the cap was not checked, and what the patch
-    adds to the code bytes (`counted`: the report's `code_bytes`). None when the patch
-    adds none. stdin: the script came on stdin (`in_path` is a scratch copy)."""
-    if counted["after"] <= counted["before"]:
+def capped_competition(in_path: Path, verdicts) -> bool:
+    """Whether the script is parameter-golf's, the competition whose code bytes count
+    against an artifact cap: a submission.json beside it, a folder of its record tracks
+    (`track_10min_16mb`, `track_non_record_16mb`) above it, or a loader of one of its
+    families (`Family.competition`; modded-nanogpt's and nanochat's are not)."""
+    from patcher.families.registry import UNITS as FAMILY_UNITS
+
+    if (in_path.parent / "submission.json").is_file() or any(part.startswith("track_") and part.endswith("_16mb") for part in in_path.parts):
+        return True
+    competition = {f.name: f.competition for f in FAMILY_UNITS}
+    used = set(verdicts.families.values()) | {v.family for v in verdicts.iterators}
+    return any(competition.get(name) == "parameter-golf" for name in used)
+
+
+def cap_note(in_path: Path, counted: dict, stdin: bool = False, capped: bool = True) -> str | None:
+    """The report's line for a parameter-golf script whose artifact size is unknown (no
+    submission.json beside it, or none that gives a size): the cap was not checked, and
+    what the patch adds to the code bytes (`counted`: the report's `code_bytes`). None
+    when the patch adds none, or for a script of a competition without a cap (`capped`
+    False: see `capped_competition`). stdin: the script came on stdin (`in_path` is a
+    scratch copy)."""
+    if counted["after"] <= counted["before"] or not capped:
         return None
     if stdin:
         why = "the script came on stdin, with no submission.json to give the model artifact's size"
@@ -363,18 +379,14 @@ def cap_note(in_path: Path, counted: dict, stdin: bool = False) -> str | None:
     )
 
 
-def _skip_savings(script: Script, result: PatchResult, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions, session: CountSession, whole: int) -> dict[str, int]:
-    """Counted bytes that `--skip FEATURE` saves, for each applied feature: `whole` (the
-    count of the whole patch) minus the count of the patch without it. One more patch
-    and count per applied feature, about what the `--byte-breakdown` shares cost, whose
-    figures would not do here: a runtime piece two features share is charged there to
-    the first, while skipping either one keeps it. Raises SourceError when a count fails."""
-    options = replace(options, byte_breakdown=False)
-    savings = {}
-    for feature in result.applied:
-        without = patch_source(script.source, enabled - {feature}, module=result.survey.module, verdicts=result.verdicts, producer_toggles=result.producer_toggles)
-        savings[feature] = whole - _counted_bytes(script, without, enabled - {feature}, counting, before, options, None, session)["after"]
-    return savings
+def _skip_savings(script: Script, result: PatchResult, enabled: set[str], counting: Counting, before: PendingCount | None, options: FileOptions, session: CountSession, counted: dict) -> dict[str, int]:
+    """Counted bytes that `--skip FEATURE` saves, for each applied feature: the
+    `--byte-breakdown` costs (`count_patch`'s `by_feature`, the one definition of a
+    feature's cost), taken from `counted` (the report's `code_bytes`) when the breakdown
+    ran, counted now otherwise. Raises SourceError when a count fails."""
+    if counted["by_feature"] or not result.applied:
+        return dict(counted["by_feature"])
+    return _counted_bytes(script, result, enabled, counting, before, replace(options, byte_breakdown=True), None, session)["by_feature"]
 
 
 def _cheapest_fit(budget: Budget, savings: dict[str, int]) -> str | None:

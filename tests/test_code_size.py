@@ -112,24 +112,70 @@ def test_report_counts_bytes_per_feature_and_fits_the_cap(tmp_path, capsys):
     counted = report["code_bytes"]
     raw = (tmp_path / "out.py").read_bytes()
     assert counted["counted_as"] == "raw" and counted["after"] == len(raw) and counted["before"] == len(script.read_bytes())
-    assert set(counted["by_feature"]) == set(report["applied"])
-    assert sum(counted["by_feature"].values()) == counted["after"] - counted["before"]
+    assert set(counted["by_feature"]) == set(report["applied"]) == set(counted["by_feature_raw"])
+    assert sum(counted["by_feature"].values()) + counted["shared"] == counted["after"] - counted["before"]
     # the default counts the same before and after, without the per-feature patches
     assert main([str(script), "-o", str(tmp_path / "plain.py"), "--no-check", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)["code_bytes"]
-    assert plain == dict(counted, by_feature={})
+    assert plain == dict(counted, by_feature={}, by_feature_raw={}, shared=0)
     assert report["artifact"] == {"cap": ARTIFACT_CAP, "before": 15_000_000, "after": 15_000_000 + counted["after"] - counted["before"], "over": 0}
 
 
-def test_over_the_cap_exits_4_with_one_line_naming_the_cost(tmp_path, capsys):
+def test_over_the_cap_one_line_and_one_cost_per_feature_what_its_skip_saves(tmp_path, capsys):
+    """Over the cap: exit 4, one line, the output written. `--byte-breakdown` and the
+    over-the-cap line give each feature the same cost: the whole patch's count minus the
+    count of the patch without it; the breakdown's lines add up to the total."""
+    from patcher.code_size import cost_lines
+
     script = _record(tmp_path, ARTIFACT_CAP - 100)
-    code = main([str(script), "-o", str(tmp_path / "out.py"), "--no-check"])
+    code = main([str(script), "-o", str(tmp_path / "out.py"), "--no-check", "--byte-breakdown"])
     out, err = capsys.readouterr()
     assert code == 4
     line = err.strip()
     assert "\n" not in line and str(script) in line and "over the 16000000-byte cap" in line and "train_prefetch +" in line
     assert "artifact (submission.json, largest)" in out and "over the cap" in out
     assert (tmp_path / "out.py").exists()  # written; the check failed
+    said = {name: int(cost) for name, cost in (part.rsplit(" ", 1) for part in line.split("--skip would save it: ")[1].split(")")[0].split(", "))}
+    shown = {name: int(cost) for name, cost in (x.split()[:2] for x in out.split("code bytes, ")[1].splitlines()[1:] if x.startswith("    "))}
+    total = len((tmp_path / "out.py").read_bytes())
+    source = read_script(script).source
+    assert set(said) == {"train_prefetch", "copy_stream", "mlp_fusion", "val_prefetch", "env_toggles"}
+    for feature, cost in said.items():
+        without = patch_source(source, set(DEFAULT_FEATURES) - {feature}).source
+        assert shown[feature] == cost == total - len(without.encode()) > 0, feature
+    assert sum(shown.values()) == total - len(script.read_bytes())
+    assert cost_lines({"counted": "raw", "by_feature": said, "shared": 0}) == [f"{n:15} {c:+d}" for n, c in said.items()]
+
+
+def test_cost_lines_explain_a_negative_cost():
+    from patcher.code_size import cost_lines
+
+    lines = cost_lines({"counted": "counted as minified", "by_feature": {"a": -3, "b": -5, "c": 7}, "by_feature_raw": {"a": 40, "b": -9, "c": 7}, "shared": 2})
+    assert "it adds +40 raw bytes" in lines[0] and "cut to the options chosen" in lines[1] and "(" not in lines[2]
+    assert lines[3].split()[:2] == ["shared", "+2"]
+
+
+@pytest.mark.parametrize(
+    "fixture, noted",
+    [
+        pytest.param("tokenstream_readable.py", True, id="parameter-golf-tokenstream"),
+        pytest.param("distributed_data_loader.py", False, id="modded-nanogpt"),
+        pytest.param("bestfit_packing.py", False, id="nanochat"),
+    ],
+)
+def test_the_cap_note_only_for_parameter_golf_scripts(tmp_path, capsys, fixture, noted):
+    script = tmp_path / "train_gpt.py"
+    shutil.copy(FIXTURES / fixture, script)
+    assert main([str(script), "-o", str(tmp_path / "out.py"), "--no-check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["applied"] and report["code_bytes"]["after"] > report["code_bytes"]["before"]
+    assert (report["cap_note"] is not None) == noted
+    if not noted:  # a parameter-golf record's folder says it is one, whatever its loader
+        record = tmp_path / "track_10min_16mb" / "2026-04-01_x"
+        record.mkdir(parents=True)
+        shutil.copy(script, record / "train_gpt.py")
+        assert main([str(record / "train_gpt.py"), "-o", str(tmp_path / "out2.py"), "--no-check", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["cap_note"] is not None
 
 
 @pytest.mark.parametrize(

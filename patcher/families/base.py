@@ -101,6 +101,9 @@ class Family:
     module-level loader generators of this family in a data-loader module, each
     rewritten to run in `producer` or left alone with the reason
     (`registry.module_loaders` asks every family that has one), else None.
+    competition: the speedrun whose scripts carry this family's loader
+    ("parameter-golf", "modded-nanogpt", "nanochat"), None for a generic one: a
+    parameter-golf loader makes the report speak of that competition's artifact cap.
     """
 
     name: str
@@ -115,6 +118,7 @@ class Family:
     refuse: Callable[["IteratorSite", "cst.FunctionDef", "ScriptIndex"], str | None] | None = None
     stages: Callable[["IteratorSite", "cst.FunctionDef", "ScriptIndex", str | None], bool] | None = None
     module_sources: Callable[["cst.Module", "ScriptIndex | None"], list["ModuleLoader"]] | None = None
+    competition: str | None = None
 
     def __post_init__(self) -> None:
         """Raises ValueError for an unknown kind or producer, or hooks that do not fit the kind."""

@@ -228,4 +228,4 @@ def _is_param_name(name: cst.Name, nodes) -> bool:
     return any(isinstance(p, cst.Param) and p.name is name for p in nodes)
 
 
-UNIT = Family("bestfit_packing", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="prefetch_lean", order=5, kind="generator", refuse=refuse, module_sources=loader_generators)
+UNIT = Family("bestfit_packing", "module", recognise, plan, producer=SPAWN_GENERATOR, runtime="prefetch_lean", order=5, kind="generator", refuse=refuse, module_sources=loader_generators, competition="nanochat")

@@ -31,4 +31,4 @@ def plan(variable: DataVariable, verdicts) -> Plan:
     return plan_rebuilt_on_cpu(variable, verdicts)
 
 
-UNIT = Family("coprime", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=50)
+UNIT = Family("coprime", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=50, competition="parameter-golf")

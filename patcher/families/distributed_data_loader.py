@@ -36,4 +36,4 @@ def plan(variable: DataVariable, verdicts) -> Plan:
     return Plan(note=f"`{variable.target}` built at line {variable.lines}: next_batch() runs ahead on a background thread, its own .cuda() copies on the copy stream")
 
 
-UNIT = Family("distributed_data_loader", "loader_class", recognise, plan, producer=PREFETCH_NEXT_BATCH, runtime="prefetch_loader", order=20)
+UNIT = Family("distributed_data_loader", "loader_class", recognise, plan, producer=PREFETCH_NEXT_BATCH, runtime="prefetch_loader", order=20, competition="modded-nanogpt")

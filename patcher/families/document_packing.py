@@ -26,4 +26,4 @@ def plan(variable: DataVariable, verdicts) -> Plan:
     return already_prefetches(variable.loader)
 
 
-UNIT = Family("document_packing", "loader_class", recognise, plan, producer=None, runtime=None, order=10, prefetches=True)
+UNIT = Family("document_packing", "loader_class", recognise, plan, producer=None, runtime=None, order=10, prefetches=True, competition="parameter-golf")

@@ -30,4 +30,4 @@ def plan(variable: DataVariable, verdicts) -> Plan:
     return plan_rebuilt_on_cpu(variable, verdicts)
 
 
-UNIT = Family("shuffled", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=40)
+UNIT = Family("shuffled", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=40, competition="parameter-golf")

@@ -32,4 +32,4 @@ def plan(variable: DataVariable, verdicts) -> Plan:
     return plan_rebuilt_on_cpu(variable, verdicts)
 
 
-UNIT = Family("tokenstream", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=30)
+UNIT = Family("tokenstream", "loader_class", recognise, plan, producer=MAKE_TRAIN_LOADER, runtime="prefetch_lean", order=30, competition="parameter-golf")

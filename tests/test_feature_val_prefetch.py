@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from patch_tables import assert_noop, assert_patch, assert_refused_beside_others, notes_of
 
+from patcher.patch import features_from, patch_source
+
 HEAD = '''import os
 import torch
 
@@ -95,9 +97,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         hi = end * seq_len + 1
         return tokens[lo:hi]
     for start, _val_batch in _val_prefetch(range(first, last, batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=Hyperparameters.val_prefetch, copy_stream=False):
-        end = min(start + batch_seqs, last)
-        lo = start * seq_len
-        hi = end * seq_len + 1
         local = _val_batch
         x = local[:-1].reshape(-1, seq_len)
         y = local[1:].reshape(-1, seq_len)
@@ -136,9 +135,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         hi = end * seq_len + 1
         return tokens[lo:hi]
     for start, _val_batch in _val_prefetch(range(first, last, batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=Hyperparameters.val_prefetch, copy_stream=Hyperparameters.val_copy_stream):
-        end = min(start + batch_seqs, last)
-        lo = start * seq_len
-        hi = end * seq_len + 1
         local = _val_batch
         x = local[:-1].reshape(-1, seq_len)
         y = local[1:].reshape(-1, seq_len)
@@ -177,9 +173,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         return tokens[lo:hi]
     for start, _val_batch in _val_prefetch(range(first, last, batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=Hyperparameters.val_prefetch, copy_stream=False):
         n_tokens = batch_seqs * seq_len
-        end = min(start + batch_seqs, last)
-        lo = start * seq_len
-        hi = end * seq_len + 1
         local = _val_batch
         x = local[:-1].reshape(-1, seq_len)
         y = local[1:].reshape(-1, seq_len)
@@ -217,9 +210,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         hi = end * seq_len + 1
         return tokens[lo:hi]
     for start, _val_batch in _val_prefetch(range(first, last, batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=Hyperparameters.val_prefetch, copy_stream=False):
-        end = min(start + batch_seqs, last)
-        lo = start * seq_len
-        hi = end * seq_len + 1
         local = _val_batch
         x = local[:-1].reshape(-1, seq_len)
         y = local[1:].reshape(-1, seq_len)
@@ -233,7 +223,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         lo = start * seq_len
         return tokens[lo:lo + seq_len + 1]
     for start, _val_batch in _val_prefetch(range(first, last, batch_seqs), _val_slice2, dict(device=device), prefetch=Hyperparameters.val_prefetch, copy_stream=False):
-        lo = start * seq_len
         local = _val_batch
         model(local[:-1], local[1:])
     return byte_count
@@ -261,9 +250,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         hi = end * seq_len + 1
         return tokens[lo:hi]
     for start, _val_batch in _val_prefetch(range(first, last, batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=VAL_PREFETCH, copy_stream=False):
-        end = min(start + batch_seqs, last)
-        lo = start * seq_len
-        hi = end * seq_len + 1
         local = _val_batch
         x = local[:-1].reshape(-1, seq_len)
         y = local[1:].reshape(-1, seq_len)
@@ -295,9 +281,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         hi = end * seq_len + 1
         return tokens[lo:hi]
     for start, _val_batch in _val_prefetch(range(first, last, batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=VAL_PREFETCH, copy_stream=False):
-        end = min(start + batch_seqs, last)
-        lo = start * seq_len
-        hi = end * seq_len + 1
         local = _val_batch
         x = local[:-1].reshape(-1, seq_len)
         y = local[1:].reshape(-1, seq_len)
@@ -324,7 +307,7 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
             "\tseq_len=h.seq_len;first=0;last=(tokens.numel()-1)//seq_len;n=h.val_batch;total=torch.zeros((),device=device)\n"
             "\tdef _val_slice(start):end=min(start+n,last);lo=start*seq_len;hi=end*seq_len+1;return tokens[lo:hi]\n"
             "\tfor start,_val_batch in _val_prefetch(range(first,last,n),_val_slice,dict(device=device,dtype=torch.int64,non_blocking=True),prefetch=Hyperparameters.val_prefetch,copy_stream=False):\n"
-            "\t\tend=min(start+n,last);lo=start*seq_len;hi=end*seq_len+1;local=_val_batch;total+=model(local[:-1],local[1:])\n"
+            "\t\tlocal=_val_batch;total+=model(local[:-1],local[1:])\n"
             "\treturn total\n"
         ),
         "val_prefetch",
@@ -340,6 +323,29 @@ def test_rewrites(before, after, only, notes):
     assert result.applied == ["val_prefetch", "env_toggles"]  # copy_stream itself: no training loader here
     assert notes_of(result, "val_prefetch") == notes
     compile(result.source, "patched", "exec")
+    # the rewrite leaves no dead assignment: what moved into the slice function left the loop
+    assert _unused_locals(result.source) <= _unused_locals(before)
+
+
+def _unused_locals(source: str) -> set[str]:
+    """pyflakes' "local variable 'NAME' is assigned to but never used", as {NAME}."""
+    import io
+
+    from pyflakes.api import check
+    from pyflakes.reporter import Reporter
+
+    out = io.StringIO()
+    check(source, "script", Reporter(out, io.StringIO()))
+    return {line.split("'")[1] for line in out.getvalue().splitlines() if "assigned to but never used" in line}
+
+
+def test_a_bound_the_rest_of_the_function_reads_stays_in_the_loop():
+    """Only what nothing else reads moves out: a bound read after the slice stays, and so
+    does the bound it is computed from."""
+    before = HEAD + EVAL.replace("        model(x, y)\n", "        model(x, y, hi)\n", 1)
+    loop = patch_source(before, features_from(["val_prefetch"], None)).source.split("in _val_prefetch(")[1]
+    assert "        end = min(start + batch_seqs, last)\n        hi = end * seq_len + 1\n        local = _val_batch\n" in loop
+    assert "lo = " not in loop
 
 
 def _loop_change(old: str, new: str) -> str:

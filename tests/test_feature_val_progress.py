@@ -295,9 +295,6 @@ def eval_val(model, device, tokens, seq_len, first, last, batch_seqs, base_lut, 
         hi = end * seq_len + 1
         return tokens[lo:hi]
     for start, _val_batch in _val_progress(_val_prefetch(range(first, last, batch_seqs), _val_slice, dict(device=device, dtype=torch.int64, non_blocking=True), prefetch=Hyperparameters.val_prefetch, copy_stream=False), log, Hyperparameters.val_progress_log_every, "eval_val", total=len(range(first, last, batch_seqs))):
-        end = min(start + batch_seqs, last)
-        lo = start * seq_len
-        hi = end * seq_len + 1
         local = _val_batch
         x = local[:-1].reshape(-1, seq_len)
         y = local[1:].reshape(-1, seq_len)

@@ -18,8 +18,10 @@ becomes
         ...
         local = _val_batch
 
-(runtime: `patcher/templates/prefetch_val.py`). The loop's own statements stay, so everything
-else in the body sees the same names. Skipped, with the reason, where the slice is not
+(runtime: `patcher/templates/prefetch_val.py`). The loop's statements that the slice needs
+move into `_val_slice` where nothing else in the function reads what they assign (the root
+script's `raw_start`, `raw_end`, `batch_seq_end`: no dead assignment is left in the loop);
+those the rest of the body reads stay, so everything else sees the same names. Skipped, with the reason, where the slice is not
 a pure function of the loop variable, the loop is not over `range(...)` (the
 sliding-window loops, which fill a batch window by window), or `.to(...)` takes other
 arguments.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import libcst as cst
 
 from patcher.transforms.base import Context, Feature, Note, Toggle, Tracking, edit_tops
-from patcher.cst_walk import walk_own
+from patcher.cst_walk import walk, walk_own
 from patcher.survey.val_survey import ValLoop, find_val_loops
 
 FEATURE = "val_prefetch"
@@ -57,6 +59,13 @@ def apply(module: cst.Module, ctx: Context) -> tuple[cst.Module, list[Note]]:
         plans[site.loop] = _Plan(site, slice_name, _iterable(site, slice_name, ctx, module), _slice_function(site, slice_name, ctx))
         h2d = "H2D on the copy stream" if "copy_stream" in ctx.enabled else "H2D on the compute stream"
         notes.append(Note(FEATURE, True, f"{site.function}: `{module.code_for_node(site.window)}` built one batch ahead (pinned), {h2d}", site.line))
+    by_function: dict[int, list[ValLoop]] = {}
+    for plan in plans.values():
+        by_function.setdefault(id(plan.site.function_node), []).append(plan.site)
+    for sites_here in by_function.values():
+        moved = _moved(sites_here, ctx)
+        for site in sites_here:
+            plans[site.loop].moved = moved[id(site)]
     if plans:
         ctx.need("prefetch_val")
         tops = {survey.top_level_of(loop) for loop in plans}
@@ -75,6 +84,30 @@ class _Plan:
 
     def __init__(self, site: ValLoop, slice_name: str, iterable: cst.BaseExpression, definition: cst.FunctionDef):
         self.site, self.slice_name, self.iterable, self.definition = site, slice_name, iterable, definition
+        self.moved: list[cst.BaseSmallStatement] = []  # the loop's statements that go into the slice function alone
+
+
+def _moved(sites: list[ValLoop], ctx: Context) -> dict[int, list[cst.BaseSmallStatement]]:
+    """For each loop (by `id` of its site), the prefix statements (`name = ...`, each
+    assigned once in its loop) that it no longer needs once the window is read from
+    `_val_batch`: every other occurrence of the name they assign, anywhere in the
+    function, is in a window of a rewritten loop or in another such statement. Found to a
+    fixed point, so a chain (`batch_seq_end` -> `raw_end`) goes whole; `sites` are the
+    loops rewritten in one function, read as the earlier features left it."""
+    moved = {id(site): [ctx.resolve(small) for small in site.prefix] for site in sites}
+    function = ctx.resolve(sites[0].function_node)  # as earlier features left it (val_bytecount reads the window too)
+    windows = {id(n) for site in sites for n in walk(ctx.resolve(site.window))}
+    changed = True
+    while changed:
+        changed = False
+        kept_out = windows | {id(n) for smalls in moved.values() for s in smalls for n in walk(s)}
+        for smalls in moved.values():
+            for small in list(smalls):
+                name = small.targets[0].target.value
+                if any(isinstance(n, cst.Name) and n.value == name and id(n) not in kept_out for n in walk(function)):
+                    smalls.remove(small)
+                    changed = True
+    return moved
 
 
 def _free_name(base: str, taken: set[str]) -> str:
@@ -118,10 +151,27 @@ class _RewriteLoops(Tracking):
         super().prepare(ctx)
         self.by_loop = {id(ctx.resolve(loop)): plan for loop, plan in self.plans.items()}
         self.to_calls = {id(ctx.resolve(plan.site.to_call)) for plan in self.plans.values()}
-        self._changed = [ctx.resolve(n) for loop, plan in self.plans.items() for n in (loop, plan.site.to_call)]
+        self.moved = {id(small) for plan in self.plans.values() for small in plan.moved}  # resolved already
+        self._changed = [ctx.resolve(n) for loop, plan in self.plans.items() for n in (loop, plan.site.to_call)] + [small for plan in self.plans.values() for small in plan.moved]
 
     def targets(self) -> list[cst.CSTNode]:
         return self._changed
+
+    def _without_moved(self, original_node, updated_node):
+        """The line without the statements that moved into the slice function; removed
+        when none is left."""
+        if not any(id(small) in self.moved for small in original_node.body):
+            return updated_node
+        body = [new for old, new in zip(original_node.body, updated_node.body) if id(old) not in self.moved]
+        if not body:
+            return cst.RemoveFromParent()
+        return updated_node.with_changes(body=[*body[:-1], body[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)])
+
+    def leave_SimpleStatementLine(self, original_node, updated_node):
+        return self._without_moved(original_node, updated_node)
+
+    def leave_SimpleStatementSuite(self, original_node, updated_node):
+        return self._without_moved(original_node, updated_node)
 
     def leave_Call(self, original_node, updated_node):
         return cst.Name(BATCH_NAME) if id(original_node) in self.to_calls else updated_node

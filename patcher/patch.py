@@ -29,7 +29,9 @@ class PatchResult:
     runtime: the text of the injected runtime block (header line and templates) as it
     stands in `source`, "" when none was injected. producer_toggles: the option it was
     patched with (a re-patch repeats it). verdicts: the families' verdicts on the input,
-    whose `survey` (`.survey`) holds its facts.
+    whose `survey` (`.survey`) holds its facts. switches: the environment variables
+    the patched script reads, those of the features applied (position order), each
+    turning its behaviour off at 0.
     """
 
     source: str
@@ -39,6 +41,7 @@ class PatchResult:
     module: cst.Module | None = field(default=None, repr=False)
     runtime: str = field(default="", repr=False)
     producer_toggles: bool = False
+    switches: tuple[str, ...] = ()
 
     @property
     def survey(self) -> Survey | None:
@@ -108,7 +111,8 @@ def patch_source(source: str, enabled: set[str] | None = None, module: cst.Modul
     runtime = ""
     if ctx.templates or ctx.constants:
         module, runtime = _insert_runtime(module, ctx)
-    return PatchResult(module.code, notes, False, verdicts, module, runtime, producer_toggles)
+    switches = tuple(name for name in ctx.toggles if name in ctx.toggles_used) if "env_toggles" in {n.feature for n in notes if n.applied} else ()
+    return PatchResult(module.code, notes, False, verdicts, module, runtime, producer_toggles, switches)
 
 
 def _insert_runtime(module: cst.Module, ctx: Context) -> tuple[cst.Module, str]:

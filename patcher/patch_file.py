@@ -179,6 +179,7 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         "skipped": [n.as_dict() for n in result.skipped],
         "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
         "code_bytes": None,
+        "switches": list(result.switches),
         "wrapped": script.wrapped,
     }
     check = None

@@ -159,7 +159,7 @@ def test_cost_lines_explain_a_negative_cost():
     "fixture, noted",
     [
         pytest.param("tokenstream_readable.py", True, id="parameter-golf-tokenstream"),
-        pytest.param("distributed_data_loader.py", False, id="modded-nanogpt"),
+        pytest.param("generator_shards.py", False, id="modded-nanogpt-no-prefetch"),
         pytest.param("bestfit_packing.py", False, id="nanochat"),
     ],
 )
@@ -170,6 +170,10 @@ def test_the_cap_note_only_for_parameter_golf_scripts(tmp_path, capsys, fixture,
     report = json.loads(capsys.readouterr().out)
     assert report["applied"] and report["code_bytes"]["after"] > report["code_bytes"]["before"]
     assert (report["cap_note"] is not None) == noted
+    # the switches the report names are those the output reads, no other
+    written = (tmp_path / "out.py").read_text()
+    assert report["switches"] and all(f'"{name}"' in written for name in report["switches"])
+    assert ("TRAIN_PREFETCH" in report["switches"]) == ('"TRAIN_PREFETCH"' in written) == ("train_prefetch" in report["applied"])
     if not noted:  # a parameter-golf record's folder says it is one, whatever its loader
         record = tmp_path / "track_10min_16mb" / "2026-04-01_x"
         record.mkdir(parents=True)

@@ -787,6 +787,8 @@ def _print_report(report: dict, result, stream, colour: bool = False) -> None:
         print(f"  {mark} {note.feature:15} {note.reason}{where}", file=stream)
     from patcher.code_size import cost_lines
 
+    for line in report.get("expect", []):
+        print(f"  {'expect':8} {line}", file=stream)
     if report.get("switches"):
         print(f"  switches added (environment variables the patched script reads; the README's table says what each does): {', '.join(report['switches'])}", file=stream)
     cb = report["code_bytes"]

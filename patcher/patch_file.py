@@ -180,6 +180,7 @@ def _patch_parsed(in_path: Path, out_path, options: FileOptions, started: float,
         "notes": [dict(n.as_dict(), applied=n.applied) for n in result.notes],
         "code_bytes": None,
         "switches": list(result.switches),
+        "expect": expectations(result.verdicts, set(result.applied)) if result.changed and result.verdicts is not None else [],
         "wrapped": script.wrapped,
     }
     check = None
@@ -340,6 +341,13 @@ def _budget(in_path: Path, counted: dict) -> Budget | None:
     if reported is None:
         return None
     return Budget(ARTIFACT_CAP, reported, reported + counted["after"] - counted["before"])
+
+
+def expectations(verdicts, applied: set[str]) -> list[str]:
+    """The report's "expect" lines (`patcher.survey.expect.expectations`)."""
+    from patcher.survey.expect import expectations as lines
+
+    return lines(verdicts, applied)
 
 
 def capped_competition(in_path: Path, verdicts) -> bool:

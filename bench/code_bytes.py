@@ -5,7 +5,8 @@
 For every script (a directory: every `train*.py` under it) prints how its code is
 counted (wrapper | minified | raw, see patcher/code_size.py), the counted bytes before
 and after the default patch (or the features given), the bytes added, the ratio
-after/before, what each applied feature adds, and, where a `submission.json` beside
+after/before, what each applied feature costs (what its `--skip` saves, and the shared
+rest), and, where a `submission.json` beside
 the script gives artifact sizes, the largest artifact after the patch and the room
 left under the 16,000,000-byte cap (negative: over). Scripts the patch does not change
 are listed with their reason.
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:{width}}  {r['error']}")
             continue
         room = str(r["room"]) if "room" in r else "-"
-        parts = " ".join(f"{k}:{v:+d}" for k, v in r["by_feature"].items())
+        parts = " ".join(f"{k}:{v:+d}" for k, v in [*r["by_feature"].items(), *([("shared", r["shared"])] if r.get("shared") else [])])
         print(f"{name:{width}}  {r['counted_as']:8} {r['before']:8d} {r['after']:8d} {r['added']:+6d} {r['after'] / r['before']:7.4f} {r['lines_added']:5d} {room:>8}  {parts}")
     return 0
 

@@ -38,7 +38,14 @@ def test_the_root_script_shape_gives_the_premise_figures():
     assert "expect under 1 % of a step" in line
 
 
-@pytest.mark.parametrize("fixture, said", [("generator_shards.py", "18.95 ms -> 1.34 ms of host time per `.send()`"), ("no_loader.py", None)])
+@pytest.mark.parametrize(
+    "fixture, said",
+    [
+        ("generator_shards.py", "18.95 ms -> 1.34 ms of host time per `.send()`"),
+        ("document_packing.py", "its own thread builds and pins the batches ahead (pinned in the original), its H2D copies now on the copy stream"),
+        ("no_loader.py", None),
+    ],
+)
 def test_other_loaders_quote_what_was_measured_or_say_nothing(fixture, said):
     lines = _lines((FIXTURES / fixture).read_text())
     assert [said in line for line in lines] == ([True] if said else [])

@@ -8,8 +8,8 @@ argument as a `Hyperparameters` attribute with an integer env default (`TRAIN_BA
 rank's micro-batch is an eighth of the step's tokens whatever the number of GPUs). Then whether
 the copies are pinned, the synchronisations the step loop makes (`.item()`,
 `torch.cuda.synchronize()`, each every step or under a condition), and what the premise
-measurements imply. For modded-nanogpt's generator and nanochat's loader, what was
-measured on those scripts.
+measurements imply. For a `DocumentPackingLoader` (pinned by its own thread), what changes.
+For modded-nanogpt's generator and nanochat's loader, what was measured on those scripts.
 
 Figures (`PREMISE`): host milliseconds blocked by one copy behind 20 ms of queued
 kernels, one H200, 2026-11-27 (docs/measurements.md, bench/results/
@@ -49,9 +49,13 @@ def expectations(verdicts: Verdicts, applied: set[str]) -> list[str]:
     for construction in verdicts.training_constructions():
         family = verdicts.family_of(construction.class_name)
         calls = survey.calls_on(construction)
-        if family not in TOKEN_FAMILIES or not calls or construction.target in seen:
+        if family not in TOKEN_FAMILIES | {"document_packing"} or not calls or construction.target in seen:
             continue
         seen.add(construction.target)
+        if family == "document_packing":
+            moved = "its H2D copies now on the copy stream" if "copy_stream" in applied else "its H2D copies unchanged"
+            lines.append(f"`{construction.target}` ({construction.class_name}): its own thread builds and pins the batches ahead (pinned in the original), {moved}; bytes per micro-step vary with the packing (not read); {_syncs(survey, calls[-1].node)}; run `ab` to know")
+            continue
         lines.append(_token_loader_line(survey, construction.target, calls[-1], applied))
     for site in verdicts.iterators:
         if site.target in seen or names_other_data(site.target):

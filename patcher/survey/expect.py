@@ -61,10 +61,16 @@ def expectations(verdicts: Verdicts, applied: set[str]) -> list[str]:
         if site.target in seen or names_other_data(site.target):
             continue
         seen.add(site.target)
-        if site.family in MEASURED and applied & {"train_prefetch", "pinned_staging"}:
+        if site.family == "generator" and applied & {"train_prefetch", "pinned_staging"}:
             uses = [send.node if hasattr(send, "node") else send for send in site.sends]
             syncs = f"; {_syncs(survey, uses[-1])}" if uses else ""
             lines.append(f"`{site.target}` ({site.family}): {MEASURED[site.family]}{syncs}; run `ab` to know")
+    if "train_prefetch" in applied:
+        from patcher.families.registry import module_loaders
+
+        for loader in module_loaders(survey.module, survey.collector):
+            if loader.refusal is None and loader.family is not None and loader.family.name in MEASURED:
+                lines.append(f"`{loader.function.name.value}` ({loader.family.name}): {MEASURED[loader.family.name]}; syncs are the training script's (nanochat's base_train: one a step, for its `dt`); run `ab` to know")
     return lines
 
 

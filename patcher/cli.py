@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-check", action="store_true", help="do not check the output (compile on the target Python, import smoke)")
     parser.add_argument("--no-import", action="store_true", help="check by compiling only: no import smoke (nothing of the script runs)")
     parser.add_argument("--timeout", type=_seconds, default=60.0, help="import smoke timeout in seconds (default 60)")
-    parser.add_argument("--byte-breakdown", action="store_true", help="also report what each applied feature adds to the code bytes (one more patch, and counted as minified one more pyminify run, per feature; single files only)")
+    parser.add_argument("--byte-breakdown", action="store_true", help="also report what each applied feature costs in code bytes, what its --skip saves (one more patch, and counted as minified one more pyminify run, per feature; single files only)")
     parser.add_argument("--no-byte-breakdown", action="store_true", help="code bytes before and after only (the default)")
     parser.add_argument("--python", default=None, help="target Python for the check: a version or an interpreter path; one that is not installed is an error (exit 2). Default 3.10, or, where none is installed, a grammar check under the running Python (reported as partial)")
     tree = parser.add_argument_group("tree mode (a directory, or several INPUTs)")

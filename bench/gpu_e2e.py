@@ -289,7 +289,7 @@ def profile_child(trace: str, argv: list[str]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     sys.argv = argv[1:] if argv[0] == "-m" else argv
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
         try:
             if argv[0] == "-m":
                 sys.argv[0] = argv[1]
@@ -297,7 +297,8 @@ def profile_child(trace: str, argv: list[str]) -> int:
             else:
                 runpy.run_path(argv[0], run_name="__main__")
         finally:
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
     prof.export_chrome_trace(trace)
     return 0
 
@@ -333,7 +334,7 @@ if __name__ == "__main__":
 
 # --------------------------------------------------------------------------- stages
 # Sizes: (real GPU, dry run). The dry run shows the stage's code working on miniatures.
-NANOCHAT = {"real": {"depth": 4, "B": 32, "T": 2048, "accum": 2, "steps": 40, "warmup": 10, "docs": 24000, "max_runs": 6}, "dry": {"depth": 1, "B": 2, "T": 64, "accum": 2, "steps": 14, "warmup": 3, "docs": 600, "max_runs": 2}}
+NANOCHAT = {"real": {"depth": 4, "B": 32, "T": 2048, "accum": 2, "steps": 40, "warmup": 10, "docs": 8000, "max_runs": 6}, "dry": {"depth": 1, "B": 2, "T": 64, "accum": 2, "steps": 14, "warmup": 3, "docs": 600, "max_runs": 2}}
 MODDED = {"real": {"steps": 40, "warmup": 10, "train_tokens": 16_000_000, "val_tokens": 11_000_000, "max_runs": 4}, "dry": {"steps": 24, "warmup": 4, "train_tokens": 60_000, "val_tokens": 4_096, "max_runs": 2}}
 
 

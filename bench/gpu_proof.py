@@ -9,29 +9,40 @@ lacks, and a manifest with the hash of the patcher that made the outputs. The GP
 machine needs nothing else: no network, no libcst of its own.
 
 Stages, each a child process time-boxed to its budget (or what is left before
-`--deadline`); each is recorded in `results.json` (exit code, seconds, figures, the end
-of its stderr), rewritten after every stage. A stage that cannot get its minimum time is
-skipped and recorded as skipped; a failed stage never stops the others.
+`--deadline`), in order of expected information per second; each box and where its
+seconds come from is in `BUDGET_BASIS` (and in results.json). Each stage is recorded in
+`results.json` (exit code, seconds, figures, the end of its stderr), rewritten after
+every stage, and the end-to-end and ab stages after every run. A stage that cannot get
+its minimum time is skipped and recorded as skipped; a failed stage never stops the others.
 
 0. probe: GPU, driver, torch, triton and Python versions, /dev/shm; installs the wheels
    brought along into `/tmp/gpu-proof-site` for the later stages.
-1. premise: host milliseconds blocked by `.to("cuda", non_blocking=True)` from pageable
-   and pinned memory, with the compute stream idle and busy (queued matmuls), at 64 KB,
-   1 MB and 8 MB; then the same through the injected pieces (`_h2d` on the copy stream,
-   `_pinned_h2d`'s pinned copy, the staging every producer shares). A profiler pass names, for each H2D memcpy, pageable or
-   pinned, its stream, and how much of it overlapped compute.
-2. sanitizer: the CUDA-only tests (skipped on a CPU), then PyTorch's CUDA stream
-   sanitizer: a planted race must be reported (the positive control), the injected
-   pieces must report none, and so must the patched root script for a few eager steps.
-3. generator: modded-nanogpt's `distributed_data_generator`, original against patched,
+1. nanochat end to end (`bench/gpu_e2e.py`): `scripts/base_train.py` at depth 4 on
+   synthetic parquet shards with the byte tokenizer stand-in, `nanochat/dataloader.py`
+   original against patched, alternated runs; step time from base_train's own `dt`
+   (it synchronises each step), with its resolution. Where the patched side is slower,
+   one profiled run a side (copies, the compute stream's gap before each, runtime calls).
+2. sanitizer: one process under PyTorch's CUDA stream sanitizer (a planted race must be
+   reported, then the injected pieces must report none, each between markers so a
+   hang is named), then the CUDA-only tests in the time left (skipped on a CPU).
+3. registered slot: the H2D straight from registered slot memory. Not implemented in
+   the runtime yet: recorded as skipped, saying so.
+4. ab: `patch-prefetch ab` on parameter-golf's root `train_gpt.py` at 524,288 tokens a
+   step, one compile cache; its resolution (ab's interval) beside the figure, or why
+   there is none. A patched run whose producer fell back fails its stage.
+5. modded-nanogpt end to end (`bench/gpu_e2e.py`): HEAD `train_gpt.py` with
+   WORLD_SIZE=1 (8 micro-steps), stopped within its first training stage, FlashAttention 3
+   and tiktoken's file stood in (`bench/shims/offline`), original against patched;
+   step time from the change in the script's own `train_time` (no sync added); the
+   warm-up compile time it saw.
+6. ab on a ShuffledSequenceLoader (SDClip) record at 524,288 tokens.
+7. generator: modded-nanogpt's `distributed_data_generator`, original against patched,
    `.send()` once a micro-step behind a GPU load (`bench/gpu_loaders.py generator`).
-4. module: nanochat's data-loader module, original against patched, `next()` behind a
+8. module: nanochat's data-loader module, original against patched, `next()` behind a
    GPU load, with `torch.device("cuda", 0)` and with "cuda" (`bench/gpu_loaders.py module`).
-5. ab: `patch-prefetch ab` on parameter-golf's root `train_gpt.py` at 524,288 tokens a
-   step (5a original vs patched; 5b original vs patched with every toggle off), then a
-   ShuffledSequenceLoader (SDClip) record with gradient accumulation (5c). A patched run
-   whose producer fell back fails its stage: a ratio of the original against itself is
-   not a result.
+9. premise: host milliseconds blocked by `.to("cuda", non_blocking=True)` from pageable
+   and pinned memory, compute stream idle and busy, at 64 KB, 1 MB and 8 MB, and through
+   the injected pieces; a profiler pass names each H2D memcpy's kind, stream and overlap.
 
 `--dry-run` runs every stage on the CPU at tiny sizes, on the bundled fixtures (prepared
 by `gpu_prepare.py --fixtures` into a temporary folder), and also checks what the GPU run

@@ -65,15 +65,21 @@ def _reference(q, k, v, cu, left):
     return out
 
 
-@pytest.mark.parametrize("left", [-1, 3])
-def test_the_flash_attention_stand_in_attends_within_documents_and_the_window(left):
+@pytest.mark.parametrize("left,chunk", [(-1, 1024), (3, 1024), (3, 4), (6, 4)])
+def test_the_flash_attention_stand_in_attends_within_documents_and_the_window(left, chunk):
     kernels = _stand_in("kernels")
+    kernels.CHUNK = chunk  # 4: chunks, keys reaching back past a chunk, a padded last chunk
     torch.manual_seed(0)
     q, k, v = (torch.randn(23, 2, 8) for _ in range(3))
     cu = torch.tensor([0, 5, 17, 23], dtype=torch.int32)
     attn = kernels.get_kernel("kernels-community/flash-attn3", version=1).flash_attn_interface
     got = attn.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=12, max_seqlen_k=12, causal=True, window_size=(left, 0))
     assert torch.allclose(got.double(), _reference(q, k, v, cu, left), atol=1e-5)
+    # No NaN reaches the gradients from the padding.
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    attn.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, window_size=(left, 0)).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
 def test_the_tiktoken_stand_in_has_a_prefix_table_to_build():

@@ -122,9 +122,9 @@ BUDGET_BASIS = {
     "0_probe": "8.0 s in the H200 run (torch import, nvidia-smi, 4 wheels installed)",
     "1_nanochat_e2e": "a run = start-up ~8 s (the probe's torch import and CUDA init) + the model's compile (~30 s for the first run, estimate: "
                       "under the root script's >= 32 s a run, as stage 5a's 4 runs of 25 steps at 163 ms did not finish in 145 s; ~10 s with the shared cache, estimate) "
-                      "+ the patched producer's start 4.3-4.8 s (stage 4, H200 run) + 40 steps: the original blocks 58.7 ms a next() (stage 4) behind "
-                      "~15 ms of d4 micro-step (estimate), 2 micro-steps: ~150 ms a step, patched ~40 ms: 6 s; "
-                      "4 runs (2 a side, a between-run interval) ~ 49 + 3 x 29 = 136 s",
+                      "+ the patched producer's start 4.3-4.8 s (stage 4, H200 run) + 40 steps of 2 micro-steps: the original builds a B=32 T=2048 batch "
+                      "on the host after the queue drains (24 ms a next() with device 'cuda', stage 4) behind ~15 ms of d4 micro-step (estimate): ~80 ms a step, "
+                      "patched ~50 ms (bounded by the producer's ~24 ms a batch): 3 s; 4 runs (2 a side, a between-run interval) ~ 46 + 3 x 26 = 124 s",
     "2_sanitizer": "one sanitizer process (torch import and CUDA init ~8 s, the pieces and the planted race ~3 s) + the 5 CUDA-only tests in pytest (~15 s, estimate); "
                    "the H200 run's 40 s box held two sanitizer processes and the tests and timed out",
     "3_registered_slot": "0 s: the runtime has no registered-slot path yet (issue 58 part 2); the stage records that",
@@ -477,7 +477,6 @@ def stage_sanitizer(inputs: Path, work: Path, dry_run: bool) -> dict:
     import torch
 
     figures: dict = {}
-    began = time.monotonic()
     cuda = torch.cuda.is_available() and not dry_run
     problems: list[str] = []
     if not cuda:
@@ -710,8 +709,13 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
         if not dry_run and gpu_train.needs_attention_shim():
             figures["note"] = "attention through bench/shims' stand-in (scaled_dot_product_attention), not FlashAttention 3"
 
+        within: dict = {"a": [], "b": []}
+
         def checkpoint(result, total: int) -> None:  # a stage cut off at its box keeps its runs
             figures["runs_so_far"].append(result.as_dict())
+            steady = _ab_steady(getattr(result, "points", None))
+            if steady:
+                within[result.side].append(steady)
             figures["headline"] = f"cut off after {len(figures['runs_so_far'])} of {total} runs: " + ", ".join(f"{r['label']} {r['step_ms']} ms" for r in figures["runs_so_far"])
             _write_json(work / STAGE_FILE, figures)
 
@@ -723,7 +727,13 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
         del figures["runs_so_far"]
         half = report.get("pct_half")
         figures["resolution_pct"] = half
-        figures["resolution"] = f"a difference under {half:.2f} % cannot be seen with these runs (ab's 95 % interval)" if isinstance(half, (int, float)) else "none: one run a side gives no between-run interval (the box held no more)"
+        figures["resolution"] = f"a difference under {half:.2f} % cannot be seen with these runs (ab's 95 % interval)" if isinstance(half, (int, float)) else "none between runs: one run a side gives no between-run interval (the box held no more)"
+        if within["a"] and within["b"]:
+            import gpu_e2e
+
+            figures["within_runs"] = gpu_e2e.compare(within["a"], within["b"])
+            if not isinstance(half, (int, float)):
+                figures["resolution"] += f"; within the runs (steps as samples, drift not included): {figures['within_runs']['resolution_pct']:.2f} %"
         figures["headline"] = f"mean step {report['mean_ms']['a']} ms original, {report['mean_ms']['b']} ms {'patched' if not env_b else 'patched, toggles off'} at {batch:,} tokens: {report['verdict']}; resolution: {figures['resolution']}"
         problems = []
         if not env_b and report.get("fallbacks"):
@@ -733,6 +743,21 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
         return figures
 
     return stage
+
+
+def _ab_steady(points) -> list[float]:
+    """Steady step times (ms) from an ab run's log points [(step, ms)]: per-step values,
+    or windows of a cumulative train time (non-decreasing values), after step 2; [] when
+    the run has none (ab's runs give their points to the checkpoint)."""
+    import gpu_e2e
+
+    try:
+        values = {int(step): float(ms) for step, ms in points or [] if ms is not None}
+    except (TypeError, ValueError):
+        return []
+    ordered = [values[k] for k in sorted(values)]
+    cumulative = len(ordered) > 2 and all(b >= a for a, b in zip(ordered, ordered[1:])) and ordered[-1] > 1.5 * ordered[0]
+    return gpu_e2e.step_samples(values, "cumulative" if cumulative else "dt", warmup=2)
 
 
 def _shared_caches(work: Path) -> dict:

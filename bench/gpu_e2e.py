@@ -145,7 +145,8 @@ def run_side(command: list[str], env: dict, cwd: Path, pattern: re.Pattern, kind
 
     Returns {"values" {step: value}, "first_step_s" (start to the first step line: the
     start-up and compile), "marks" {PHASE_MARKS name: seconds from the start}, "wall_s",
-    "rc" (0 when it reached `stop_step`), "fell_back" (a FALLBACK_MARKERS line was
+    "rc" (0 when it reached `stop_step`), "cut_off" (stopped at `timeout_s` before it),
+    "fell_back" (a FALLBACK_MARKERS line was
     printed), "prefetch_lines", "log_tail"}."""
     began = time.perf_counter()
     values: dict[int, float] = {}
@@ -180,7 +181,8 @@ def run_side(command: list[str], env: dict, cwd: Path, pattern: re.Pattern, kind
         proc.wait()
         proc.stdout.close()
     fell_back = any(m in line for line in said for m in FALLBACK_MARKERS)
-    return {"values": values, "first_step_s": round(first, 1) if first is not None else None, "marks": marks, "wall_s": round(time.perf_counter() - began, 1), "rc": 0 if reached else proc.returncode, "fell_back": fell_back, "prefetch_lines": said[:5], "log_tail": "".join(lines)[-1500:]}
+    cut_off = not reached and time.perf_counter() - began >= timeout_s - 0.5
+    return {"cut_off": cut_off, "values": values, "first_step_s": round(first, 1) if first is not None else None, "marks": marks, "wall_s": round(time.perf_counter() - began, 1), "rc": 0 if reached else proc.returncode, "fell_back": fell_back, "prefetch_lines": said[:5], "log_tail": "".join(lines)[-1500:]}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -216,7 +218,7 @@ def alternate(sides: dict, budget_s: float, pattern: re.Pattern, kind: str, stop
         row = {"side": side, **run, "steady": run_stats(steady) if steady else None}
         if run["rc"] != 0 or not steady or (side == "patched" and run["fell_back"]):
             report["runs"].append(row)
-            why = "its producer fell back" if run["rc"] == 0 and steady else f"it did not reach step {stop_step} (exit {run['rc']})"
+            why = "its producer fell back" if run["rc"] == 0 and steady else f"cut off by the box after {run['wall_s']:.0f} s, before step {stop_step}" if run["cut_off"] else f"it did not reach step {stop_step} (exit {run['rc']})"
             report["stopped"] = f"run {index + 1} ({side}): {why}"
             break
         del row["log_tail"]

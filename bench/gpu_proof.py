@@ -9,29 +9,40 @@ lacks, and a manifest with the hash of the patcher that made the outputs. The GP
 machine needs nothing else: no network, no libcst of its own.
 
 Stages, each a child process time-boxed to its budget (or what is left before
-`--deadline`); each is recorded in `results.json` (exit code, seconds, figures, the end
-of its stderr), rewritten after every stage. A stage that cannot get its minimum time is
-skipped and recorded as skipped; a failed stage never stops the others.
+`--deadline`), in order of expected information per second; each box and where its
+seconds come from is in `BUDGET_BASIS` (and in results.json). Each stage is recorded in
+`results.json` (exit code, seconds, figures, the end of its stderr), rewritten after
+every stage, and the end-to-end and ab stages after every run. A stage that cannot get
+its minimum time is skipped and recorded as skipped; a failed stage never stops the others.
 
 0. probe: GPU, driver, torch, triton and Python versions, /dev/shm; installs the wheels
    brought along into `/tmp/gpu-proof-site` for the later stages.
-1. premise: host milliseconds blocked by `.to("cuda", non_blocking=True)` from pageable
-   and pinned memory, with the compute stream idle and busy (queued matmuls), at 64 KB,
-   1 MB and 8 MB; then the same through the injected pieces (`_h2d` on the copy stream,
-   `_pinned_h2d`'s pinned copy, the staging every producer shares). A profiler pass names, for each H2D memcpy, pageable or
-   pinned, its stream, and how much of it overlapped compute.
-2. sanitizer: the CUDA-only tests (skipped on a CPU), then PyTorch's CUDA stream
-   sanitizer: a planted race must be reported (the positive control), the injected
-   pieces must report none, and so must the patched root script for a few eager steps.
-3. generator: modded-nanogpt's `distributed_data_generator`, original against patched,
+1. nanochat end to end (`bench/gpu_e2e.py`): `scripts/base_train.py` at depth 4 on
+   synthetic parquet shards with the byte tokenizer stand-in, `nanochat/dataloader.py`
+   original against patched, alternated runs; step time from base_train's own `dt`
+   (it synchronises each step), with its resolution. Where the patched side is slower,
+   one profiled run a side (copies, the compute stream's gap before each, runtime calls).
+2. sanitizer: one process under PyTorch's CUDA stream sanitizer (a planted race must be
+   reported, then the injected pieces must report none, each between markers so a
+   hang is named), then the CUDA-only tests in the time left (skipped on a CPU).
+3. registered slot: the H2D straight from registered slot memory. Not implemented in
+   the runtime yet: recorded as skipped, saying so.
+4. ab: `patch-prefetch ab` on parameter-golf's root `train_gpt.py` at 524,288 tokens a
+   step, one compile cache; its resolution (ab's interval) beside the figure, or why
+   there is none. A patched run whose producer fell back fails its stage.
+5. modded-nanogpt end to end (`bench/gpu_e2e.py`): HEAD `train_gpt.py` with
+   WORLD_SIZE=1 (8 micro-steps), stopped within its first training stage, FlashAttention 3
+   and tiktoken's file stood in (`bench/shims/offline`), original against patched;
+   step time from the change in the script's own `train_time` (no sync added); the
+   warm-up compile time it saw.
+6. ab on a ShuffledSequenceLoader (SDClip) record at 524,288 tokens.
+7. generator: modded-nanogpt's `distributed_data_generator`, original against patched,
    `.send()` once a micro-step behind a GPU load (`bench/gpu_loaders.py generator`).
-4. module: nanochat's data-loader module, original against patched, `next()` behind a
+8. module: nanochat's data-loader module, original against patched, `next()` behind a
    GPU load, with `torch.device("cuda", 0)` and with "cuda" (`bench/gpu_loaders.py module`).
-5. ab: `patch-prefetch ab` on parameter-golf's root `train_gpt.py` at 524,288 tokens a
-   step (5a original vs patched; 5b original vs patched with every toggle off), then a
-   ShuffledSequenceLoader (SDClip) record with gradient accumulation (5c). A patched run
-   whose producer fell back fails its stage: a ratio of the original against itself is
-   not a result.
+9. premise: host milliseconds blocked by `.to("cuda", non_blocking=True)` from pageable
+   and pinned memory, compute stream idle and busy, at 64 KB, 1 MB and 8 MB, and through
+   the injected pieces; a profiler pass names each H2D memcpy's kind, stream and overlap.
 
 `--dry-run` runs every stage on the CPU at tiny sizes, on the bundled fixtures (prepared
 by `gpu_prepare.py --fixtures` into a temporary folder), and also checks what the GPU run
@@ -102,18 +113,41 @@ class Stage:
     dry_budget_s: float = 120.0
 
 
+# Each stage's box on the GPU, from what the first GPU run (NVIDIA H200, 2026-11-27,
+# bench/results/gpu_proof_h200_2026-11-27.json, "H200 run" below) and the hand-run `ab`
+# of that day (docs/measurements.md) recorded; "estimate" where nothing was measured.
+# The stages run in order of expected information per second: a stage whose minimum no
+# longer fits before --deadline is skipped and recorded as such.
+BUDGET_BASIS = {
+    "0_probe": "8.0 s in the H200 run (torch import, nvidia-smi, 4 wheels installed)",
+    "1_nanochat_e2e": "a run = start-up ~8 s (the probe's torch import and CUDA init) + the model's compile (~30 s for the first run, estimate: "
+                      "under the root script's >= 32 s a run, as stage 5a's 4 runs of 25 steps at 163 ms did not finish in 145 s; ~10 s with the shared cache, estimate) "
+                      "+ the patched producer's start 4.3-4.8 s (stage 4, H200 run) + 40 steps of 2 micro-steps: the original builds a B=32 T=2048 batch "
+                      "on the host after the queue drains (24 ms a next() with device 'cuda', stage 4) behind ~15 ms of d4 micro-step (estimate): ~80 ms a step, "
+                      "patched ~50 ms (bounded by the producer's ~24 ms a batch): 3 s; 4 runs (2 a side, a between-run interval) ~ 46 + 3 x 26 = 124 s",
+    "2_sanitizer": "one sanitizer process (torch import and CUDA init ~8 s, the pieces and the planted race ~3 s) + the 5 CUDA-only tests in pytest (~15 s, estimate); "
+                   "the H200 run's 40 s box held two sanitizer processes and the tests and timed out; now the process gets at most 25 s, the tests the rest",
+    "3_registered_slot": "0 s: the runtime has no registered-slot path yet (issue 58 part 2); the stage records that",
+    "4_ab_root": "one run a side at 524,288 tokens: 652 ms a step (163 ms at 131,072 tokens, ab by hand on the H200, x4) x 25 steps (5 warm-up + 20) = 16 s, "
+                 "+ >= 32 s compile and start-up (first run; ~12 s with the shared cache, estimate) + shards and tokenizer ~5 s: ~81 s",
+    "5_modded_e2e": "what is left (the script's own message: ~7 minutes of warm-up compile on the first execution, on 8 H100s; no H200 figure): "
+                    "the stage records the warm-up compile time it saw, and step times if a run gets through it",
+    "6_ab_sdclip": "as 4_ab_root at 524,288 tokens (the record's step is of the same order; no H200 figure)",
+    "7_generator": "19.9 s in the H200 run (120 sends)",
+    "8_module": "22.2 s in the H200 run (25 batches a case)",
+    "9_premise": "12.8 s in the H200 run (reps 10)",
+}
 STAGES = [
-    # Budgets from the first GPU run (H200, 2026-11-27): probe 8 s, premise 13 s,
-    # generator 20 s, module 22 s (25 batches a case); 4 ab runs of the root script at
-    # 131,072 tokens and 20 steps did not finish in 145 s (compilation in every run).
-    Stage("0_probe", "probe and install", 30, 10),
-    Stage("1_premise", "host ms blocked by H2D copies, and where they run", 35, 15),
-    Stage("2_sanitizer", "CUDA stream sanitizer and the CUDA-only tests", 100, 30),
-    Stage("3_generator", "modded-nanogpt generator: host ms per send", 40, 20),
-    Stage("4_module", "nanochat loader module: host ms per next()", 45, 25),
-    Stage("5a_ab_root", "ab: root train_gpt.py, original vs patched", 240, 120),
-    Stage("5b_ab_root_toggles_off", "ab: root train_gpt.py, original vs patched with every toggle off", 130, 90),
-    Stage("5c_ab_sdclip", "ab: SDClip record, original vs patched", 150, 100),
+    Stage("0_probe", "probe and install", 15, 8, 60),
+    Stage("1_nanochat_e2e", "nanochat scripts/base_train.py end to end: step dt, original vs patched dataloader", 140, 70, 60),
+    Stage("2_sanitizer", "CUDA stream sanitizer and the CUDA-only tests", 40, 25, 60),
+    Stage("3_registered_slot", "registered-slot H2D (cudaHostRegister, no host copy)", 5, 0, 10),
+    Stage("4_ab_root", "ab: root train_gpt.py at 524,288 tokens, original vs patched", 100, 80, 60),
+    Stage("5_modded_e2e", "modded-nanogpt train_gpt.py end to end, WORLD_SIZE=1: step time, original vs patched", 230, 150, 60),
+    Stage("6_ab_sdclip", "ab: SDClip record at 524,288 tokens, original vs patched", 100, 80, 60),
+    Stage("7_generator", "modded-nanogpt generator: host ms per send", 22, 15, 60),
+    Stage("8_module", "nanochat loader module: host ms per next()", 25, 20, 60),
+    Stage("9_premise", "host ms blocked by H2D copies, and where they run", 15, 10, 60),
 ]
 
 
@@ -139,6 +173,7 @@ def run_stages(inputs: Path, out: Path, deadline_s: float, dry_run: bool, only: 
         "deadline_s": deadline_s,
         "command": " ".join(sys.argv),
         "inputs": json.loads(manifest_path.read_text()) if manifest_path.exists() else None,
+        "budgets": {stage.key: {"budget_s": stage.budget_s, "min_s": stage.min_s, "basis": BUDGET_BASIS.get(stage.key)} for stage in STAGES},
         "stages": {},
     }
     for stage in STAGES:
@@ -185,8 +220,8 @@ def _run_stage(stage: Stage, inputs: Path, timeout_s: float, dry_run: bool) -> d
             text = stderr.read()
         figures_path = Path(work) / STAGE_FILE
         figures = json.loads(figures_path.read_text()) if figures_path.exists() else None
-    status = "timed out" if timed_out else ("ok" if rc == 0 else "failed")
-    return {
+    status = "timed out" if timed_out else ("ok" if rc == 0 else "skipped" if rc == SKIPPED_RC else "failed")
+    row = {
         "title": stage.title,
         "status": status,
         "rc": rc,
@@ -195,6 +230,9 @@ def _run_stage(stage: Stage, inputs: Path, timeout_s: float, dry_run: bool) -> d
         "figures": figures,
         "stderr_tail": text[-3000:],
     }
+    if status == "skipped":
+        row["why"] = (figures or {}).get("skipped", "")
+    return row
 
 
 def _stage_env() -> dict:
@@ -235,6 +273,19 @@ def _write_json(path: Path, data: dict) -> None:
 
 class StageFailed(Exception):
     """The stage ran and its result is a failure (a goal it checks is not met)."""
+
+
+class StageSkipped(Exception):
+    """The stage has nothing to run here (one line why); recorded as skipped."""
+
+
+SKIPPED_RC = 3
+_STARTED = time.monotonic()  # this stage process's start: what is left of its box is counted from here
+
+
+def stage_left() -> float:
+    """Seconds left of the running stage's box."""
+    return stage_budget() - (time.monotonic() - _STARTED)
 
 
 def stage_probe(inputs: Path, work: Path, dry_run: bool) -> dict:
@@ -426,7 +477,6 @@ def stage_sanitizer(inputs: Path, work: Path, dry_run: bool) -> dict:
     import torch
 
     figures: dict = {}
-    began = time.monotonic()
     cuda = torch.cuda.is_available() and not dry_run
     problems: list[str] = []
     if not cuda:
@@ -441,24 +491,35 @@ def stage_sanitizer(inputs: Path, work: Path, dry_run: bool) -> dict:
         if problems:
             raise _Failed(figures, problems)
         return figures
-    checks = {}
-    # One process for the real pieces (one torch import), one for the planted race.
-    for case in ("pieces", "planted_race"):
-        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--sanitize-case", case], cwd=ROOT, capture_output=True, text=True, timeout=60, env=_stage_env())
-        races = done.stderr.count("CSAN detected a possible data race")
-        checks[case] = {"rc": done.returncode, "races": races, "tail": done.stderr[-800:] if races or done.returncode else ""}
+    # One process, one torch import: the planted race (the positive control), then each
+    # piece between markers, so a piece that hangs is named by the last marker seen.
+    timeout = max(5.0, min(25.0, stage_left() - 15))  # the rest is the CUDA tests
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--sanitize-case", "all"], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=_stage_env())
+        text, rc = done.stderr, done.returncode
+    except subprocess.TimeoutExpired as expired:
+        text, rc = (expired.stderr or b"").decode(errors="replace") if isinstance(expired.stderr, bytes) else (expired.stderr or ""), None
+    planted, _, pieces = text.partition(_PIECES_MARK)
+    started = [line.split(":", 1)[1] for line in pieces.splitlines() if line.startswith("piece started:")]
+    ended = [line.split(":", 1)[1] for line in pieces.splitlines() if line.startswith("piece done:")]
+    checks = {
+        "planted_race": {"races": planted.count(_RACE_TEXT)},
+        "pieces": {"rc": rc, "races": pieces.count(_RACE_TEXT), "done": ended, "hung_in": started[-1] if rc is None and started and (not ended or started[-1] != ended[-1]) else None, "tail": text[-800:] if rc != 0 else ""},
+        "timeout_s": round(timeout, 1),
+    }
     figures["sanitizer_cases"] = checks
     _write_json(work / STAGE_FILE, {**figures, "headline": f"cut off after the sanitizer cases: {checks}"})
     if checks["planted_race"]["races"] == 0:
         problems.append("the planted race was not reported: the sanitizer does not see races here, so its silence on the pieces proves nothing")
-    if checks["pieces"]["races"] or checks["pieces"]["rc"] != 0:
-        problems.append(f"the injected pieces ({', '.join(SANITIZED_PIECES)}): {checks['pieces']['races']} races, exit {checks['pieces']['rc']}")
+    if checks["pieces"]["races"] or rc != 0 or len(ended) != len(SANITIZED_PIECES):
+        problems.append(f"the injected pieces ({', '.join(SANITIZED_PIECES)}): {checks['pieces']['races']} races, exit {rc}, done {ended}" + (f", hung in {checks['pieces']['hung_in']} past {timeout:.0f} s" if checks["pieces"]["hung_in"] else ""))
     figures["script"] = _sanitize_root_script(inputs, work) if stage_budget() >= 90 else {"skipped": f"a {stage_budget():.0f} s budget leaves no time for the script (needs 90 s)"}
-    _run_cuda_tests(figures, problems, cuda, stage_budget() - (time.monotonic() - began) - 2)
+    _run_cuda_tests(figures, problems, cuda, stage_left() - 2)
     if figures["script"].get("races") or figures["script"].get("rc"):
         problems.append(f"patched root script under the sanitizer: {figures['script'].get('races')} races, exit {figures['script'].get('rc')}")
     found = checks["planted_race"]["races"]
     clean = checks["pieces"]["races"]
+
     figures["headline"] = f"CUDA tests: {figures['cuda_tests']['summary']}; planted race reported {found}x; races in the injected pieces: {clean}; in the patched root script ({figures['script'].get('steps')} steps): {figures['script'].get('races')}"
     if problems:
         raise _Failed(figures, problems)
@@ -496,21 +557,29 @@ def sanitize_case(case: str) -> int:
 
     _sanitizer.enable_cuda_sanitizer()
     device = torch.device("cuda", 0)
-    if case == "pieces":
-        for piece in SANITIZED_PIECES:
-            _sanitized_piece(piece, device)
-    elif case == "planted_race":
-        # Written on a side stream, read on the compute stream with no wait_stream.
+    # The planted race: written on a side stream, read on the compute stream with no wait_stream.
+    try:
         side = torch.cuda.Stream()
         value = torch.zeros(1 << 20, device=device)
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
             value.add_(1)
         (value * 2).sum()
+        torch.cuda.synchronize()
+    except Exception as error:  # the sanitizer raises on the race it reports
+        print(f"planted race raised: {error}", file=sys.stderr, flush=True)
+    print(_PIECES_MARK, file=sys.stderr, flush=True)
+    for piece in SANITIZED_PIECES:
+        print(f"piece started:{piece}", file=sys.stderr, flush=True)
+        _sanitized_piece(piece, device)
+        torch.cuda.synchronize()
+        print(f"piece done:{piece}", file=sys.stderr, flush=True)
     torch.cuda.synchronize()
     return 0
 
 
+_PIECES_MARK = "--- the injected pieces ---"
+_RACE_TEXT = "CSAN detected a possible data race"
 # The injected pieces run under the sanitizer: the copy stream, pinned staging, a staged batch.
 SANITIZED_PIECES = ("copy_stream", "pinned_staging", "staged_batch")
 
@@ -606,7 +675,11 @@ def _loaders_headline(figures: dict) -> str:
 
 
 def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = None, tokens: int = 524288, vocab: int = 1024):
-    """Stage 5: `patch-prefetch ab` on the inputs named `name`, on synthetic shards."""
+    """Stages 4 and 6: `patch-prefetch ab` on the inputs named `name`, on synthetic shards,
+    at `tokens` a step: `runs` runs a side where the box holds them (160 s), else one;
+    every run shares one inductor and triton cache (only the first pays the whole
+    compile). The figures carry ab's interval half-width as the resolution where it has
+    one (two or more runs a side), and say so where it has none."""
 
     def stage(inputs: Path, work: Path, dry_run: bool) -> dict:
         import gpu_train
@@ -614,9 +687,9 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
         scripts = _inputs_of(inputs, name)
         if scripts is None:
             raise StageFailed(f"no {name} script in {inputs}")
-        n_runs, n_steps, batch = (1, 4, 2048) if dry_run else (runs, steps, tokens)  # dry: one run each shows the stage works
-        if not dry_run and stage_budget() < 160:  # a short box: fewer, shorter, smaller runs
-            n_runs, n_steps, batch = 2, min(steps, 20), min(tokens, 131072)
+        n_runs, n_steps, batch = (1, 4, 1024 if vocab > 1024 else 2048) if dry_run else (runs, steps, tokens)  # dry: one run each shows the stage works
+        if not dry_run and stage_budget() < 160:  # a short box: one run a side, at the tokens asked
+            n_runs = 1
         warmup = 2 if dry_run else 5
         data_tokens = (n_steps + 2 * warmup + 4) * batch
         if dry_run:  # the fixtures read no tokenizer; sentencepiece is not a dependency
@@ -627,7 +700,7 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
             paths = {"data_path": str(data), "data_dir": str(work), "tokenizer_path": str(work / "none.model")}
         else:
             paths = gpu_train.write_data(work, data_tokens, vocab_size=vocab)
-        common = {"DATA_PATH": paths["data_path"], "DATA_DIR": paths["data_dir"], "TOKENIZER_PATH": paths["tokenizer_path"], "VOCAB_SIZE": str(vocab), "TRAIN_BATCH_TOKENS": str(batch), "WARMUP_STEPS": str(warmup), "MAX_WALLCLOCK_SECONDS": "0", "OMP_NUM_THREADS": "1" if dry_run else os.environ.get("OMP_NUM_THREADS", "8"), **env}
+        common = {"DATA_PATH": paths["data_path"], "DATA_DIR": paths["data_dir"], "TOKENIZER_PATH": paths["tokenizer_path"], "VOCAB_SIZE": str(vocab), "TRAIN_BATCH_TOKENS": str(batch), "WARMUP_STEPS": str(warmup), "MAX_WALLCLOCK_SECONDS": "0", "OMP_NUM_THREADS": "1" if dry_run else os.environ.get("OMP_NUM_THREADS", "8"), **_shared_caches(work), **env}
         if not dry_run and gpu_train.needs_attention_shim():
             common["PYTHONPATH"] = os.pathsep.join([str(gpu_train.SHIMS), _stage_env()["PYTHONPATH"]])
         from patcher.ab import AbError, run_ab
@@ -636,8 +709,13 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
         if not dry_run and gpu_train.needs_attention_shim():
             figures["note"] = "attention through bench/shims' stand-in (scaled_dot_product_attention), not FlashAttention 3"
 
+        within: dict = {"a": [], "b": []}
+
         def checkpoint(result, total: int) -> None:  # a stage cut off at its box keeps its runs
             figures["runs_so_far"].append(result.as_dict())
+            steady = _ab_steady(getattr(result, "points", None))
+            if steady:
+                within[result.side].append(steady)
             figures["headline"] = f"cut off after {len(figures['runs_so_far'])} of {total} runs: " + ", ".join(f"{r['label']} {r['step_ms']} ms" for r in figures["runs_so_far"])
             _write_json(work / STAGE_FILE, figures)
 
@@ -647,7 +725,16 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
             raise _Failed(figures, [f"ab: {str(error)[:400]}"]) from None
         figures["ab"] = report
         del figures["runs_so_far"]
-        figures["headline"] = f"mean step {report['mean_ms']['a']} ms original, {report['mean_ms']['b']} ms {'patched' if not env_b else 'patched, toggles off'}: {report['verdict']}"
+        half = report.get("pct_half")
+        figures["resolution_pct"] = half
+        figures["resolution"] = f"a difference under {half:.2f} % cannot be seen with these runs (ab's 95 % interval)" if isinstance(half, (int, float)) else "none between runs: one run a side gives no between-run interval (the box held no more)"
+        if within["a"] and within["b"]:
+            import gpu_e2e
+
+            figures["within_runs"] = gpu_e2e.compare(within["a"], within["b"])
+            if not isinstance(half, (int, float)):
+                figures["resolution"] += f"; within the runs (steps as samples, drift not included): {figures['within_runs']['resolution_pct']:.2f} %"
+        figures["headline"] = f"mean step {report['mean_ms']['a']} ms original, {report['mean_ms']['b']} ms {'patched' if not env_b else 'patched, toggles off'} at {batch:,} tokens: {report['verdict']}; resolution: {figures['resolution']}"
         problems = []
         if not env_b and report.get("fallbacks"):
             problems.append(f"the patched script's producer fell back: {report['fallbacks']}")
@@ -656,6 +743,84 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
         return figures
 
     return stage
+
+
+def _ab_steady(points) -> list[float]:
+    """Steady step times (ms) from an ab run's log points [(step, ms)]: per-step values,
+    or windows of a cumulative train time (non-decreasing values), after step 2; [] when
+    the run has none (ab's runs give their points to the checkpoint)."""
+    import gpu_e2e
+
+    try:
+        values = {int(step): float(ms) for step, ms in points or [] if ms is not None}
+    except (TypeError, ValueError):
+        return []
+    ordered = [values[k] for k in sorted(values)]
+    cumulative = len(ordered) > 2 and all(b >= a for a, b in zip(ordered, ordered[1:])) and ordered[-1] > 1.5 * ordered[0]
+    return gpu_e2e.step_samples(values, "cumulative" if cumulative else "dt", warmup=2)
+
+
+def _shared_caches(work: Path) -> dict:
+    """One inductor and one triton cache for every run of a stage."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor_cache"), "TRITON_CACHE_DIR": str(work / "triton_cache")}
+
+
+def stage_e2e(which: str):
+    """Stages 1 and 5: `bench/gpu_e2e.py`'s nanochat or modded-nanogpt run, alternated,
+    in what is left of the box. A run that fails, or a patched run whose producer fell
+    back, fails the stage (its figures say which run and keep the log's end). Where the
+    patched side came out slower and the box holds it, one profiled run a side
+    (`gpu_e2e.profile_summary`: copies, the compute stream's gap before each copy, the
+    host's CUDA runtime calls) goes with the figures."""
+
+    def stage(inputs: Path, work: Path, dry_run: bool) -> dict:
+        import gpu_e2e
+
+        manifest = json.loads((inputs / "manifest.json").read_text())
+        run = gpu_e2e.nanochat_stage if which == "nanochat" else gpu_e2e.modded_stage
+        try:
+            figures = run(inputs, work, dry_run, stage_left() - 3, manifest, on_run=lambda f: _write_json(work / STAGE_FILE, f))
+        except gpu_e2e.StageError as error:
+            raise StageFailed(str(error)) from None
+        report = figures["report"]
+        failed = [r for r in report["runs"] if (r["rc"] != 0 and not r.get("cut_off")) or r.get("fell_back") or (r["rc"] == 0 and not r.get("steady"))]
+        comparison = report.get("comparison") or {}
+        cuda = not dry_run and _cuda()
+        if cuda and not failed and comparison.get("ratio", 0) > 1 and which == "nanochat":
+            patched = next(r for r in reversed(report["runs"]) if r["side"] == "patched")
+            figures["profile"] = {}
+            for side in ("patched", "original"):
+                if stage_left() < patched["wall_s"] + 10:
+                    figures["profile"][side] = {"why": f"not run: {stage_left():.0f} s left of the box"}
+                    continue
+                command, env, cwd = gpu_e2e.profile_command(figures, side, work)
+                figures["profile"][side] = gpu_e2e.profile_summary(command, env, cwd, timeout_s=stage_left() - 3)
+        if failed:
+            raise _Failed(figures, [report["stopped"] or "a run failed"])
+        measured = [r for r in report["runs"] if r.get("steady") and r["rc"] == 0]
+        if {r["side"] for r in measured} != {"original", "patched"}:
+            raise _Failed(figures, [f"no comparison: {len(measured)} measured run in the box ({report['stopped']})"])
+        return figures
+
+    return stage
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def stage_registered_slot(inputs: Path, work: Path, dry_run: bool) -> dict:
+    """A registered-slot H2D (the producer's slot memory registered with
+    `cudaHostRegister`, copied straight to the device on the copy stream, given back
+    once the copy's event completed). Not implemented in the runtime yet: the stage
+    says so (skipped); once `patcher/templates/` registers slot memory it fails until
+    its check is written here."""
+    templates = ROOT / "patcher" / "templates"
+    if not any("cudaHostRegister" in path.read_text() for path in templates.glob("*.py")):
+        raise StageSkipped("not implemented in the runtime yet: no template registers slot memory (cudaHostRegister)")
+    raise StageFailed("the runtime registers slot memory now, and this stage has no check of it yet: write one (issue 58 part 2)")
 
 
 def _inputs_of(inputs: Path, name: str) -> tuple[Path, Path] | None:
@@ -669,17 +834,19 @@ def _inputs_of(inputs: Path, name: str) -> tuple[Path, Path] | None:
     return inputs / entry["original"], inputs / entry["patched"]
 
 
-_AB_STEPS = 30
+_AB_STEPS = 20
 STAGE_FUNCTIONS = {
-    "0_probe": stage_probe,
-    "1_premise": stage_premise,
-    "2_sanitizer": stage_sanitizer,
+    "0_probe": lambda inputs, work, dry_run: stage_probe(inputs, work, dry_run),
+    "1_nanochat_e2e": lambda inputs, work, dry_run: stage_e2e("nanochat")(inputs, work, dry_run),
+    "2_sanitizer": lambda inputs, work, dry_run: stage_sanitizer(inputs, work, dry_run),
+    "3_registered_slot": lambda inputs, work, dry_run: stage_registered_slot(inputs, work, dry_run),
+    "4_ab_root": stage_ab("root", runs=2, steps=_AB_STEPS, env={}),
+    "5_modded_e2e": lambda inputs, work, dry_run: stage_e2e("modded")(inputs, work, dry_run),
+    "6_ab_sdclip": stage_ab("sdclip", runs=2, steps=_AB_STEPS, env={}, vocab=8192),
     # GPU time queued before each call: about a micro-step of each on one H100.
-    "3_generator": stage_loaders("generator", "modded", load_ms=20.0),
-    "4_module": stage_loaders("module", "nanochat", load_ms=50.0),
-    "5a_ab_root": stage_ab("root", runs=2, steps=_AB_STEPS, env={}),
-    "5b_ab_root_toggles_off": stage_ab("root", runs=2, steps=_AB_STEPS, env={}, env_b=TOGGLES_OFF),
-    "5c_ab_sdclip": stage_ab("sdclip", runs=2, steps=20, env={}, tokens=786432, vocab=8192),
+    "7_generator": stage_loaders("generator", "modded", load_ms=20.0),
+    "8_module": stage_loaders("module", "nanochat", load_ms=50.0),
+    "9_premise": lambda inputs, work, dry_run: stage_premise(inputs, work, dry_run),
 }
 
 
@@ -689,6 +856,9 @@ def run_one_stage(key: str, inputs: Path, work: Path, dry_run: bool) -> int:
     try:
         figures = STAGE_FUNCTIONS[key](inputs, work, dry_run)
         rc = 0
+    except StageSkipped as skipped:
+        figures = {"skipped": str(skipped), "headline": f"skipped: {skipped}"}
+        rc = SKIPPED_RC
     except StageFailed as failure:
         figures = getattr(failure, "figures", {})
         figures["failure"] = str(failure)

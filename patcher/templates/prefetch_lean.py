@@ -155,9 +155,13 @@ class _PrefetchLoader:
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
         self.loader, self.scope = make_loader(torch.device("cpu")), make_loader.__globals__
         self.device, self.copy_stream, self.name, self.args, self.pid = device, copy_stream, name, None, None
-        self.depth, self.lent = min(max(1, int(queue_depth)), 250), {}  # lent: the slots the caller holds (`_hand_out`)
+        self.depth, self.lent, self.lock = min(max(1, int(queue_depth)), 250), {}, threading.Lock()  # lent: the slots the caller holds (`_hand_out`)
 
     def next_batch(self, *args):
+        with self.lock:  # one caller at a time: two threads at once would read each other's messages
+            return self._next_batch(*args)
+
+    def _next_batch(self, *args):
         if self.pid is None:  # the first call (shutdown() leaves 0): the producer starts, and builds every batch
             self.args = args
             self._start()
@@ -168,7 +172,10 @@ class _PrefetchLoader:
         except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)
             raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
         if message[0] == "error":
-            self.shutdown()
+            if message[3:]:  # the loader's own error: the producer goes on, as the loader would at a next call
+                self.lent[message[3]] = lambda: None  # its slot: free at the next batch
+            else:  # the producer's end
+                self.shutdown()
             raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
         return _hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
 
@@ -239,8 +246,8 @@ class _PrefetchLoader:
             order = pickle.dumps((marshal.dumps(code), names, [cell.cell_contents for cell in make_loader.__closure__ or ()]))
             os.write(self.fd, b"\xff")  # not a free slot: an order follows
             self.conn.send_bytes(order)
-            while (message := _receive(self.conn, self.slots, self.lent))[0] == "batch":  # the old loader's, built ahead: dropped
-                os.write(self.fd, bytes([message[2]]))
+            while (message := _receive(self.conn, self.slots, self.lent))[0] != "reset":  # the old loader's batches and errors, built ahead: dropped
+                os.write(self.fd, bytes([message[-1]]))  # (the producer's end: not a slot, TypeError)
         except Exception:  # a value that does not pickle (a local class, a lock), or the producer has gone
             return False
         return message[0] == "reset"
@@ -258,8 +265,11 @@ class _PrefetchLoader:
                 _receive(self.conn, self.slots, self.lent)
             self.thread.join(_POLL_S)
         if pid and os.getpid() == self.parent:
-            os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
-            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            try:
+                os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
+                return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            except OSError:  # reaped by the kernel already (a script that ignores SIGCHLD): no exit code
+                pass
 
 
 def _produce(conn, build, count, alive, rebuild):
@@ -301,7 +311,11 @@ def _produce(conn, build, count, alive, rebuild):
                 rebuild(conn.recv_bytes())
                 conn.send(("reset",))
                 continue
-            batch = build()
+            try:
+                batch = build()
+            except BaseException as error:  # the loader's: sent with its slot, given back at the caller's next call
+                conn.send(("error", _producer_error(error), traceback.format_exc(), order[0]))
+                continue
             if slots is None:  # the first batch sizes the slots
                 tensors = []
                 _each_tensor(batch, tensors.append)
@@ -566,11 +580,14 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
             first = False
             yield _hand_out(message[1], message[2], slots, lent, device, False)
     finally:
-        if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
-            _spawned.pop(child, None)
-            child.kill()  # as the forked start's shutdown: killed and reaped (its handlers are the defaults)
-            child.join()
-        receiver.close()
+        try:
+            if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
+                _spawned.pop(child, None)
+                child.kill()  # as the forked start's shutdown: killed and reaped (its handlers are the defaults)
+                child.join()
+            receiver.close()
+        except Exception:  # a generator finalized while the interpreter exits, its modules' globals gone (None):
+            pass  # multiprocessing's exit hook has ended the child (a daemon) already
 
 
 def _spawn_producer(module_name, function_name, pickled, sender, count):

@@ -172,10 +172,7 @@ class _PrefetchLoader:
         except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)
             raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
         if message[0] == "error":
-            if message[3:]:  # the loader's own error: the producer goes on, as the loader would at a next call
-                self.lent[message[3]] = lambda: None  # its slot: free at the next batch
-            else:  # the producer's end
-                self.shutdown()
+            self.lent[message[3]] = lambda: None  # its slot: free at the next batch (the producer goes on, as the loader would at a next call)
             raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
         return _hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
 
@@ -246,8 +243,8 @@ class _PrefetchLoader:
             order = pickle.dumps((marshal.dumps(code), names, [cell.cell_contents for cell in make_loader.__closure__ or ()]))
             os.write(self.fd, b"\xff")  # not a free slot: an order follows
             self.conn.send_bytes(order)
-            while (message := _receive(self.conn, self.slots, self.lent))[0] != "reset":  # the old loader's batches and errors, built ahead: dropped
-                os.write(self.fd, bytes([message[-1]]))  # (the producer's end: not a slot, TypeError)
+            while (message := _receive(self.conn, self.slots, self.lent))[0] == "batch":  # the old loader's, built ahead: dropped
+                os.write(self.fd, bytes([message[2]]))
         except Exception:  # a value that does not pickle (a local class, a lock), or the producer has gone
             return False
         return message[0] == "reset"
@@ -295,27 +292,23 @@ def _produce(conn, build, count, alive, rebuild):
     a time: an idle producer (a loop that validates, or waits) wakes 20 times a second.
     """
     slots = None
-    try:
-        while True:
-            polls = 0
-            while not conn.poll(_POLL_S if polls > 9 else 0):
-                if not alive():
-                    return
-                polls += 1
-                if polls < 10:
-                    time.sleep(0.0005)
-            order = os.read(conn.fileno(), 1)
-            if not order:  # an end of file: the training process has gone
+    while True:
+        polls = 0
+        while not conn.poll(_POLL_S if polls > 9 else 0):
+            if not alive():
                 return
+            polls += 1
+            if polls < 10:
+                time.sleep(0.0005)
+        order = os.read(conn.fileno(), 1)
+        if not order:  # an end of file: the training process has gone
+            return
+        try:
             if order == b"\xff":  # a reset: the rebuilt loader, made here
                 rebuild(conn.recv_bytes())
                 conn.send(("reset",))
                 continue
-            try:
-                batch = build()
-            except BaseException as error:  # the loader's: sent with its slot, given back at the caller's next call
-                conn.send(("error", _producer_error(error), traceback.format_exc(), order[0]))
-                continue
+            batch = build()
             if slots is None:  # the first batch sizes the slots
                 tensors = []
                 _each_tensor(batch, tensors.append)
@@ -323,8 +316,8 @@ def _produce(conn, build, count, alive, rebuild):
                 slots = _make_slots(conn, size, count) if size else [None] * count
             slot, at = slots[order[0]], [0]
             conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, slot, at)), order[0]))
-    except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause
-        conn.send(("error", _producer_error(error), traceback.format_exc()))  # the training process gone: BrokenPipeError, the producer's end
+        except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause; the loop goes on
+            conn.send(("error", _producer_error(error), traceback.format_exc(), order[0]))  # the training process gone: BrokenPipeError, the producer's end
 
 
 def _receive(conn, slots, lent):

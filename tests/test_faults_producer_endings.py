@@ -173,7 +173,14 @@ def test_a_caught_loader_error_then_a_retry_gets_the_originals_next_batch(start)
     fail = {k: (lambda call: ShardError(call % 3, call)) for k in (3, 5, 6, 7, 8, 9, 12)}
     want = original(16, fail)
     loader = _make_train_loader(lambda d: Shards(d, fail), CPU, queue_depth=2)
-    assert same(patched(loader, 16), want)
+    got = []
+    caller = threading.Thread(target=lambda: got.extend(patched(loader, 16)), daemon=True)
+    caller.start()
+    caller.join(WAIT_S)
+    if caller.is_alive():  # waits for a slot that never comes back
+        loader.shutdown()
+        pytest.fail(f"hung after {len(got)} calls")
+    assert same(got, want)
     assert sum(isinstance(w[0], type) for w in want) == 7
 
 

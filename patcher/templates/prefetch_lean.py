@@ -55,7 +55,8 @@ and at most `queue_depth + 2` in all; a caller that keeps more batches gets copi
 past the last free slot (`_hand_out`), never a wait for a slot; a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
 traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
-a RuntimeError naming its type and message, with that cause); a child that dies
+a RuntimeError naming its type and message, with that cause), and the producer goes
+on, for a caller that catches it and calls again; a child that dies
 (killed, out of memory) raises RuntimeError with its exit code; at exit the training
 process kills and reaps its children, and a child leaves by itself (within 50 ms of
 waiting for a slot) when the training process is gone.
@@ -147,9 +148,13 @@ class _PrefetchLoader:
 
     `next_batch(*args)` returns what the wrapped loader's `next_batch(*args)` returns
     (e.g. `x, y: int64 [batch, seq_len]` on `device`), bit for bit and in order.
-    Raises the producer's exception, as its own class with its own message (its
-    traceback as `__cause__`), at the batch where it happened; RuntimeError when the
-    child died, for arguments other than the first call's, or after `shutdown()`.
+    Raises the producer's exception, as its own class with its own message and fields
+    (its traceback as `__cause__`), at the batch where it happened, and the producer
+    goes on (a caller that catches it gets the loader's next call's batch at its next
+    call); RuntimeError when the child died (exit code None: a script that ignores
+    SIGCHLD, whose children the kernel reaps), for arguments other than the first
+    call's, or after `shutdown()`. One caller at a time: a second thread's call waits
+    for the first's (a lock), as the original's calls run one after the other.
     """
 
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
@@ -254,8 +259,9 @@ class _PrefetchLoader:
         (it ends within 50 ms of waiting for a slot, after the batch it builds), until
         the `time.monotonic()` deadline `until` at most. Returns the
         child's exit code (negative: the signal that ended it), None where there is no
-        child of this process: a process that the script forked from the training
-        process must not touch its producer."""
+        child of this process (a process that the script forked from the training
+        process must not touch its producer) or the kernel reaped it (a script that
+        ignores SIGCHLD: neither a zombie to kill nor an exit code to read)."""
         pid, self.pid = self.pid, 0
         while pid is False and self.thread.is_alive() and time.monotonic() < until:
             while self.conn.poll():  # a thread blocked sending a message larger than the socket's buffer ends once it is read
@@ -283,8 +289,12 @@ def _produce(conn, build, count, alive, rebuild):
     travels in the message. The byte 255 instead of a free slot is a reset order:
     `rebuild(order bytes)`, answered ("reset",). A send that finds the training process
     gone raises (BrokenPipeError) out of the loop: a child ends there. An exception is sent instead, as
-    ("error", exception, traceback text), and ends the producer (a generator's end
-    arrives so, as its StopIteration). The loop ends when `alive()` is false, checked while waiting.
+    ("error", exception (`_producer_error`), traceback text, the slot's number), and the
+    loop goes on: a caller that catches it and calls again gets what the loader's next
+    call returns, as from the original; the slot goes back at that call, so a caller
+    that stops at the error leaves the producer waiting for a slot, as after a batch (a
+    generator's end arrives so, as its StopIteration). The loop ends when `alive()` is
+    false, checked while waiting.
 
     The wait for a free slot polls every 0.5 ms for 5 ms (a hand-out while it polls wakes
     no sleeper: in bench op-bound mode on a ShuffledSequenceLoader record, a sleeping

@@ -173,8 +173,8 @@ def test_a_caught_loader_error_then_a_retry_gets_the_originals_next_batch(start)
     fail = {k: (lambda call: ShardError(call % 3, call)) for k in (3, 5, 6, 7, 8, 9, 12)}
     want = original(16, fail)
     loader = _make_train_loader(lambda d: Shards(d, fail), CPU, queue_depth=2)
-    got = []
-    caller = threading.Thread(target=lambda: got.extend(patched(loader, 16)), daemon=True)
+    got = patched(loader, 1)  # the producer starts here (a fork needs the main thread alone)
+    caller = threading.Thread(target=lambda: got.extend(patched(loader, 15)), daemon=True)
     caller.start()
     caller.join(WAIT_S)
     if caller.is_alive():  # waits for a slot that never comes back

@@ -326,10 +326,10 @@ def test_a_rebuild_drops_the_old_batches_values_too():
 
 
 def test_a_producer_error_reaches_the_caller_at_its_batch_with_its_traceback():
-    want = direct(3)
+    want = direct(4)  # (a failing call advances no cursor: the call after it returns the 4th batch)
     loader = _make_train_loader(lambda d: Stream(d, fail_at=4), CPU, queue_depth=3)
     child = None
-    for w in want:
+    for w in want[:3]:
         assert same(loader.next_batch(*ARGS), w)
         child = child or loader.pid
     with pytest.raises(ValueError, match="shard broken at call 4") as raised:
@@ -338,9 +338,8 @@ def test_a_producer_error_reaches_the_caller_at_its_batch_with_its_traceback():
     remote = str(raised.value.__cause__)
     assert "in _produce" in remote and remote.strip('\n"').splitlines()[-1] == "ValueError: shard broken at call 4"
     assert "in next_batch" in remote.split("in _produce", 1)[1]
-    assert reaped(child)
-    with pytest.raises(RuntimeError, match="shutdown"):
-        loader.next_batch(*ARGS)
+    # The producer goes on, as the loader would at a next call (a caller that catches the error)
+    assert same(loader.next_batch(*ARGS), want[3]) and loader.pid == child
 
 
 class NeedsTwoArguments(Exception):
@@ -372,7 +371,7 @@ def test_an_error_whose_class_takes_other_arguments_arrives_as_itself():
     remote = str(raised.value.__cause__)  # the child's formatted traceback
     assert remote.startswith("Traceback (most recent call last)") and "in next_batch" in remote.split("in _produce", 1)[1]
     assert remote.rstrip().splitlines()[-1].endswith("NeedsTwoArguments: shard 7 broken at call 3")
-    assert not loader.pid
+    assert same(loader.next_batch(*ARGS), direct(3)[2])  # the producer goes on
 
 
 def test_an_error_that_does_not_pickle_arrives_as_its_type_name_message_and_traceback():
@@ -386,7 +385,7 @@ def test_an_error_that_does_not_pickle_arrives_as_its_type_name_message_and_trac
     remote = str(raised.value.__cause__)
     assert remote.startswith("Traceback (most recent call last)") and "in next_batch" in remote.split("in _produce", 1)[1]
     assert remote.rstrip().splitlines()[-1].endswith("HoldsALock: no lock at call 3")  # module-qualified, as Python prints it
-    assert not loader.pid
+    assert same(loader.next_batch(*ARGS), direct(3)[2])  # the producer goes on
 
 
 def test_a_producer_that_dies_is_an_error_with_its_exit_code():
@@ -630,8 +629,7 @@ def test_a_producer_threads_error_arrives_as_itself_at_its_batch():
         with pytest.raises(NeedsTwoArguments, match="shard 7 broken at call 3") as raised:
             loader.next_batch(*ARGS)
         assert "in next_batch" in "".join(traceback.format_tb(raised.value.__traceback__))
-        with pytest.raises(RuntimeError, match="shutdown"):
-            loader.next_batch(*ARGS)
+        assert same(loader.next_batch(*ARGS), direct(3)[2])  # the producer goes on
     finally:
         stop.set()
         helper.join()
@@ -766,7 +764,10 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     for gone in ('"""', "# ", "_stage(", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    # Bytes a raw-counted script pays: 10,794 today (7,309 before the producer ran where
+    # Bytes a raw-counted script pays: 11,150 today (10,794 before a built-in exception
+    # kept its fields (150: SystemExit.code, OSError.filename), a loader error the caller
+    # catches left the producer going (-1), next_batch took a lock (130) and a child the
+    # kernel reaped was accepted at exit (74); 7,309 before the producer ran where
     # a fork cannot be trusted, 9,136 before one producer started once, 10,509 before
     # the staging, error transport and signal set-up every producer shares, 10,912 before
     # a producer thread was stopped and joined at exit, 11,019 before the one process
@@ -778,7 +779,7 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     # (on a thread, torch's own pools told by identity, the script's exception rebuilt
     # as itself, its pipes read while it is joined); about 1,200 reset the producer at a
     # rebuild instead of forking again.
-    assert len(code.encode()) <= 10794, len(code.encode())
+    assert len(code.encode()) <= 11150, len(code.encode())
 
 
 # --------------------------------------------------------------------------- any batch structure

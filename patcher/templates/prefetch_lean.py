@@ -55,7 +55,8 @@ and at most `queue_depth + 2` in all; a caller that keeps more batches gets copi
 past the last free slot (`_hand_out`), never a wait for a slot; a child's
 exception is re-raised in the caller at the batch where it happened, with the child's
 traceback as its cause (an exception that cannot be rebuilt in the caller arrives as
-a RuntimeError naming its type and message, with that cause); a child that dies
+a RuntimeError naming its type and message, with that cause), and the producer goes
+on, for a caller that catches it and calls again; a child that dies
 (killed, out of memory) raises RuntimeError with its exit code; at exit the training
 process kills and reaps its children, and a child leaves by itself (within 50 ms of
 waiting for a slot) when the training process is gone.
@@ -147,17 +148,25 @@ class _PrefetchLoader:
 
     `next_batch(*args)` returns what the wrapped loader's `next_batch(*args)` returns
     (e.g. `x, y: int64 [batch, seq_len]` on `device`), bit for bit and in order.
-    Raises the producer's exception, as its own class with its own message (its
-    traceback as `__cause__`), at the batch where it happened; RuntimeError when the
-    child died, for arguments other than the first call's, or after `shutdown()`.
+    Raises the producer's exception, as its own class with its own message and fields
+    (its traceback as `__cause__`), at the batch where it happened, and the producer
+    goes on (a caller that catches it gets the loader's next call's batch at its next
+    call); RuntimeError when the child died (exit code None: a script that ignores
+    SIGCHLD, whose children the kernel reaps), for arguments other than the first
+    call's, or after `shutdown()`. One caller at a time: a second thread's call waits
+    for the first's (a lock), as the original's calls run one after the other.
     """
 
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
         self.loader, self.scope = make_loader(torch.device("cpu")), make_loader.__globals__
         self.device, self.copy_stream, self.name, self.args, self.pid = device, copy_stream, name, None, None
-        self.depth, self.lent = min(max(1, int(queue_depth)), 250), {}  # lent: the slots the caller holds (`_hand_out`)
+        self.depth, self.lent, self.lock = min(max(1, int(queue_depth)), 250), {}, threading.Lock()  # lent: the slots the caller holds (`_hand_out`)
 
     def next_batch(self, *args):
+        with self.lock:  # one caller at a time: two threads at once would read each other's messages
+            return self._next_batch(*args)
+
+    def _next_batch(self, *args):
         if self.pid is None:  # the first call (shutdown() leaves 0): the producer starts, and builds every batch
             self.args = args
             self._start()
@@ -168,7 +177,7 @@ class _PrefetchLoader:
         except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)
             raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
         if message[0] == "error":
-            self.shutdown()
+            self.lent[message[3]] = lambda: None  # its slot: free at the next batch (the producer goes on, as the loader would at a next call)
             raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
         return _hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
 
@@ -250,16 +259,20 @@ class _PrefetchLoader:
         (it ends within 50 ms of waiting for a slot, after the batch it builds), until
         the `time.monotonic()` deadline `until` at most. Returns the
         child's exit code (negative: the signal that ended it), None where there is no
-        child of this process: a process that the script forked from the training
-        process must not touch its producer."""
+        child of this process (a process that the script forked from the training
+        process must not touch its producer) or the kernel reaped it (a script that
+        ignores SIGCHLD: neither a zombie to kill nor an exit code to read)."""
         pid, self.pid = self.pid, 0
         while pid is False and self.thread.is_alive() and time.monotonic() < until:
             while self.conn.poll():  # a thread blocked sending a message larger than the socket's buffer ends once it is read
                 _receive(self.conn, self.slots, self.lent)
             self.thread.join(_POLL_S)
         if pid and os.getpid() == self.parent:
-            os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
-            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            try:
+                os.kill(pid, signal.SIGKILL)  # a child that has exited keeps its own exit code
+                return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            except OSError:  # reaped by the kernel already (a script that ignores SIGCHLD): no exit code
+                pass
 
 
 def _produce(conn, build, count, alive, rebuild):
@@ -276,8 +289,12 @@ def _produce(conn, build, count, alive, rebuild):
     travels in the message. The byte 255 instead of a free slot is a reset order:
     `rebuild(order bytes)`, answered ("reset",). A send that finds the training process
     gone raises (BrokenPipeError) out of the loop: a child ends there. An exception is sent instead, as
-    ("error", exception, traceback text), and ends the producer (a generator's end
-    arrives so, as its StopIteration). The loop ends when `alive()` is false, checked while waiting.
+    ("error", exception (`_producer_error`), traceback text, the slot's number), and the
+    loop goes on: a caller that catches it and calls again gets what the loader's next
+    call returns, as from the original; the slot goes back at that call, so a caller
+    that stops at the error leaves the producer waiting for a slot, as after a batch (a
+    generator's end arrives so, as its StopIteration). The loop ends when `alive()` is
+    false, checked while waiting.
 
     The wait for a free slot polls every 0.5 ms for 5 ms (a hand-out while it polls wakes
     no sleeper: in bench op-bound mode on a ShuffledSequenceLoader record, a sleeping
@@ -285,18 +302,18 @@ def _produce(conn, build, count, alive, rebuild):
     a time: an idle producer (a loop that validates, or waits) wakes 20 times a second.
     """
     slots = None
-    try:
-        while True:
-            polls = 0
-            while not conn.poll(_POLL_S if polls > 9 else 0):
-                if not alive():
-                    return
-                polls += 1
-                if polls < 10:
-                    time.sleep(0.0005)
-            order = os.read(conn.fileno(), 1)
-            if not order:  # an end of file: the training process has gone
+    while True:
+        polls = 0
+        while not conn.poll(_POLL_S if polls > 9 else 0):
+            if not alive():
                 return
+            polls += 1
+            if polls < 10:
+                time.sleep(0.0005)
+        order = os.read(conn.fileno(), 1)
+        if not order:  # an end of file: the training process has gone
+            return
+        try:
             if order == b"\xff":  # a reset: the rebuilt loader, made here
                 rebuild(conn.recv_bytes())
                 conn.send(("reset",))
@@ -309,8 +326,8 @@ def _produce(conn, build, count, alive, rebuild):
                 slots = _make_slots(conn, size, count) if size else [None] * count
             slot, at = slots[order[0]], [0]
             conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, slot, at)), order[0]))
-    except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause
-        conn.send(("error", _producer_error(error), traceback.format_exc()))  # the training process gone: BrokenPipeError, the producer's end
+        except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause; the loop goes on
+            conn.send(("error", _producer_error(error), traceback.format_exc(), order[0]))  # the training process gone: BrokenPipeError, the producer's end
 
 
 def _receive(conn, slots, lent):
@@ -566,11 +583,14 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
             first = False
             yield _hand_out(message[1], message[2], slots, lent, device, False)
     finally:
-        if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
-            _spawned.pop(child, None)
-            child.kill()  # as the forked start's shutdown: killed and reaped (its handlers are the defaults)
-            child.join()
-        receiver.close()
+        try:
+            if os.getpid() == owner:  # not in a process the script forked (`_forget_spawned`)
+                _spawned.pop(child, None)
+                child.kill()  # as the forked start's shutdown: killed and reaped (its handlers are the defaults)
+                child.join()
+            receiver.close()
+        except Exception:  # a generator finalized while the interpreter exits, its modules' globals gone (None):
+            pass  # multiprocessing's exit hook has ended the child (a daemon) already
 
 
 def _spawn_producer(module_name, function_name, pickled, sender, count):

@@ -107,24 +107,35 @@ def _producer_setup():
 
 
 def _producer_error(error):
-    """The exception `error`, as a producer process sends it: (class, args, __dict__),
-    rebuilt in the training process without its `__init__` (`_rebuilt`). As
+    """The exception `error`, as a producer process sends it: (class, its first built-in
+    class, args, state), rebuilt in the training process by `_rebuilt`. The args and
+    state are those the built-in class pickles (its `__reduce__`): a FileNotFoundError's
+    filename, an ImportError's name, the `__dict__` of a script's own class travel; a
+    script's own `__reduce__` is not used (it may expect its own `__init__`). As
     torch.utils.data's ExceptionWrapper, its formatted traceback travels beside it. One
     whose parts do not pickle (a local class, a lock among its attributes) travels as a
     RuntimeError naming its type and args."""
-    sent = type(error), error.args, error.__dict__
+    kind = type(error)
+    base = next(c for c in kind.__mro__ if c.__module__ == "builtins")
+    sent = (kind, base, *base.__reduce__(error)[1:], {})[:4]
     try:
         pickle.dumps(sent)
     except Exception:
-        sent = RuntimeError, (f"prefetch: {sent[0].__qualname__} in the producer: {' '.join(map(str, sent[1]))}",), {}
+        sent = RuntimeError, RuntimeError, (f"prefetch: {kind.__qualname__} in the producer: {' '.join(map(str, error.args))}",), {}
     return sent
 
 
 def _rebuilt(error):
-    """The producer's exception from its (class, args, __dict__), made without calling
-    `__init__` (which may take other arguments than its args), so that the script's
-    own `except ShardError:` still catches it."""
-    kind, args, state = error
+    """The producer's exception from its (class, built-in class, args, state)
+    (`_producer_error`), as pickle rebuilds it, but with the built-in class's
+    `__init__`, not its own (a script's `ShardError.__init__(self, shard, call)` takes
+    other arguments than its args): the script's own `except ShardError:` still catches
+    it, and the fields a built-in class sets in its constructor from its args are there
+    (SystemExit.code: the exit status and message; StopIteration.value; OSError's errno,
+    strerror, filename, filename2; UnicodeDecodeError's text and range), so that the
+    last line the user reads is the original's."""
+    kind, base, args, state = error
     error = kind.__new__(kind, *args)  # BaseException's (or OSError's) __new__ sets args
-    error.__dict__.update(state)
+    base.__init__(error, *args)
+    error.__setstate__(state)  # as pickle: each attribute set (ImportError's name and path are not in __dict__)
     return error

@@ -220,3 +220,39 @@ def test_a_generator_staged_by_hand(tmp_path, pinned, identical):
     assert result.edited and result.identical is identical, result.difference
     if not identical:
         assert (result.difference.phase, result.difference.batch, result.difference.field) == ("train", 0, 0)
+
+
+# A loader that stages each batch in pinned int32 memory, copies it with
+# `dev.copy_(pinned, non_blocking=True)` into a fresh device tensor, and widens it there
+# (`.long()`): on a GPU the widening is stream-ordered after the copy and the host does
+# not wait for it. `slots` pinned buffers reused in turn, each refilled only after its
+# event completed where `fence`.
+STAGED_LONG = '''        if not hasattr(self, "pinned"):
+            self.pinned = [torch.empty(mine.numel(), dtype=torch.int32, pin_memory=True) for _ in range({slots})]
+            self.events, self.i = [None] * {slots}, 0
+        i, self.i = self.i, (self.i + 1) % {slots}
+        if {fence} and self.events[i] is not None:
+            self.events[i].synchronize()
+        self.pinned[i].copy_(mine)
+        dev = torch.empty(mine.numel(), dtype=torch.int32, device=self.device)
+        dev.copy_(self.pinned[i], non_blocking=True)
+        if torch.cuda.is_available():
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record()
+        return dev[:-1].reshape(-1, seq_len).long(), dev[1:].reshape(-1, seq_len).long()
+'''
+
+
+@pytest.mark.parametrize("slots, fence, run_ahead, differs", [
+    (1, False, 1, True),  # one pinned buffer, rewritten before the GPU reached its copy
+    (2, True, 3, False),  # the fenced double buffer: each buffer reused only after its event
+])
+def test_a_device_op_on_a_late_copy_does_not_make_the_copy_run_on_time(tmp_path, slots, fence, run_ahead, differs):
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (RETURN, STAGED_LONG.format(slots=slots, fence=fence)))
+    result = verify(original, changed, batches=6, world_size=1, run_ahead=run_ahead)
+    if not differs:
+        assert result.identical, result.difference
+        return
+    d = result.difference
+    assert (d.rank, d.phase, d.batch, d.field) == (0, "warmup", 0, 0), d
+    assert d.what.startswith("bytes differ: first at [0, 0]: ") and d.configuration == "the edited loader on the CUDA path (host memory)"

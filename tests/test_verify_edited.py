@@ -7,11 +7,15 @@ pinned ring with and without its fence, and a loop that fetches the next batch b
 using the current one."""
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from pathlib import Path
 
 import pytest
 
-from patcher.cli import EXIT_FAILED, EXIT_NOTHING, EXIT_OK, main
+from patcher.cli import EXIT_FAILED, EXIT_LEAKED, EXIT_NOTHING, EXIT_OK, main
+from patcher.proof import rank_compare
 from patcher.proof.verify import verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -256,3 +260,52 @@ def test_a_device_op_on_a_late_copy_does_not_make_the_copy_run_on_time(tmp_path,
     d = result.difference
     assert (d.rank, d.phase, d.batch, d.field) == (0, "warmup", 0, 0), d
     assert d.what.startswith("bytes differ: first at [0, 0]: ") and d.configuration == "the edited loader on the CUDA path (host memory)"
+
+
+# A hand-written prefetch thread on a bounded queue that nothing stops: after the
+# script rebuilds its loader, the old one's thread blocks on its full queue for good.
+UNSTOPPED = '''
+
+class ThreadPrefetch:
+    """A hand-written prefetch with no way to stop its thread."""
+
+    def __init__(self, loader, depth=2):
+        self.loader, self.queue, self.args, self.stopped = loader, queue.Queue(depth), None, False
+
+    def next_batch(self, *args):
+        if self.args is None:
+            self.args = args
+            threading.Thread(target=self._work, daemon=True).start()
+        return self.queue.get()
+
+    def _work(self):
+        while not self.stopped:
+            self.queue.put(self.loader.next_batch(*self.args))
+'''
+
+
+def test_a_leaked_thread_is_no_difference_in_the_batches_but_a_leak_line_and_exit_4(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(rank_compare, "REBUILD_GRACE_S", 0.5)  # the leaked thread never ends: wait less for it
+    original, changed = edited(
+        tmp_path, "tokenstream_readable.py",
+        ("import copy\n", "import copy\nimport queue\nimport threading\n"),
+        (CONSTRUCTION, CONSTRUCTION.replace("= DistributedTokenLoader(", "= ThreadPrefetch(DistributedTokenLoader(") + ")"),
+        ("\n\nclass DistributedTokenLoader:", UNSTOPPED + "\n\nclass DistributedTokenLoader:"),
+    )
+    before = set(threading.enumerate())
+    try:
+        code = main(["verify", str(original), str(changed), "--batches", "8", "--world-size", "1"])
+        out = capsys.readouterr().out.splitlines()
+        assert code == EXIT_LEAKED and any(line.startswith("identical: ") for line in out), out
+        leaks = [line for line in out if line.startswith("LEAK: ")]
+        line = changed.read_text().splitlines().index("            threading.Thread(target=self._work, daemon=True).start()") + 1
+        assert leaks and all(f"runs ThreadPrefetch._work (line {line + 3}), started at line {line} in next_batch; holds " in leak for leak in leaks), leaks
+        held = int(leaks[0].split("holds ")[1].split(" bytes)")[0].split("(")[-1].split()[0])
+        assert held > 4096  # the old loader's shard
+    finally:
+        for thread in set(threading.enumerate()) - before:  # unblock the leaked threads
+            owner = thread._target.__self__
+            owner.stopped = True
+            while thread.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    owner.queue.get(timeout=0.01)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from patcher.proof import host_cuda
-from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, queued_batches, reset_producer, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, describe_leak, draw_deadline, first_difference, harness_step, one_line, queued_batches, reset_producer, script_threads, still_alive, thread_kind, thread_starts, unexcused
 from patcher.proof.harness import SimulatedDist, environment
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.loop_order import early_fetch_line
@@ -124,7 +124,7 @@ def _draw_original(loader, arguments: tuple, n: int, plan: Plan, what: str):
 REBUILD_GRACE_S = 3.0
 
 
-def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, plan: Plan, rank: int, reference: Reference, configuration: Configuration, notes: list[str], timeout_s: float, calls: LoaderRecipe | None = None) -> Difference | None:
+def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, plan: Plan, rank: int, reference: Reference, configuration: Configuration, notes: list[str], timeout_s: float, calls: LoaderRecipe | None = None, leaks: list[str] | None = None) -> Difference | None:
     """Run the patched script's constructions of `rank` in `configuration` and compare
     every batch with the original's; the first difference, or None. Raises
     CannotVerify when the patched loader hangs (no batch within `timeout_s` seconds).
@@ -135,15 +135,19 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     batch is compared when handed out and again just before the next is taken. An
     exception from the patched loader is a difference at that batch. calls: whose
     `next_batch` arguments the patched loader gets (a hand-edited script's own loop;
-    None: the original's).
+    None: the original's). leaks: where a thread or child process of the warm-up loader
+    (beyond those the original leaves) is still alive after the rebuild, a line each
+    (`describe_leak`) is appended here; that is no difference in the batches, which
+    are still compared.
     """
     loader = None
-    started_with = script_threads()
+    started_with, leaked = script_threads(), []
     # A hand-edited loop that fetches the next batch before it uses this one: each batch
     # must hold across the next call, and is compared where the loop uses it.
     early_at = _early_fetches(calls) if calls is not None else {}
     with contextlib.ExitStack() as context:
         context.enter_context(GlobalRng())  # the same global random state as the original's side
+        started = context.enter_context(thread_starts())
         if configuration.host_cuda:
             context.enter_context(cuda_on_host(notes))
         else:  # what a CPU-only run sees; a loader that calls .cuda() itself keeps its batches on the host
@@ -160,9 +164,8 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                 kept = reset_producer(loader) & earlier  # the producer the rebuild reset: it serves the new loader
                 if p > 0:
                     leaked = unexcused(still_alive(earlier - kept, REBUILD_GRACE_S), reference.leaked)
-                    if leaked:
-                        names = ", ".join(sorted({t.name for t in leaked}))
-                        return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
+                    if leaked and leaks is not None:
+                        leaks.extend(f"rank {rank}, {configuration.label}: still alive after the script rebuilt its loader: {describe_leak(t, started)}" for t in sorted(leaked, key=lambda t: t.name))
                 held = None  # (n, batch): the last batch compared, held while the next is drawn and compared again then
                 early = early_at.get(index)
                 early_words = f" (the edited loop fetches the next batch before it uses this one, line {early})" if early else ""
@@ -208,7 +211,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended{reset}; {len(alive)} more of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
         finally:
             close(loader)
-            still_alive(script_threads() - started_with, REBUILD_GRACE_S)
+            still_alive(script_threads() - started_with - set(leaked), REBUILD_GRACE_S)  # those found left running were waited for
     return None
 
 

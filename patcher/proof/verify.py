@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -76,6 +76,7 @@ class _Run:
     notes: list[str]
     started: float
     edited: bool = False  # the patched side is a hand-edited script (no runtime of this tool)
+    leaks: list = field(default_factory=list)  # threads left running by a replaced loader (`compare.describe_leak`)
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,7 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
                             if shard_tokens < plan.read_once_tokens else
                             "the loader reads past the end of its data although the shards hold what the run reads: it expects data these shards lack (more shards, another layout)")) from None
                     del notes[noted:]
+                    run.leaks.clear()
                     notes.append(f"{error}: the loader walks its shards once and does not wrap around (a run over real shards never reads them all), so the shards are sized for the run to read each once, and its wrap-around is not exercised")
                     shard_tokens = plan.read_once_tokens
         except HarnessError as error:
@@ -279,7 +281,9 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
             val_compared, difference = compare_val_loops(recipe, patched_source, lambda rank: modules if rank == 0 else load(rank), plan, run.seed, notes, run.edited)
     notes.extend(_assumption_notes(recipe))
     per_rank = plan.warmup + plan.batches
-    return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - run.started, val_compared)
+    result = VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - run.started, val_compared)
+    result.leaks = run.leaks
+    return result
 
 
 def _compare_ranks(recipe: LoaderRecipe, run: _Run, plan: Plan, modules, load, load_one, patched_sites, configurations, compare, calls) -> Difference | None:
@@ -292,7 +296,7 @@ def _compare_ranks(recipe: LoaderRecipe, run: _Run, plan: Plan, modules, load, l
             if configuration.ranks is not None and rank not in configuration.ranks:
                 continue
             patched_module = rank_modules[1] if not configuration.env else load_one(run.sources[1], rank, configuration.env)
-            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls)
+            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls, leaks=run.leaks)
             if difference is not None:
                 difference.configuration = configuration.label
                 return difference

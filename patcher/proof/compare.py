@@ -200,9 +200,16 @@ def _leaf_difference(x, y) -> str | None:
         index = tuple(int(v) for v in np.unravel_index(at, tuple(x.shape))) if x.dim() else ()
         return f"bytes differ: first at {list(index)}: {flat_x[at].item()!r} vs {flat_y[at].item()!r}"
     if isinstance(x, np.ndarray):
-        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-            return "numpy arrays differ"
-        return None
+        if x.dtype != y.dtype:
+            return f"dtype {x.dtype} vs {y.dtype}"
+        if x.shape != y.shape:
+            return f"shape {x.shape} vs {y.shape}"
+        xb, yb = np.ascontiguousarray(x).reshape(-1).view(np.uint8), np.ascontiguousarray(y).reshape(-1).view(np.uint8)
+        if xb.size == 0 or np.array_equal(xb, yb):
+            return None
+        at = int(np.flatnonzero((xb != yb).reshape(-1, x.itemsize).any(axis=1))[0])
+        index = [int(v) for v in np.unravel_index(at, x.shape)] if x.ndim else []
+        return f"bytes differ: first at {index}: {x.reshape(-1)[at].item()!r} vs {y.reshape(-1)[at].item()!r}"
     return None if x == y else f"{x!r} vs {y!r}"
 
 

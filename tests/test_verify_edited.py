@@ -309,3 +309,37 @@ def test_a_leaked_thread_is_no_difference_in_the_batches_but_a_leak_line_and_exi
             while thread.is_alive():
                 with contextlib.suppress(queue.Empty):
                     owner.queue.get(timeout=0.01)
+
+
+# Edits to the training loop and to the seeding, outside the loader itself.
+STEP = "        step_loss = 0.0\n"
+MINE = "        mine = chunk[self.rank * span : (self.rank + 1) * span].long()\n"
+ROLLED = MINE + "        mine = mine.roll(int(np.random.randint(3)))\n"  # the loader draws from the global RNG
+
+
+def test_an_extra_next_batch_in_the_training_loop_is_never_a_bare_identical(tmp_path, capsys):
+    skip = "        if step == 5:\n            train_loader.next_batch(args.train_batch_tokens, args.train_seq_len, grad_accum_steps)\n" + STEP
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (STEP, skip))
+    line = changed.read_text().splitlines().index("        if step == 5:") + 2
+    assert main(["verify", str(original), str(changed), "--batches", "6", "--world-size", "1"]) == EXIT_OK
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert verdict.startswith("partial: ") and f"not exercised: the training loop was not compared: its next_batch calls on `train_loader` changed (the edited script calls line {line}: next_batch(" in verdict and "under `if step == 5`" in verdict, verdict
+
+
+def test_a_seed_edit_reaching_the_loader_through_the_global_rng_differs(tmp_path):
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (MINE, ROLLED), ("    np.random.seed(args.seed)\n", "    np.random.seed(args.seed + 1)\n"))
+    original.write_text(original.read_text().replace(MINE, ROLLED))  # the same loader, the script's own seed
+    result = verify(original, changed, batches=6, world_size=1)
+    d = result.difference
+    assert (d.phase, d.batch, d.field) == ("warmup", 0, 0) and d.what.startswith("bytes differ: first at [0, 0]: "), d
+    changed.write_text(original.read_text().replace("import copy\n", "import copy  # the seed as it was\n"))
+    assert verify(original, changed, batches=6, world_size=1).identical
+
+
+def test_a_changed_argument_in_the_training_loop_is_reported_at_its_call(tmp_path):
+    call = FETCH + AUTOCAST
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (call, call.replace("args.train_seq_len,", "args.train_seq_len // 2,")))
+    line = changed.read_text().splitlines().index(FETCH.replace("args.train_seq_len,", "args.train_seq_len // 2,").rstrip("\n")) + 1
+    d = verify(original, changed, batches=6, world_size=1).difference
+    assert (d.phase, d.batch, d.field) == ("train", 0, 0) and d.what.startswith("shape ("), d  # the warm-up's call is unchanged
+    assert f"(the edited script's call at line {line}: next_batch(args.train_batch_tokens, args.train_seq_len // 2, grad_accum_steps), the original's at line {line}: " in d.what

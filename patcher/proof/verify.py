@@ -35,6 +35,7 @@ from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_
 from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof import module_verify
+from patcher.proof.loop_calls import LoopCalls, loop_calls, script_seeding, seeding_calls
 from patcher.proof.harness import HarnessError, SimulatedDist, environment, load_definitions, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import RUN_AHEAD, cuda_as_host, cuda_on_host, host_only_pinning, run_ahead_of
 from patcher.proof.rank_compare import Configuration, Plan, ShardsRanOut, compare_generator_rank, compare_loader_rank, reference_batches
@@ -77,6 +78,9 @@ class _Run:
     started: float
     edited: bool = False  # the patched side is a hand-edited script (no runtime of this tool)
     leaks: list = field(default_factory=list)  # threads left running by a replaced loader (`compare.describe_leak`)
+    loops: LoopCalls | None = None  # a hand-edited loop's calls read against the original's (`loop_calls`)
+    seeded: bool = False  # both sides make their script's own global seeding (`_seeding`)
+    unseeded: list = field(default_factory=list)  # why a seeding edit was not driven (the verdict is partial)
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             result = module.run(loader, run, module.compare)
             result.prefetched, result.edited, result.run_ahead = prefetched, edited, run_ahead
             return result
-        notes.append("global random state (random, numpy, torch's CPU generator): each side starts from seed 0 and keeps its own, as in a process of its own")
+        notes.append("global random state (random, numpy, torch's CPU generator): each side starts from seed 0, then makes its script's own seeding before it builds its loader, and keeps its own, as in a process of its own")
         staged = STAGING_RUNTIME in survey_of(sources[1]).module_names
         if not prefetched and staged:
             notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")
@@ -233,6 +237,8 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
     except HarnessError as error:
         raise CannotVerify(f"{patched}: {error}") from None
     calls = _edited_calls(recipe, patched_source, notes) if run.edited else None
+    loops = loop_calls(recipe, calls) if calls is not None else LoopCalls({}, {}, [])
+    run.loops = loops if calls is not None else None
     top_level = definitions_only(original_source) != original_source
     with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, _launch_env(as_path, world_size):
 
@@ -258,6 +264,8 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
         try:
             while True:
                 plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, shard_tokens)
+                if shard_tokens is run.shard_tokens:  # once
+                    run.seeded = _seeding(recipe, calls or recipe, modules, plan, run)
                 try:
                     difference = _compare_ranks(recipe, run, plan, modules, load, load_one, patched_sites, configurations, compare, calls)
                     break
@@ -283,6 +291,9 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
     per_rank = plan.warmup + plan.batches
     result = VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - run.started, val_compared)
     result.leaks = run.leaks
+    result.skipped = loops.not_compared + run.unseeded
+    for index, where in loops.where.items():
+        notes.append(f"{'the warm-up' if index < len(recipe.constructions) - 1 else 'the training'} loop's batches drawn with {where}")
     return result
 
 
@@ -291,12 +302,12 @@ def _compare_ranks(recipe: LoaderRecipe, run: _Run, plan: Plan, modules, load, l
     configuration of the patched loader that runs on that rank; the first difference."""
     for rank in range(run.world_size):
         rank_modules = modules if rank == 0 else load(rank)
-        reference = reference_batches(recipe, rank_modules[0], plan, rank, run.notes, DRAW_TIMEOUT_S)
+        reference = reference_batches(recipe, rank_modules[0], plan, rank, run.notes, DRAW_TIMEOUT_S, run.seeded)
         for configuration in configurations:
             if configuration.ranks is not None and rank not in configuration.ranks:
                 continue
             patched_module = rank_modules[1] if not configuration.env else load_one(run.sources[1], rank, configuration.env)
-            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls, leaks=run.leaks)
+            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls, leaks=run.leaks, phase_calls=run.loops.phases if run.loops else None, call_where=run.loops.where if run.loops else None, seeded=run.seeded)
             if difference is not None:
                 difference.configuration = configuration.label
                 return difference
@@ -535,6 +546,27 @@ def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, s
         notes.append(f"per-step argument(s) {[recipe.call_args[i] for i in recipe.varying]} driven with {used}, changing every 5 calls")
     read_once_tokens = math.ceil(read_per_call * longest * 1.25 / 4)  # a quarter of the run each, and a margin
     return Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [], tokens_per_shard, read_once_tokens)
+
+
+def _seeding(recipe: LoaderRecipe, patched: LoaderRecipe, modules, plan: Plan, run: _Run) -> bool:
+    """Whether both sides can make their script's own global seeding before building
+    their loader (`loop_calls.script_seeding`, tried for rank 0): each side then starts
+    from the state its script seeds, not from seed 0. Where a side cannot, neither
+    does (a note), and a seeding that differs between the two goes to `run.unseeded`."""
+    calls = [seeding_calls(recipe), seeding_calls(patched)]
+    if not calls[0] and not calls[1]:
+        return False
+    try:
+        for side, (side_recipe, module) in enumerate(((recipe, modules[0]), (patched, modules[1]))):
+            script_seeding(side_recipe, side_recipe.namespace(module, plan.hparams_for(0), 0, plan.world_size, torch.device("cpu")))
+    except Exception as error:  # the seed needs what only the run has
+        run.notes.append(f"the script's global seeding (line {(calls[side] or calls[0])[0][0]}) not made here ({type(error).__name__}: {error}): each side starts from seed 0")
+        if [c[1:] for c in calls[0]] != [c[1:] for c in calls[1]]:
+            run.unseeded.append("the edited script's global seeding (it differs from the original's and cannot be evaluated here)")
+        return False
+    shown = ", ".join(f"{name}({code}) line {line}" for line, name, code in calls[0])
+    run.notes.append(f"global random state: each side makes its script's own seeding first ({shown or 'none'} in the original)")
+    return True
 
 
 def _grad_accum(recipe: LoaderRecipe, args: tuple) -> int:

@@ -16,7 +16,7 @@ import pytest
 
 from patcher.cli import EXIT_FAILED, EXIT_LEAKED, EXIT_NOTHING, EXIT_OK, main
 from patcher.proof import rank_compare
-from patcher.proof.verify import verify
+from patcher.proof.verify import CannotVerify, verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CONSTRUCTION = "train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)"
@@ -343,3 +343,18 @@ def test_a_changed_argument_in_the_training_loop_is_reported_at_its_call(tmp_pat
     d = verify(original, changed, batches=6, world_size=1).difference
     assert (d.phase, d.batch, d.field) == ("train", 0, 0) and d.what.startswith("shape ("), d  # the warm-up's call is unchanged
     assert f"(the edited script's call at line {line}: next_batch(args.train_batch_tokens, args.train_seq_len // 2, grad_accum_steps), the original's at line {line}: " in d.what
+
+
+def test_a_generator_whose_first_item_raises_stop_iteration_inside_says_what_to_provide(tmp_path):
+    # The generator's own `next(files)` runs out on the synthetic shards (PEP 479 turns
+    # it into "RuntimeError: generator raised StopIteration"): tried on larger shards,
+    # then a reason naming what the shards lack.
+    cycle = "    files = itertools.cycle(sorted(Path(f) for f in glob.glob(filename_pattern)))\n"
+    held_out = "    files = iter(sorted(Path(f) for f in glob.glob(filename_pattern))[4:])  # the first four held out\n"
+    original, changed = edited(tmp_path, "generator_shards.py", (cycle, held_out))
+    original.write_text(changed.read_text())
+    changed.write_text(changed.read_text().replace("import glob\n", "import glob  # as it was\n"))
+    with pytest.raises(CannotVerify) as caught:
+        verify(original, changed, batches=4, world_size=1)
+    why = str(caught.value)
+    assert "before its first item: an iterator it advances inside ran out (generator raised StopIteration), on 4 synthetic shards of " in why and " tokens in turn: it needs data these shards lack (more shard files," in why, why

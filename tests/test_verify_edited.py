@@ -358,3 +358,19 @@ def test_a_generator_whose_first_item_raises_stop_iteration_inside_says_what_to_
         verify(original, changed, batches=4, world_size=1)
     why = str(caught.value)
     assert "before its first item: an iterator it advances inside ran out (generator raised StopIteration), on 4 synthetic shards of " in why and " tokens in turn: it needs data these shards lack (more shard files," in why, why
+
+
+def test_a_loader_whose_index_runs_out_is_tried_on_more_shards_before_verify_gives_up(tmp_path):
+    # Its stream reads the first 500 tokens of each shard file and never wraps around:
+    # larger shards do not help it, more shard files do.
+    original, changed = edited(
+        tmp_path, "tokenstream_readable.py",
+        ("        self.buf = read_shard(self.paths[0])\n", "        self.buf = read_shard(self.paths[0])[:500]\n"),
+        ("                self.shard = (self.shard + 1) % len(self.paths)\n                self.buf = read_shard(self.paths[self.shard])\n",
+         "                self.shard += 1\n                self.buf = read_shard(self.paths[self.shard])[:500]\n"),
+    )
+    original.write_text(changed.read_text())
+    changed.write_text(changed.read_text().replace("import copy\n", "import copy  # as it was\n"))
+    result = verify(original, changed, batches=6, world_size=1)
+    assert result.identical, result.difference
+    assert any("IndexError: list index out of range" in note and "(16 x " in note and "tried before: 4 x " in note for note in result.notes), result.notes

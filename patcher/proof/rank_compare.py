@@ -30,7 +30,8 @@ class Plan:
     Hyperparameters instance (on the synthetic shards), the world size, the batches of
     the warm-up (0 where the script builds its loader once) and after the rebuild, and
     the sequence lengths a per-step `next_batch` argument cycles through. shard_tokens:
-    tokens per synthetic train shard (4 of them); read_once_tokens: the size at which
+    tokens per synthetic train shard (`train_shards` of them, 4 unless a loader that
+    reads past its data needs another layout); read_once_tokens: the size at which
     the longest phase reads no shard twice (what a loader that does not wrap around needs)."""
 
     hparams_for: object
@@ -40,6 +41,7 @@ class Plan:
     seq_lens: list[int]
     shard_tokens: int = 0
     read_once_tokens: int = 0
+    train_shards: int = 4
 
 
 class ShardsRanOut(CannotVerify):
@@ -121,7 +123,7 @@ def _draw_original(loader, arguments: tuple, n: int, plan: Plan, what: str):
     except (IndexError, StopIteration, EOFError) as error:
         if not n:
             raise
-        raise ShardsRanOut(f"{what} fails here: {type(error).__name__}: {one_line(error)}, on 4 synthetic shards of {plan.shard_tokens} tokens") from None
+        raise ShardsRanOut(f"{what} fails here: {type(error).__name__}: {one_line(error)}, on {plan.train_shards} synthetic shards of {plan.shard_tokens} tokens") from None
 
 
 # A replaced loader's worker threads have this long to end (its shutdown waits 1 s).

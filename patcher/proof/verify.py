@@ -260,27 +260,35 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
         if not run.edited:
             notes.append(_toggle_note(modules[1]))
         configurations = _configurations("the edited loader" if run.edited else "the default producer")
-        difference, shard_tokens, noted = None, run.shard_tokens, len(notes)
+        difference, shard_tokens, train_shards, noted = None, run.shard_tokens, 4, len(notes)
+        layouts, tried, first_error = None, [], None
         try:
             while True:
-                plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, shard_tokens)
-                if shard_tokens is run.shard_tokens:  # once
+                plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, shard_tokens, train_shards)
+                if layouts is None:  # once
                     run.seeded = _seeding(recipe, calls or recipe, modules, plan, run)
                 try:
                     difference = _compare_ranks(recipe, run, plan, modules, load, load_one, patched_sites, configurations, compare, calls)
                     break
                 except ShardsRanOut as error:
-                    # Shards sized to wrap around are read through by a loader that walks
-                    # them once: sized again, once, for the run to read each once.
-                    if shard_tokens is not None:
+                    if run.shard_tokens is not None:
                         raise CannotVerify(f"{original}: {error}: " + (
                             f"the loader reads past the end of its data, and --shard-tokens {shard_tokens} holds less than the run reads; a loader that does not wrap around needs --shard-tokens {plan.read_once_tokens} or more"
                             if shard_tokens < plan.read_once_tokens else
                             "the loader reads past the end of its data although the shards hold what the run reads: it expects data these shards lack (more shards, another layout)")) from None
+                    # Shards sized to wrap around are read through by a loader that walks
+                    # them once: the layouts verify knows, in turn (each reads no shard
+                    # twice; larger shards, then more of them), before it gives up.
+                    if layouts is None:
+                        layouts = [(plan.read_once_tokens, 4), (4 * plan.read_once_tokens, 4), (plan.read_once_tokens, 16)]
+                        first_error = error
+                    tried.append(f"{train_shards} x {plan.shard_tokens} tokens")
+                    if not layouts:
+                        raise CannotVerify(f"{original}: {first_error}: the loader reads past the end of its data on every layout tried ({'; '.join(tried)} per train shard): it expects data these shards lack (another layout, longer documents); --shard-tokens N sets their size") from None
                     del notes[noted:]
                     run.leaks.clear()
-                    notes.append(f"{error}: the loader walks its shards once and does not wrap around (a run over real shards never reads them all), so the shards are sized for the run to read each once, and its wrap-around is not exercised")
-                    shard_tokens = plan.read_once_tokens
+                    shard_tokens, train_shards = layouts.pop(0)
+                    notes.append(f"{error}: the loader walks its shards once and does not wrap around (a run over real shards never reads them all), so the shards are sized for the run to read each once ({train_shards} x {shard_tokens} tokens; tried before: {'; '.join(tried)}), and its wrap-around is not exercised")
         except HarnessError as error:
             raise CannotVerify(f"{original}: {error}") from None
         notes.extend(f"patched loader run with {c.label}" + ("" if c.ranks is None else f" (rank {', '.join(map(str, c.ranks))})") for c in configurations)
@@ -524,7 +532,7 @@ def _beside_the_harness(module):
     return module
 
 
-def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes, shard_tokens=None) -> Plan:
+def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes, shard_tokens=None, train_shards=4) -> Plan:
     """Write shards sized for the run (`write_loader_shards`: every loader crosses
     shard boundaries and wraps around in the longest phase) and decide the per-rank
     hyperparameters."""
@@ -538,14 +546,14 @@ def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, s
     read_per_call = max(1, tokens_per_call // max(1, accum))
     per_rank_call = max(1, read_per_call // world_size)
     longest = max(batches, warmup)
-    tokens_per_shard = write_loader_shards(data_dir, read_per_call, per_rank_call, seq_len, longest, seed, shard_tokens)
-    wraps = read_per_call * longest / (4 * tokens_per_shard)
-    notes.append(f"4 shards x {tokens_per_shard} tokens; next_batch{calls[0]} (global tokens {tokens_per_call}, gradient accumulation {accum}: {read_per_call} tokens read per call by {world_size} ranks, the shards read {wraps:.1f} times in {longest} calls); {warmup} warm-up + {batches} batches per rank")
+    tokens_per_shard = write_loader_shards(data_dir, read_per_call, per_rank_call, seq_len, longest, seed, shard_tokens, train_shards)
+    wraps = read_per_call * longest / (train_shards * tokens_per_shard)
+    notes.append(f"{train_shards} shards x {tokens_per_shard} tokens; next_batch{calls[0]} (global tokens {tokens_per_call}, gradient accumulation {accum}: {read_per_call} tokens read per call by {world_size} ranks, the shards read {wraps:.1f} times in {longest} calls); {warmup} warm-up + {batches} batches per rank")
     if recipe.varying:
         used = [sorted({a[i] for a in calls}) for i in recipe.varying]
         notes.append(f"per-step argument(s) {[recipe.call_args[i] for i in recipe.varying]} driven with {used}, changing every 5 calls")
     read_once_tokens = math.ceil(read_per_call * longest * 1.25 / 4)  # a quarter of the run each, and a margin
-    return Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [], tokens_per_shard, read_once_tokens)
+    return Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [], tokens_per_shard, read_once_tokens, train_shards)
 
 
 def _seeding(recipe: LoaderRecipe, patched: LoaderRecipe, modules, plan: Plan, run: _Run) -> bool:

@@ -107,6 +107,11 @@ def loop_calls(original, edited) -> LoopCalls:
     for index, (o_calls, e_calls) in enumerate(zip(mine, theirs)):
         o_shape = [(_control(original.survey, c.node), tuple(c.args)) for c in o_calls]
         e_shape = [(_control(edited.survey, c.node), tuple(c.args)) for c in e_calls]
+        # A call before the loop that fetches the first batch, the loop fetching each next
+        # one after its use (`x, y = next_batch(...)`, then in the loop `loss = model(x,
+        # y)` and `x, y = next_batch(...)`): the same calls in the same order.
+        primed = [i for i, (control, args) in enumerate(e_shape) if not control and (control, args) not in o_shape and any(c and c[0].startswith("for ") and a == args for c, a in e_shape)]
+        e_calls, e_shape = [c for i, c in enumerate(e_calls) if i not in primed], [s for i, s in enumerate(e_shape) if i not in primed]
         if o_shape == e_shape:
             continue
         changed = [i for i, (a, b) in enumerate(zip(o_shape, e_shape)) if a != b]

@@ -12,9 +12,11 @@ empty directory, a path pattern that matches nothing).
 file is checked and reported all the same).
 `patch-prefetch unwrap FILE [-o OUT]`: 0 written, 2 bad input, 3 not wrapped (nothing written).
 `patch-prefetch verify ORIGINAL PATCHED`: 0 identical, 1 a batch differs or the patched
-loader behaves differently (raises, leaves a replaced worker running; the line names rank,
-phase, batch and field), 2 cannot verify (one line: why, e.g. "needs sentencepiece"; a
-harness failure is never 1), 3 nothing to verify (PATCHED holds no runtime of this tool).
+loader raises (the line names rank, phase, batch and field), 2 cannot verify (one line:
+why, e.g. "needs sentencepiece"; a harness failure is never 1), 3 nothing to verify
+(PATCHED holds no runtime of this tool), 4 the batches are identical but a thread or
+process of a replaced loader is still alive after the rebuild (a `LEAK:` line each:
+what it is, the bytes it holds, where it was started).
 `patch-prefetch ab ORIGINAL PATCHED` (A/B step time, alternated runs): 0 comparison made
 (whatever the verdict), 2 bad input or usage, or a run failed (one line: which run, why).
 `patch-prefetch DIR --out-dir OUT` (tree mode): 0 no file failed, 1 some failed, 2 usage.
@@ -29,6 +31,7 @@ import sys
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOTHING, EXIT_CHECK_FAILED, EXIT_NO_FILES = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+EXIT_LEAKED = 4  # verify: the batches are identical, but a replaced loader's thread or process is still alive
 INTERRUPTED_LINE = "patch-prefetch: interrupted"
 
 
@@ -192,7 +195,7 @@ def build_check_parser() -> argparse.ArgumentParser:
 
 
 def build_verify_parser() -> argparse.ArgumentParser:
-    parser = SuggestingParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.", epilog="Exit codes: 0 identical, 1 a batch differs, 2 cannot verify, 3 nothing to verify (PATCHED holds no runtime of patch-prefetch).")
+    parser = SuggestingParser(prog="patch-prefetch verify", description="Prove the patched script's training loader hands out the original's batches, bit for bit, for every rank, across the warm-up rebuild, on synthetic shards.", epilog="Exit codes: 0 identical, 1 a batch differs, 2 cannot verify, 3 nothing to verify (PATCHED holds no runtime of patch-prefetch), 4 identical batches but a thread or process of a replaced loader still alive after the rebuild (LEAK lines: what, what it holds, where it was started).")
     parser.add_argument("original")
     parser.add_argument("patched")
     parser.add_argument("--batches", type=int, default=None, help="batches per rank after the rebuild (default 96 for a loader class, 64 items for a data generator)")
@@ -682,7 +685,11 @@ def _run_verify(args) -> int:
             field = "" if d.field is None else f", field {d.field}"
             how = f" ({d.configuration})" if d.configuration else ""
             print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}")
-    return EXIT_OK if result.identical else EXIT_FAILED
+        for leak in result.leaks:
+            print(f"LEAK: {leak}")
+    if not result.identical:
+        return EXIT_FAILED
+    return EXIT_LEAKED if result.leaks else EXIT_OK
 
 
 def _run_ab(args) -> int:

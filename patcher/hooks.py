@@ -14,7 +14,8 @@ alone (nothing printed). Each pair runs `patch-prefetch verify ORIGINAL PATCHED`
 process of its own, after a line naming it; its verdict is verify's own.
 Exit code: 0 every pair identical (or no pair), else the first of 1 (a batch differs),
 2 (cannot verify), 3 (nothing to verify: the patched file holds no runtime of the
-tool) that some pair gave, in that order; 130 interrupted (the pairs not yet run are not).
+tool), 4 (identical batches, but a replaced loader's thread or process left running)
+that some pair gave, in that order; 130 interrupted (the pairs not yet run are not).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from patcher.suggest import SuggestingParser
 PATCHED_SUFFIX, ORIG_SUFFIX = "_patched.py", ".orig"
 EXIT_OK, EXIT_INTERRUPTED = 0, 130
 # Worst first: a difference outweighs a pair that could not be verified, which outweighs
-# a patched file that holds no runtime of the tool.
-SEVERITY = (1, 2, 3)
+# a patched file that holds no runtime of the tool, which outweighs a leaked worker.
+SEVERITY = (1, 2, 3, 4)
 
 
 def pairs_beside(files: list[str]) -> list[tuple[str, str]]:
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = SuggestingParser(
         prog="patch-prefetch-verify-beside",
         description="Run `patch-prefetch verify ORIGINAL PATCHED` for every FILE that sits beside its partner: NAME_patched.py beside NAME.py, or NAME.py beside NAME.py.orig (what --in-place keeps). For a pre-commit hook.",
-        epilog="Exit codes: 0 every pair identical (or no pair among FILEs), 1 a batch differs, 2 cannot verify, 3 nothing to verify (a patched file holds no runtime of patch-prefetch); the worst that a pair gave, in that order. 130 interrupted.",
+        epilog="Exit codes: 0 every pair identical (or no pair among FILEs), 1 a batch differs, 2 cannot verify, 3 nothing to verify (a patched file holds no runtime of patch-prefetch), 4 identical but a replaced loader's worker left running; the worst that a pair gave, in that order. 130 interrupted.",
     )
     parser.add_argument("files", nargs="*", metavar="FILE", help="staged files; those with no partner beside them are skipped")
     # verify's own options, passed on to every pair (set them with the hook's `args:`).

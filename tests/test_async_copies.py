@@ -41,15 +41,30 @@ def test_a_blocking_copy_from_pinned_memory_reads_at_the_call():
         assert dst.tolist() == [0, 1, 2, 3]
 
 
-def test_a_use_that_reads_the_destination_runs_its_copy_first_and_a_view_does_not():
+def test_a_device_op_on_the_destination_is_queued_behind_its_copy_not_run_before_it():
+    # On a GPU `view * 2` is stream-ordered after the copy and the host does not wait for
+    # it: a source rewritten before the GPU reaches both changes both.
     with cuda_on_host(run_ahead=5):
         src = torch.arange(6).pin_memory()
         dst = src.to("cuda", non_blocking=True)
         view = dst.view(2, 3)[1]  # no element read
-        assert len(active_copies().pending) == 1
-        doubled = view * 2  # stream-ordered after the copy
+        doubled = view * 2
+        gathered = dst[torch.tensor([5, 0])]  # a gather reads too
+        assert len(active_copies().pending) == 3 and doubled.shape == (3,)
+        src.fill_(1)
+        assert doubled.tolist() == [2, 2, 2] and gathered.tolist() == [1, 1] and dst.tolist() == [1] * 6
+
+
+def test_an_in_place_op_or_a_host_read_runs_the_copy_first():
+    with cuda_on_host(run_ahead=5):
+        src = torch.arange(3).pin_memory()
+        dst = src.to("cuda", non_blocking=True)
+        dst.add_(1)  # writes the destination: after the copy
+        assert not active_copies().pending
         src.fill_(0)
-        assert doubled.tolist() == [6, 8, 10] and dst.tolist() == [0, 1, 2, 3, 4, 5]
+        other = torch.arange(3).pin_memory().to("cuda", non_blocking=True)
+        assert bool((other == 2).any())  # the host reads a value: it waits
+        assert dst.tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("wait", ["event", "synchronize", "stream", "item"])

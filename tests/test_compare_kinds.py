@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from patcher.cli import EXIT_OK, main
@@ -67,3 +68,13 @@ def test_verify_of_a_loader_that_hands_out_a_namedtuple(tmp_path, capsys):
     patched.write_text(patch_source(source).source)
     assert main(["verify", str(original), str(patched)]) == EXIT_OK
     assert capsys.readouterr().out.splitlines()[-1].startswith("identical: 200 batches")
+
+
+def test_a_numpy_field_names_where_and_what_differs():
+    # A loader handing out numpy arrays: the verdict locates the first differing element.
+    want = np.arange(12, dtype=np.uint16).reshape(3, 4)
+    got = want.copy()
+    got[2, 1] = 99
+    assert first_difference((want, want), (want, got)) == (1, "bytes differ: first at [2, 1]: 9 vs 99")
+    assert first_difference(want, want.astype(np.int32))[1] == "dtype uint16 vs int32"
+    assert first_difference(np.float32([0.0]), np.float32([-0.0])) == (0, "bytes differ: first at [0]: 0.0 vs -0.0")

@@ -7,12 +7,16 @@ pinned ring with and without its fence, and a loop that fetches the next batch b
 using the current one."""
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from pathlib import Path
 
 import pytest
 
-from patcher.cli import EXIT_FAILED, EXIT_NOTHING, EXIT_OK, main
-from patcher.proof.verify import verify
+from patcher.cli import EXIT_FAILED, EXIT_LEAKED, EXIT_NOTHING, EXIT_OK, main
+from patcher.proof import rank_compare
+from patcher.proof.verify import CannotVerify, verify
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CONSTRUCTION = "train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)"
@@ -142,7 +146,7 @@ def test_a_loop_that_fetches_the_next_batch_before_using_the_current_one(tmp_pat
         ("        for micro in range(grad_accum_steps):\n" + FETCH + autocast, "        for micro in range(grad_accum_steps):\n" + autocast + FETCH),
     )
     result = verify(original, changed, batches=8, world_size=1)
-    assert result.edited and result.identical, result.difference
+    assert result.edited and result.identical and not result.skipped, (result.difference, result.skipped)
 
 
 # The fixture's loader as nanochat's: one device buffer, refilled at each call, its views
@@ -220,3 +224,153 @@ def test_a_generator_staged_by_hand(tmp_path, pinned, identical):
     assert result.edited and result.identical is identical, result.difference
     if not identical:
         assert (result.difference.phase, result.difference.batch, result.difference.field) == ("train", 0, 0)
+
+
+# A loader that stages each batch in pinned int32 memory, copies it with
+# `dev.copy_(pinned, non_blocking=True)` into a fresh device tensor, and widens it there
+# (`.long()`): on a GPU the widening is stream-ordered after the copy and the host does
+# not wait for it. `slots` pinned buffers reused in turn, each refilled only after its
+# event completed where `fence`.
+STAGED_LONG = '''        if not hasattr(self, "pinned"):
+            self.pinned = [torch.empty(mine.numel(), dtype=torch.int32, pin_memory=True) for _ in range({slots})]
+            self.events, self.i = [None] * {slots}, 0
+        i, self.i = self.i, (self.i + 1) % {slots}
+        if {fence} and self.events[i] is not None:
+            self.events[i].synchronize()
+        self.pinned[i].copy_(mine)
+        dev = torch.empty(mine.numel(), dtype=torch.int32, device=self.device)
+        dev.copy_(self.pinned[i], non_blocking=True)
+        if torch.cuda.is_available():
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record()
+        return dev[:-1].reshape(-1, seq_len).long(), dev[1:].reshape(-1, seq_len).long()
+'''
+
+
+@pytest.mark.parametrize("slots, fence, run_ahead, differs", [
+    (1, False, 1, True),  # one pinned buffer, rewritten before the GPU reached its copy
+    (2, True, 3, False),  # the fenced double buffer: each buffer reused only after its event
+])
+def test_a_device_op_on_a_late_copy_does_not_make_the_copy_run_on_time(tmp_path, slots, fence, run_ahead, differs):
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (RETURN, STAGED_LONG.format(slots=slots, fence=fence)))
+    result = verify(original, changed, batches=6, world_size=1, run_ahead=run_ahead)
+    if not differs:
+        assert result.identical, result.difference
+        return
+    d = result.difference
+    assert (d.rank, d.phase, d.batch, d.field) == (0, "warmup", 0, 0), d
+    assert d.what.startswith("bytes differ: first at [0, 0]: ") and d.configuration == "the edited loader on the CUDA path (host memory)"
+
+
+# A hand-written prefetch thread on a bounded queue that nothing stops: after the
+# script rebuilds its loader, the old one's thread blocks on its full queue for good.
+UNSTOPPED = '''
+
+class ThreadPrefetch:
+    """A hand-written prefetch with no way to stop its thread."""
+
+    def __init__(self, loader, depth=2):
+        self.loader, self.queue, self.args, self.stopped = loader, queue.Queue(depth), None, False
+
+    def next_batch(self, *args):
+        if self.args is None:
+            self.args = args
+            threading.Thread(target=self._work, daemon=True).start()
+        return self.queue.get()
+
+    def _work(self):
+        while not self.stopped:
+            self.queue.put(self.loader.next_batch(*self.args))
+'''
+
+
+def test_a_leaked_thread_is_no_difference_in_the_batches_but_a_leak_line_and_exit_4(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(rank_compare, "REBUILD_GRACE_S", 0.5)  # the leaked thread never ends: wait less for it
+    original, changed = edited(
+        tmp_path, "tokenstream_readable.py",
+        ("import copy\n", "import copy\nimport queue\nimport threading\n"),
+        (CONSTRUCTION, CONSTRUCTION.replace("= DistributedTokenLoader(", "= ThreadPrefetch(DistributedTokenLoader(") + ")"),
+        ("\n\nclass DistributedTokenLoader:", UNSTOPPED + "\n\nclass DistributedTokenLoader:"),
+    )
+    before = set(threading.enumerate())
+    try:
+        code = main(["verify", str(original), str(changed), "--batches", "8", "--world-size", "1"])
+        out = capsys.readouterr().out.splitlines()
+        assert code == EXIT_LEAKED and any(line.startswith("identical: ") for line in out), out
+        leaks = [line for line in out if line.startswith("LEAK: ")]
+        line = changed.read_text().splitlines().index("            threading.Thread(target=self._work, daemon=True).start()") + 1
+        assert leaks and all(f"runs ThreadPrefetch._work (line {line + 3}), started at line {line} in next_batch; holds " in leak for leak in leaks), leaks
+        held = int(leaks[0].split("holds ")[1].split(" bytes)")[0].split("(")[-1].split()[0])
+        assert held > 4096  # the old loader's shard
+    finally:
+        for thread in set(threading.enumerate()) - before:  # unblock the leaked threads
+            owner = thread._target.__self__
+            owner.stopped = True
+            while thread.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    owner.queue.get(timeout=0.01)
+
+
+# Edits to the training loop and to the seeding, outside the loader itself.
+STEP = "        step_loss = 0.0\n"
+MINE = "        mine = chunk[self.rank * span : (self.rank + 1) * span].long()\n"
+ROLLED = MINE + "        mine = mine.roll(int(np.random.randint(3)))\n"  # the loader draws from the global RNG
+
+
+def test_an_extra_next_batch_in_the_training_loop_is_never_a_bare_identical(tmp_path, capsys):
+    skip = "        if step == 5:\n            train_loader.next_batch(args.train_batch_tokens, args.train_seq_len, grad_accum_steps)\n" + STEP
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (STEP, skip))
+    line = changed.read_text().splitlines().index("        if step == 5:") + 2
+    assert main(["verify", str(original), str(changed), "--batches", "6", "--world-size", "1"]) == EXIT_OK
+    verdict = capsys.readouterr().out.splitlines()[-1]
+    assert verdict.startswith("partial: ") and f"not exercised: the training loop was not compared: its next_batch calls on `train_loader` changed (the edited script calls line {line}: next_batch(" in verdict and "under `if step == 5`" in verdict, verdict
+
+
+def test_a_seed_edit_reaching_the_loader_through_the_global_rng_differs(tmp_path):
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (MINE, ROLLED), ("    np.random.seed(args.seed)\n", "    np.random.seed(args.seed + 1)\n"))
+    original.write_text(original.read_text().replace(MINE, ROLLED))  # the same loader, the script's own seed
+    result = verify(original, changed, batches=6, world_size=1)
+    d = result.difference
+    assert (d.phase, d.batch, d.field) == ("warmup", 0, 0) and d.what.startswith("bytes differ: first at [0, 0]: "), d
+    changed.write_text(original.read_text().replace("import copy\n", "import copy  # the seed as it was\n"))
+    assert verify(original, changed, batches=6, world_size=1).identical
+
+
+def test_a_changed_argument_in_the_training_loop_is_reported_at_its_call(tmp_path):
+    call = FETCH + AUTOCAST
+    original, changed = edited(tmp_path, "tokenstream_readable.py", (call, call.replace("args.train_seq_len,", "args.train_seq_len // 2,")))
+    line = changed.read_text().splitlines().index(FETCH.replace("args.train_seq_len,", "args.train_seq_len // 2,").rstrip("\n")) + 1
+    d = verify(original, changed, batches=6, world_size=1).difference
+    assert (d.phase, d.batch, d.field) == ("train", 0, 0) and d.what.startswith("shape ("), d  # the warm-up's call is unchanged
+    assert f"(the edited script's call at line {line}: next_batch(args.train_batch_tokens, args.train_seq_len // 2, grad_accum_steps), the original's at line {line}: " in d.what
+
+
+def test_a_generator_whose_first_item_raises_stop_iteration_inside_says_what_to_provide(tmp_path):
+    # The generator's own `next(files)` runs out on the synthetic shards (PEP 479 turns
+    # it into "RuntimeError: generator raised StopIteration"): tried on larger shards,
+    # then a reason naming what the shards lack.
+    cycle = "    files = itertools.cycle(sorted(Path(f) for f in glob.glob(filename_pattern)))\n"
+    held_out = "    files = iter(sorted(Path(f) for f in glob.glob(filename_pattern))[4:])  # the first four held out\n"
+    original, changed = edited(tmp_path, "generator_shards.py", (cycle, held_out))
+    original.write_text(changed.read_text())
+    changed.write_text(changed.read_text().replace("import glob\n", "import glob  # as it was\n"))
+    with pytest.raises(CannotVerify) as caught:
+        verify(original, changed, batches=4, world_size=1)
+    why = str(caught.value)
+    assert "before its first item: an iterator it advances inside ran out (generator raised StopIteration), on 4 synthetic shards of " in why and " tokens in turn: it needs data these shards lack (more shard files," in why, why
+
+
+def test_a_loader_whose_index_runs_out_is_tried_on_more_shards_before_verify_gives_up(tmp_path):
+    # Its stream reads the first 500 tokens of each shard file and never wraps around:
+    # larger shards do not help it, more shard files do.
+    original, changed = edited(
+        tmp_path, "tokenstream_readable.py",
+        ("        self.buf = read_shard(self.paths[0])\n", "        self.buf = read_shard(self.paths[0])[:500]\n"),
+        ("                self.shard = (self.shard + 1) % len(self.paths)\n                self.buf = read_shard(self.paths[self.shard])\n",
+         "                self.shard += 1\n                self.buf = read_shard(self.paths[self.shard])[:500]\n"),
+    )
+    original.write_text(changed.read_text())
+    changed.write_text(changed.read_text().replace("import copy\n", "import copy  # as it was\n"))
+    result = verify(original, changed, batches=6, world_size=1)
+    assert result.identical, result.difference
+    assert any("IndexError: list index out of range" in note and "(16 x " in note and "tried before: 4 x " in note for note in result.notes), result.notes

@@ -20,6 +20,7 @@ import random
 import signal
 import socket
 import struct
+import sys
 import termios
 import threading
 import time
@@ -77,6 +78,10 @@ class VerifyResult:
     # what it could not exercise, with the reason: the verdict is "partial" where any is.
     exercised: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    # Threads or child processes of a replaced loader still alive after the script
+    # rebuilt it, one line each (`describe_leak`): no difference in the batches, but
+    # memory held (the old loader's shard) and a worker never stopped.
+    leaks: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = {
@@ -93,6 +98,7 @@ class VerifyResult:
             "run_ahead": self.run_ahead,
             "exercised": self.exercised,
             "skipped": self.skipped,
+            "leaks": self.leaks,
         }
         return d
 
@@ -194,9 +200,16 @@ def _leaf_difference(x, y) -> str | None:
         index = tuple(int(v) for v in np.unravel_index(at, tuple(x.shape))) if x.dim() else ()
         return f"bytes differ: first at {list(index)}: {flat_x[at].item()!r} vs {flat_y[at].item()!r}"
     if isinstance(x, np.ndarray):
-        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-            return "numpy arrays differ"
-        return None
+        if x.dtype != y.dtype:
+            return f"dtype {x.dtype} vs {y.dtype}"
+        if x.shape != y.shape:
+            return f"shape {x.shape} vs {y.shape}"
+        xb, yb = np.ascontiguousarray(x).reshape(-1).view(np.uint8), np.ascontiguousarray(y).reshape(-1).view(np.uint8)
+        if xb.size == 0 or np.array_equal(xb, yb):
+            return None
+        at = int(np.flatnonzero((xb != yb).reshape(-1, x.itemsize).any(axis=1))[0])
+        index = [int(v) for v in np.unravel_index(at, x.shape)] if x.ndim else []
+        return f"bytes differ: first at {index}: {x.reshape(-1)[at].item()!r} vs {y.reshape(-1)[at].item()!r}"
     return None if x == y else f"{x!r} vs {y!r}"
 
 
@@ -434,6 +447,90 @@ def close(loader) -> None:
     shutdown = getattr(type(loader), "shutdown", None)
     if shutdown is not None:
         shutdown(loader)
+
+
+def describe_leak(thread, started: dict) -> str:
+    """One thread or child process a replaced loader left running, in words: what it
+    is, what it holds (bytes of the tensors and numpy arrays reachable from its
+    target's object and arguments, each storage counted once: `held_bytes`), and where
+    it was started (`started`: thread -> "line N in FUNCTION", from `thread_starts`)."""
+    if isinstance(thread, ChildProcess):
+        return f"{thread.name} (not stopped; what it holds is in its own memory)"
+    target = getattr(thread, "_target", None)
+    owner = getattr(target, "__self__", None)
+    held = held_bytes([owner, getattr(thread, "_args", ()), getattr(thread, "_kwargs", {})])
+    code = getattr(target, "__code__", None) or getattr(getattr(target, "__func__", None), "__code__", None)
+    runs = f"runs {getattr(target, '__qualname__', type(target).__name__)}" + (f" (line {code.co_firstlineno})" if code else "")
+    where = f", started at {started[thread]}" if thread in started else ""
+    return f"thread {thread.name}: {runs}{where}; holds {_size(held)} of tensors and arrays of the loader built before"
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit} ({count} bytes)"
+    return f"{count} bytes"
+
+
+def held_bytes(root, depth: int = 6) -> int:
+    """Bytes of the distinct tensor storages and numpy buffers reachable from `root`
+    through attributes, containers and queues, at most `depth` levels deep."""
+    seen_objects, seen_buffers, total = set(), set(), 0
+    stack = [(root, 0)]
+    while stack:
+        value, level = stack.pop()
+        if id(value) in seen_objects or level > depth or value is None or isinstance(value, (str, bytes, int, float, bool, type)):
+            continue
+        seen_objects.add(id(value))
+        if isinstance(value, torch.Tensor):
+            with torch._C.DisableTorchFunctionSubclass():
+                storage = value.untyped_storage()
+                key = ("t", storage.data_ptr())
+                if key not in seen_buffers:
+                    seen_buffers.add(key)
+                    total += storage.nbytes()
+            continue
+        if isinstance(value, np.ndarray):
+            base = value
+            while isinstance(base.base, np.ndarray):
+                base = base.base
+            key = ("a", base.__array_interface__["data"][0])
+            if key not in seen_buffers:
+                seen_buffers.add(key)
+                total += base.nbytes
+            continue
+        if isinstance(value, dict):
+            children = list(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset, collections.deque)):
+            children = list(value)
+        elif hasattr(value, "__dict__") and not callable(value):
+            children = list(vars(value).values())
+        else:
+            children = []
+        stack.extend((child, level + 1) for child in children)
+    return total
+
+
+@contextlib.contextmanager
+def thread_starts():
+    """Inside: every `threading.Thread.start` is recorded, the thread -> "line N in
+    FUNCTION" of the first caller outside `threading` (the script's own call). Yields that dict."""
+    started: dict = {}
+    original = threading.Thread.start
+
+    def start(self, *args, **kwargs):
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename == threading.__file__:
+            frame = frame.f_back
+        if frame is not None:
+            started[self] = f"line {frame.f_lineno} in {frame.f_code.co_name}"
+        return original(self, *args, **kwargs)
+
+    threading.Thread.start = start
+    try:
+        yield started
+    finally:
+        threading.Thread.start = original
 
 
 def thread_kind(thread: threading.Thread) -> str:

@@ -28,8 +28,8 @@ from patcher.proof.shards import DOC_LEN_RANGE, read_shard, shard_name, write_sh
 WEB_DOC_LEN_RANGE = (128, 1024)
 
 
-def write_loader_shards(data_dir: str, read_per_call: int, per_rank_call: int, seq_len: int, calls: int, seed: int, shard_tokens: int | None = None) -> int:
-    """Write 4 train shards and 1 val shard for a loader class into `data_dir`
+def write_loader_shards(data_dir: str, read_per_call: int, per_rank_call: int, seq_len: int, calls: int, seed: int, shard_tokens: int | None = None, train_shards: int = 4) -> int:
+    """Write `train_shards` (4) train shards and 1 val shard for a loader class into `data_dir`
     (vocabulary 256, documents starting with BOS 1); returns the tokens per shard.
 
     The shards together hold about 3/5 of what all ranks read in `calls` calls (each
@@ -43,7 +43,7 @@ def write_loader_shards(data_dir: str, read_per_call: int, per_rank_call: int, s
         tokens_per_shard = max(math.ceil(read_per_call * calls * 0.6 / 4), floor, 8 * (seq_len + 1))
     else:
         tokens_per_shard = max(int(shard_tokens), 2 * (seq_len + 1))
-    write_shards(data_dir, train_shards=4, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=256, seed=seed, bos_id=1)
+    write_shards(data_dir, train_shards=train_shards, val_shards=1, tokens_per_shard=tokens_per_shard, vocab_size=256, seed=seed, bos_id=1)
     return tokens_per_shard
 
 

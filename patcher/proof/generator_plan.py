@@ -100,6 +100,12 @@ def _item(iterator, value, none_between: bool):
         if value is None:
             raise _NoFirstItem from None
         raise
+    except RuntimeError as error:
+        # PEP 479: an iterator the generator advances inside (its shard files, a
+        # document stream) ran out, and the generator's own StopIteration became this.
+        if value is None and isinstance(error.__cause__, StopIteration):
+            raise _NoFirstItem("an iterator it advances inside ran out (generator raised StopIteration)") from None
+        raise
 
 
 def _candidates(recipe: IteratorRecipe, modules, explicit: list[str], batches: int, notes: list[str]) -> tuple[list, list[str]]:
@@ -166,9 +172,11 @@ def _probe(recipe: IteratorRecipe, modules, root: str, world_size: int, seed: in
     while True:
         try:
             tokens = _probe_on(recipe, modules, root, world_size, seed, changes, none_between, largest, shard_tokens)
-        except _NoFirstItem:
+        except _NoFirstItem as error:
             if shard_tokens * 16 > PROBE_MAX_SHARD_TOKENS:
-                raise HarnessError(f"the original generator ends (StopIteration) before its first item, on 4 synthetic shards of up to {shard_tokens} tokens: it needs data these shards lack (longer documents, another layout), or items larger still; --shard-tokens N sets their size") from None
+                inner = f": {error}" if str(error) else ""
+                tried = ", ".join(str(first * 16**k) for k in range(20) if first * 16**k <= shard_tokens)
+                raise HarnessError(f"the original generator ends (StopIteration) before its first item{inner}, on 4 synthetic shards of {tried} tokens in turn: it needs data these shards lack (more shard files, longer documents, another layout), or items larger still; --shard-tokens N sets their size") from None
             shard_tokens *= 16
             continue
         if shard_tokens != first:

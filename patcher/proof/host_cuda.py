@@ -35,8 +35,8 @@ RUN_AHEAD = 2
 # tensor whose copy is still pending runs that copy first (the use is stream-ordered
 # after it on a GPU).
 _NO_READ = frozenset({
-    "__get__", "__getitem__", "view", "view_as", "reshape", "reshape_as", "narrow", "select", "squeeze", "unsqueeze",
-    "t", "transpose", "permute", "expand", "expand_as", "flatten", "unflatten", "split", "chunk", "unbind", "as_strided",
+    "__get__", "view", "view_as", "narrow", "select", "squeeze", "unsqueeze",
+    "t", "transpose", "permute", "expand", "expand_as", "split", "chunk", "unbind", "as_strided",
     "size", "dim", "numel", "stride", "storage_offset", "element_size", "is_contiguous", "data_ptr", "is_pinned",
     "record_stream", "__len__", "untyped_storage", "ndimension", "nelement",
 })
@@ -57,8 +57,10 @@ class AsyncCopies:
     A `non_blocking=True` copy from pinned memory (`.to("cuda")`, `.cuda()`, or
     `device_tensor.copy_(pinned)`) returns at once and reads its source when the GPU
     would run it, not at the call: `run_ahead` micro-steps later (the harness counts
-    them with `tick()`), or earlier where the stream order or the host forces it: a use
-    of the destination that reads its elements, `torch.cuda.synchronize()`, a stream's
+    them with `tick()`), or earlier where the stream order or the host forces it: an
+    in-place write of the destination, a value of it the host reads (a device op that
+    reads it is queued behind the copy instead, `_Kernel`: the host does not wait for
+    it on a GPU), `torch.cuda.synchronize()`, a stream's
     `synchronize()`, an event recorded after it that the host waits on
     (`synchronize()`, `query()`), a D2H read (`.item()`, `.cpu()`, `.tolist()`,
     `.numpy()`), or a blocking copy. A copy from pageable memory, or a blocking one,
@@ -114,14 +116,21 @@ class AsyncCopies:
             if self.reference:
                 _run(item)  # this copy alone: the other side's copies keep their own time
                 return
-            self.pending.append(item)
-            self._last_into[item.storage] = item.seq
+            self.queue(item)
             if not (non_blocking and self.is_pinned(src)):
                 # The host waits for the stream: the GPU catches up with it, this copy included.
                 self.blocking += 1
                 if len(self.pending) > 1:
                     self.waits += 1
                 self.run_through(item.seq + 1)
+
+    def queue(self, item) -> None:
+        """Put a copy or a device op (`_Kernel`) on the stream, behind every item issued before it."""
+        with self.lock:
+            self.issued = max(self.issued, item.seq + 1)
+            self.pending.append(item)
+            for storage in _storages(item):
+                self._last_into[storage] = item.seq
 
     def pending_into(self, tensor: torch.Tensor) -> int:
         """The sequence number of the last pending copy into `tensor`'s storage, or -1."""
@@ -149,8 +158,9 @@ class AsyncCopies:
         for watcher in self.watchers:
             watcher(item.tick)
         _run(item)
-        if self._last_into.get(item.storage) == item.seq:
-            del self._last_into[item.storage]
+        for storage in _storages(item):
+            if self._last_into.get(storage) == item.seq:
+                del self._last_into[storage]
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -158,7 +168,14 @@ def _storage(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage().data_ptr()
 
 
-def _run(item: _Copy) -> None:
+def _storages(item) -> list[int]:
+    return item.storage if isinstance(item.storage, list) else [item.storage]
+
+
+def _run(item) -> None:
+    if isinstance(item, _Kernel):
+        item.run()
+        return
     with torch._C.DisableTorchFunctionSubclass():
         _ORIGINAL_COPY(item.dst, item.src)
 
@@ -207,22 +224,66 @@ def drain() -> None:
 
 
 class _OnDevice(torch.Tensor):
-    """Host memory standing for device memory inside `cuda_on_host`: a use that reads
-    its elements first runs the last pending copy into its storage, with every copy
-    issued before it (one stream's order); a D2H read runs every pending copy."""
+    """Host memory standing for device memory inside `cuda_on_host`. A device op that
+    reads a tensor with a copy still pending into it is stream-ordered after that copy
+    on a GPU, and the host does not wait for it: the op runs now for its result's
+    shape and dtype, and again, into that result, when the model runs the copy
+    (`_Kernel`, queued behind it). An in-place op, or one whose result is no tensor
+    (the host reads a value), runs the copies first, as does a D2H read (all of them)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         model = active_copies()
         name = getattr(func, "__name__", "")
-        if model is not None and model.pending and name not in _NO_READ:
-            if name in ("item", "tolist", "cpu", "numpy"):
-                model.drain()
-            else:
-                devices = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _OnDevice)]
-                model.run_through(max((model.pending_into(a) for a in devices), default=-1) + 1)
+        if model is None or not model.pending or name in _NO_READ:
+            return super().__torch_function__(func, types, args, kwargs)
+        if name in ("item", "tolist", "cpu", "numpy"):
+            model.drain()
+            return super().__torch_function__(func, types, args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        after = max((model.pending_into(a) for a in leaves if isinstance(a, _OnDevice)), default=-1)
+        if after >= 0 and not _in_place(name, kwargs):
+            with model.lock:
+                try:
+                    out = super().__torch_function__(func, types, args, kwargs)
+                except Exception:  # on what the memory held before the copy: run it first, as below
+                    out = None
+                results = pytree.tree_leaves(out)
+                if out is not None and results and all(isinstance(r, torch.Tensor) for r in results):
+                    inputs = {_storage(a) for a in leaves if isinstance(a, torch.Tensor)}
+                    fresh = [r for r in results if _storage(r) not in inputs]  # not a view of an input
+                    if fresh:
+                        model.queue(_Kernel(model.issued, model.clock, func, args, kwargs, out, fresh))
+                    return out
+        model.run_through(after + 1)
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def _in_place(name: str, kwargs: dict) -> bool:
+    """Whether a tensor op of this name writes one of its inputs (`add_`, `__setitem__`, `__iadd__`, `out=`)."""
+    return "out" in kwargs or name == "__setitem__" or (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name not in ("__index__", "__int__", "__invert__"))
+
+
+class _Kernel:
+    """A device op queued behind the copy it reads (`_OnDevice`): when it runs, `func`
+    is computed again and its tensor results written into `outs` (those of `out` in
+    storage of their own, not views of an input)."""
+
+    __slots__ = ("seq", "tick", "func", "args", "kwargs", "out", "outs", "storage")
+
+    def __init__(self, seq: int, tick: int, func, args, kwargs, out, outs: list):
+        self.seq, self.tick, self.func, self.args, self.kwargs, self.out, self.outs = seq, tick, func, args, kwargs, out, outs
+        self.storage = [_storage(t) for t in outs]
+
+    def run(self) -> None:
+        with torch._C.DisableTorchFunctionSubclass():
+            fresh = self.func(*self.args, **self.kwargs)
+            old = [t for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
+            new = [t for t in pytree.tree_leaves(fresh) if isinstance(t, torch.Tensor)]
+            for target, value in zip(old, new):
+                if any(target is t for t in self.outs):
+                    _ORIGINAL_COPY(target, value)
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:

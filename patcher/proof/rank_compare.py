@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from patcher.proof import host_cuda
-from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, draw_deadline, first_difference, harness_step, one_line, queued_batches, reset_producer, script_threads, still_alive, thread_kind, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, describe_leak, draw_deadline, first_difference, harness_step, one_line, queued_batches, reset_producer, script_threads, still_alive, thread_kind, thread_starts, unexcused
 from patcher.proof.harness import SimulatedDist, environment
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
+from patcher.proof.loop_calls import script_seeding, seed
 from patcher.proof.loop_order import early_fetch_line
 from patcher.proof.recipes import IteratorRecipe, LoaderRecipe
 
@@ -29,7 +30,8 @@ class Plan:
     Hyperparameters instance (on the synthetic shards), the world size, the batches of
     the warm-up (0 where the script builds its loader once) and after the rebuild, and
     the sequence lengths a per-step `next_batch` argument cycles through. shard_tokens:
-    tokens per synthetic train shard (4 of them); read_once_tokens: the size at which
+    tokens per synthetic train shard (`train_shards` of them, 4 unless a loader that
+    reads past its data needs another layout); read_once_tokens: the size at which
     the longest phase reads no shard twice (what a loader that does not wrap around needs)."""
 
     hparams_for: object
@@ -39,6 +41,7 @@ class Plan:
     seq_lens: list[int]
     shard_tokens: int = 0
     read_once_tokens: int = 0
+    train_shards: int = 4
 
 
 class ShardsRanOut(CannotVerify):
@@ -78,14 +81,17 @@ class Reference:
     leaked: collections.Counter = field(default_factory=collections.Counter)
 
 
-def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes: list[str], timeout_s: float) -> Reference:
+def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes: list[str], timeout_s: float, seeded: bool = False) -> Reference:
     """Draw the original's batches of `rank` for every phase (on the CUDA path driven
     with host memory). Raises CannotVerify when the original cannot be built or drawn
     from here (a module it needs is missing, the configuration breaks its rules), and
-    DrawTimeout when a batch takes longer than `timeout_s` seconds."""
+    DrawTimeout when a batch takes longer than `timeout_s` seconds. seeded: the script's
+    own global seeding before it builds its loader is made first (`loop_calls.script_seeding`)."""
     batches, reuses, leaked = {}, {}, collections.Counter()
     with cuda_on_host(notes), host_cuda.reference_side(), GlobalRng():  # the same global random state as the patched side's; copies as meant
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(True))
+        if seeded:
+            seed(script_seeding(recipe, ns))
         loader, started_with = None, script_threads()
         try:
             for p, (phase, index, count) in enumerate(loader_phases(recipe, plan)):
@@ -117,14 +123,14 @@ def _draw_original(loader, arguments: tuple, n: int, plan: Plan, what: str):
     except (IndexError, StopIteration, EOFError) as error:
         if not n:
             raise
-        raise ShardsRanOut(f"{what} fails here: {type(error).__name__}: {one_line(error)}, on 4 synthetic shards of {plan.shard_tokens} tokens") from None
+        raise ShardsRanOut(f"{what} fails here: {type(error).__name__}: {one_line(error)}, on {plan.train_shards} synthetic shards of {plan.shard_tokens} tokens") from None
 
 
 # A replaced loader's worker threads have this long to end (its shutdown waits 1 s).
 REBUILD_GRACE_S = 3.0
 
 
-def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, plan: Plan, rank: int, reference: Reference, configuration: Configuration, notes: list[str], timeout_s: float, calls: LoaderRecipe | None = None) -> Difference | None:
+def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, plan: Plan, rank: int, reference: Reference, configuration: Configuration, notes: list[str], timeout_s: float, calls: LoaderRecipe | None = None, leaks: list[str] | None = None, phase_calls: dict | None = None, call_where: dict | None = None, seeded: bool = False) -> Difference | None:
     """Run the patched script's constructions of `rank` in `configuration` and compare
     every batch with the original's; the first difference, or None. Raises
     CannotVerify when the patched loader hangs (no batch within `timeout_s` seconds).
@@ -135,21 +141,30 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     batch is compared when handed out and again just before the next is taken. An
     exception from the patched loader is a difference at that batch. calls: whose
     `next_batch` arguments the patched loader gets (a hand-edited script's own loop;
-    None: the original's).
+    None: the original's). leaks: where a thread or child process of the warm-up loader
+    (beyond those the original leaves) is still alive after the rebuild, a line each
+    (`describe_leak`) is appended here; that is no difference in the batches, which
+    are still compared. phase_calls: construction index -> the recipe whose `next_batch`
+    arguments drive that phase (a hand-edited call, `loop_calls.loop_calls`; None:
+    `calls`' for every phase; the phases it does not name: the original's), and call_where: that call's line, for the
+    difference. seeded: the patched script's own global seeding is made first (`calls`' or the original's).
     """
     loader = None
-    started_with = script_threads()
+    started_with, leaked = script_threads(), []
     # A hand-edited loop that fetches the next batch before it uses this one: each batch
     # must hold across the next call, and is compared where the loop uses it.
     early_at = _early_fetches(calls) if calls is not None else {}
     with contextlib.ExitStack() as context:
         context.enter_context(GlobalRng())  # the same global random state as the original's side
+        started = context.enter_context(thread_starts())
         if configuration.host_cuda:
             context.enter_context(cuda_on_host(notes))
         else:  # what a CPU-only run sees; a loader that calls .cuda() itself keeps its batches on the host
             context.enter_context(host_only_pinning(notes))
             context.enter_context(cuda_as_host(notes))
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(configuration.host_cuda))
+        if seeded:
+            seed(script_seeding(calls or recipe, ns))
         try:
             for p, (phase, index, count) in enumerate(loader_phases(recipe, plan)):
                 if loader is not None:  # the warm-up loader's producer as far ahead as it goes: a rebuild must drop those batches
@@ -160,12 +175,14 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                 kept = reset_producer(loader) & earlier  # the producer the rebuild reset: it serves the new loader
                 if p > 0:
                     leaked = unexcused(still_alive(earlier - kept, REBUILD_GRACE_S), reference.leaked)
-                    if leaked:
-                        names = ", ".join(sorted({t.name for t in leaked}))
-                        return Difference(rank, phase, 0, None, f"{len(leaked)} thread(s) or child process(es) of the loader built before ({names}) still alive after the script rebuilt it")
+                    if leaked and leaks is not None:
+                        leaks.extend(f"rank {rank}, {configuration.label}: still alive after the script rebuilt its loader: {describe_leak(t, started)}" for t in sorted(leaked, key=lambda t: t.name))
                 held = None  # (n, batch): the last batch compared, held while the next is drawn and compared again then
                 early = early_at.get(index)
                 early_words = f" (the edited loop fetches the next batch before it uses this one, line {early})" if early else ""
+                drives = (phase_calls.get(index) or recipe) if phase_calls is not None else calls or recipe
+                if (call_where or {}).get(index):
+                    early_words += f" ({call_where[index]})"
                 in_flight = InFlight(use_delay=1 if early else 0)
                 # The tool's own runtime hands out batches that hold as long as they are held,
                 # as the original's fresh tensors do (a loop holds one while it takes the next,
@@ -179,7 +196,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                             return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
                     try:
                         with draw_deadline(timeout_s):
-                            candidate = loader.next_batch(*(calls or recipe).arguments(ns, n, plan.seq_lens))
+                            candidate = loader.next_batch(*drives.arguments(ns, n, plan.seq_lens))
                     except DrawTimeout as error:
                         raise CannotVerify(f"the patched loader hangs here (rank {rank}, {phase} batch {n}, {configuration.label}): {error}") from None
                     except Exception as error:
@@ -208,7 +225,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended{reset}; {len(alive)} more of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
         finally:
             close(loader)
-            still_alive(script_threads() - started_with, REBUILD_GRACE_S)
+            still_alive(script_threads() - started_with - set(leaked), REBUILD_GRACE_S)  # those found left running were waited for
     return None
 
 

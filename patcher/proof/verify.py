@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -35,6 +35,7 @@ from patcher.proof.compare import CannotVerify, Difference, VerifyResult, first_
 from patcher.proof.data import write_loader_shards
 from patcher.proof.generator_plan import join_new_threads, plan_generator_run
 from patcher.proof import module_verify
+from patcher.proof.loop_calls import LoopCalls, loop_calls, script_seeding, seeding_calls
 from patcher.proof.harness import HarnessError, SimulatedDist, environment, load_definitions, load_module, scripts_unloaded, swapped
 from patcher.proof.host_cuda import RUN_AHEAD, cuda_as_host, cuda_on_host, host_only_pinning, run_ahead_of
 from patcher.proof.rank_compare import Configuration, Plan, ShardsRanOut, compare_generator_rank, compare_loader_rank, reference_batches
@@ -76,6 +77,10 @@ class _Run:
     notes: list[str]
     started: float
     edited: bool = False  # the patched side is a hand-edited script (no runtime of this tool)
+    leaks: list = field(default_factory=list)  # threads left running by a replaced loader (`compare.describe_leak`)
+    loops: LoopCalls | None = None  # a hand-edited loop's calls read against the original's (`loop_calls`)
+    seeded: bool = False  # both sides make their script's own global seeding (`_seeding`)
+    unseeded: list = field(default_factory=list)  # why a seeding edit was not driven (the verdict is partial)
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
             result = module.run(loader, run, module.compare)
             result.prefetched, result.edited, result.run_ahead = prefetched, edited, run_ahead
             return result
-        notes.append("global random state (random, numpy, torch's CPU generator): each side starts from seed 0 and keeps its own, as in a process of its own")
+        notes.append("global random state (random, numpy, torch's CPU generator): each side starts from seed 0, then makes its script's own seeding before it builds its loader, and keeps its own, as in a process of its own")
         staged = STAGING_RUNTIME in survey_of(sources[1]).module_names
         if not prefetched and staged:
             notes.append("the training generator is not run ahead: its own H2D copies go through pinned staging (pinned_staging)")
@@ -232,6 +237,8 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
     except HarnessError as error:
         raise CannotVerify(f"{patched}: {error}") from None
     calls = _edited_calls(recipe, patched_source, notes) if run.edited else None
+    loops = loop_calls(recipe, calls) if calls is not None else LoopCalls({}, {}, [])
+    run.loops = loops if calls is not None else None
     top_level = definitions_only(original_source) != original_source
     with tempfile.TemporaryDirectory(prefix="patch-prefetch-verify-") as data_dir, _launch_env(as_path, world_size):
 
@@ -253,24 +260,35 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
         if not run.edited:
             notes.append(_toggle_note(modules[1]))
         configurations = _configurations("the edited loader" if run.edited else "the default producer")
-        difference, shard_tokens, noted = None, run.shard_tokens, len(notes)
+        difference, shard_tokens, train_shards, noted = None, run.shard_tokens, 4, len(notes)
+        layouts, tried, first_error = None, [], None
         try:
             while True:
-                plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, shard_tokens)
+                plan = _plan(recipe, modules[0], world_size, run.batches, run.warmup, data_dir, run.seed, notes, shard_tokens, train_shards)
+                if layouts is None:  # once
+                    run.seeded = _seeding(recipe, calls or recipe, modules, plan, run)
                 try:
                     difference = _compare_ranks(recipe, run, plan, modules, load, load_one, patched_sites, configurations, compare, calls)
                     break
                 except ShardsRanOut as error:
-                    # Shards sized to wrap around are read through by a loader that walks
-                    # them once: sized again, once, for the run to read each once.
-                    if shard_tokens is not None:
+                    if run.shard_tokens is not None:
                         raise CannotVerify(f"{original}: {error}: " + (
                             f"the loader reads past the end of its data, and --shard-tokens {shard_tokens} holds less than the run reads; a loader that does not wrap around needs --shard-tokens {plan.read_once_tokens} or more"
                             if shard_tokens < plan.read_once_tokens else
                             "the loader reads past the end of its data although the shards hold what the run reads: it expects data these shards lack (more shards, another layout)")) from None
+                    # Shards sized to wrap around are read through by a loader that walks
+                    # them once: the layouts verify knows, in turn (each reads no shard
+                    # twice; larger shards, then more of them), before it gives up.
+                    if layouts is None:
+                        layouts = [(plan.read_once_tokens, 4), (4 * plan.read_once_tokens, 4), (plan.read_once_tokens, 16)]
+                        first_error = error
+                    tried.append(f"{train_shards} x {plan.shard_tokens} tokens")
+                    if not layouts:
+                        raise CannotVerify(f"{original}: {first_error}: the loader reads past the end of its data on every layout tried ({'; '.join(tried)} per train shard): it expects data these shards lack (another layout, longer documents); --shard-tokens N sets their size") from None
                     del notes[noted:]
-                    notes.append(f"{error}: the loader walks its shards once and does not wrap around (a run over real shards never reads them all), so the shards are sized for the run to read each once, and its wrap-around is not exercised")
-                    shard_tokens = plan.read_once_tokens
+                    run.leaks.clear()
+                    shard_tokens, train_shards = layouts.pop(0)
+                    notes.append(f"{error}: the loader walks its shards once and does not wrap around (a run over real shards never reads them all), so the shards are sized for the run to read each once ({train_shards} x {shard_tokens} tokens; tried before: {'; '.join(tried)}), and its wrap-around is not exercised")
         except HarnessError as error:
             raise CannotVerify(f"{original}: {error}") from None
         notes.extend(f"patched loader run with {c.label}" + ("" if c.ranks is None else f" (rank {', '.join(map(str, c.ranks))})") for c in configurations)
@@ -279,7 +297,12 @@ def _verify_loader_class(recipe: LoaderRecipe, run: _Run, compare) -> VerifyResu
             val_compared, difference = compare_val_loops(recipe, patched_source, lambda rank: modules if rank == 0 else load(rank), plan, run.seed, notes, run.edited)
     notes.extend(_assumption_notes(recipe))
     per_rank = plan.warmup + plan.batches
-    return VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - run.started, val_compared)
+    result = VerifyResult(difference is None, world_size, per_rank * world_size, difference, notes, time.perf_counter() - run.started, val_compared)
+    result.leaks = run.leaks
+    result.skipped = loops.not_compared + run.unseeded
+    for index, where in loops.where.items():
+        notes.append(f"{'the warm-up' if index < len(recipe.constructions) - 1 else 'the training'} loop's batches drawn with {where}")
+    return result
 
 
 def _compare_ranks(recipe: LoaderRecipe, run: _Run, plan: Plan, modules, load, load_one, patched_sites, configurations, compare, calls) -> Difference | None:
@@ -287,12 +310,12 @@ def _compare_ranks(recipe: LoaderRecipe, run: _Run, plan: Plan, modules, load, l
     configuration of the patched loader that runs on that rank; the first difference."""
     for rank in range(run.world_size):
         rank_modules = modules if rank == 0 else load(rank)
-        reference = reference_batches(recipe, rank_modules[0], plan, rank, run.notes, DRAW_TIMEOUT_S)
+        reference = reference_batches(recipe, rank_modules[0], plan, rank, run.notes, DRAW_TIMEOUT_S, run.seeded)
         for configuration in configurations:
             if configuration.ranks is not None and rank not in configuration.ranks:
                 continue
             patched_module = rank_modules[1] if not configuration.env else load_one(run.sources[1], rank, configuration.env)
-            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls)
+            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls, leaks=run.leaks, phase_calls=run.loops.phases if run.loops else None, call_where=run.loops.where if run.loops else None, seeded=run.seeded)
             if difference is not None:
                 difference.configuration = configuration.label
                 return difference
@@ -509,7 +532,7 @@ def _beside_the_harness(module):
     return module
 
 
-def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes, shard_tokens=None) -> Plan:
+def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, seed, notes, shard_tokens=None, train_shards=4) -> Plan:
     """Write shards sized for the run (`write_loader_shards`: every loader crosses
     shard boundaries and wraps around in the longest phase) and decide the per-rank
     hyperparameters."""
@@ -523,14 +546,35 @@ def _plan(recipe: LoaderRecipe, module, world_size, batches, warmup, data_dir, s
     read_per_call = max(1, tokens_per_call // max(1, accum))
     per_rank_call = max(1, read_per_call // world_size)
     longest = max(batches, warmup)
-    tokens_per_shard = write_loader_shards(data_dir, read_per_call, per_rank_call, seq_len, longest, seed, shard_tokens)
-    wraps = read_per_call * longest / (4 * tokens_per_shard)
-    notes.append(f"4 shards x {tokens_per_shard} tokens; next_batch{calls[0]} (global tokens {tokens_per_call}, gradient accumulation {accum}: {read_per_call} tokens read per call by {world_size} ranks, the shards read {wraps:.1f} times in {longest} calls); {warmup} warm-up + {batches} batches per rank")
+    tokens_per_shard = write_loader_shards(data_dir, read_per_call, per_rank_call, seq_len, longest, seed, shard_tokens, train_shards)
+    wraps = read_per_call * longest / (train_shards * tokens_per_shard)
+    notes.append(f"{train_shards} shards x {tokens_per_shard} tokens; next_batch{calls[0]} (global tokens {tokens_per_call}, gradient accumulation {accum}: {read_per_call} tokens read per call by {world_size} ranks, the shards read {wraps:.1f} times in {longest} calls); {warmup} warm-up + {batches} batches per rank")
     if recipe.varying:
         used = [sorted({a[i] for a in calls}) for i in recipe.varying]
         notes.append(f"per-step argument(s) {[recipe.call_args[i] for i in recipe.varying]} driven with {used}, changing every 5 calls")
     read_once_tokens = math.ceil(read_per_call * longest * 1.25 / 4)  # a quarter of the run each, and a margin
-    return Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [], tokens_per_shard, read_once_tokens)
+    return Plan(make_hparams, world_size, warmup if len(recipe.constructions) > 1 else 0, batches, seq_lens or [], tokens_per_shard, read_once_tokens, train_shards)
+
+
+def _seeding(recipe: LoaderRecipe, patched: LoaderRecipe, modules, plan: Plan, run: _Run) -> bool:
+    """Whether both sides can make their script's own global seeding before building
+    their loader (`loop_calls.script_seeding`, tried for rank 0): each side then starts
+    from the state its script seeds, not from seed 0. Where a side cannot, neither
+    does (a note), and a seeding that differs between the two goes to `run.unseeded`."""
+    calls = [seeding_calls(recipe), seeding_calls(patched)]
+    if not calls[0] and not calls[1]:
+        return False
+    try:
+        for side, (side_recipe, module) in enumerate(((recipe, modules[0]), (patched, modules[1]))):
+            script_seeding(side_recipe, side_recipe.namespace(module, plan.hparams_for(0), 0, plan.world_size, torch.device("cpu")))
+    except Exception as error:  # the seed needs what only the run has
+        run.notes.append(f"the script's global seeding (line {(calls[side] or calls[0])[0][0]}) not made here ({type(error).__name__}: {error}): each side starts from seed 0")
+        if [c[1:] for c in calls[0]] != [c[1:] for c in calls[1]]:
+            run.unseeded.append("the edited script's global seeding (it differs from the original's and cannot be evaluated here)")
+        return False
+    shown = ", ".join(f"{name}({code}) line {line}" for line, name, code in calls[0])
+    run.notes.append(f"global random state: each side makes its script's own seeding first ({shown or 'none'} in the original)")
+    return True
 
 
 def _grad_accum(recipe: LoaderRecipe, args: tuple) -> int:

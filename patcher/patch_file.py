@@ -344,8 +344,8 @@ def _budget(in_path: Path, counted: dict) -> Budget | None:
 
 
 def expectations(verdicts, applied: set[str]) -> list[str]:
-    """The report's "expect" lines (`patcher.survey.expect.expectations`)."""
-    from patcher.survey.expect import expectations as lines
+    """The report's "expect" lines (`patcher.expect.expectations`)."""
+    from patcher.expect import expectations as lines
 
     return lines(verdicts, applied)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from patcher.patch import patch_source
-from patcher.survey.expect import expectations
+from patcher.expect import expectations
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TOKENSTREAM = (FIXTURES / "tokenstream_readable.py").read_text()

@@ -101,11 +101,11 @@ def test_the_prefetch_depth_toggle_comes_with_the_producer_toggles():
     source = HEAD + "def main(device):\n    train_loader = Loader(device)\n    for step in range(3):\n        x = train_loader.next_batch(4)\n"
     default = patch_source(source)
     assert "TRAIN_PREFETCH_QUEUE" not in default.source and "queue_depth" not in default.runtime
-    assert "self.depth, self.lent = 2, {}\n" in default.runtime
+    assert "self.depth, self.lent, self.lock = 2, {}, threading.Lock()\n" in default.runtime
     tuned = patch_source(source, producer_toggles=True)
     assert 'train_prefetch_queue = int(os.environ.get("TRAIN_PREFETCH_QUEUE", 2))' in tuned.source
     assert "queue_depth=Hyperparameters.train_prefetch_queue" in tuned.source
-    assert "self.depth, self.lent = min(max(1, int(queue_depth)), 250), {}" in tuned.runtime
+    assert "self.depth, self.lent, self.lock = min(max(1, int(queue_depth)), 250), {}, threading.Lock()" in tuned.runtime
 
 
 @pytest.mark.parametrize("unit", registry.UNITS, ids=lambda u: u.name)

@@ -1,6 +1,6 @@
 """The `patcher` package imports one way: each layer imports only the layers below it.
 
-    cli | hooks > tree | demo > patch_file : review > check : proof > code_size > patch > render
+    cli | hooks > tree | demo > patch_file : review : expect > check : proof > code_size > patch > render
         > transforms > families > survey > read > the shared helpers and the runtime (patcher.templates)
 
 (`a | b`: siblings that never import each other; `a : b`: siblings that may.) A
@@ -17,7 +17,7 @@ import pytest
 LAYERS = (
     grimp.Layer("patcher.cli", "patcher.hooks", independent=True),
     grimp.Layer("patcher.tree", "patcher.demo", independent=True),
-    grimp.Layer("patcher.patch_file", "patcher.review", independent=False),
+    grimp.Layer("patcher.patch_file", "patcher.review", "patcher.expect", independent=False),
     grimp.Layer("patcher.check", "patcher.proof", independent=False),
     "patcher.code_size",
     "patcher.patch",

@@ -164,22 +164,19 @@ class _PrefetchLoader:
 
     def next_batch(self, *args):
         with self.lock:  # one caller at a time: two threads at once would read each other's messages
-            return self._next_batch(*args)
-
-    def _next_batch(self, *args):
-        if self.pid is None:  # the first call (shutdown() leaves 0): the producer starts, and builds every batch
-            self.args = args
-            self._start()
-        elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
-            raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
-        try:
-            message = _receive(self.conn, self.slots, self.lent)
-        except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)
-            raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
-        if message[0] == "error":
-            self.lent[message[3]] = lambda: None  # its slot: free at the next batch (the producer goes on, as the loader would at a next call)
-            raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
-        return _hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
+            if self.pid is None:  # the first call (shutdown() leaves 0): the producer starts, and builds every batch
+                self.args = args
+                self._start()
+            elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
+                raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
+            try:
+                message = _receive(self.conn, self.slots, self.lent)
+            except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)
+                raise RuntimeError(f"prefetch: producer exit code {self.shutdown()}") from None
+            if message[0] == "error":
+                self.lent[message[3]] = lambda: None  # its slot: free at the next batch (the producer goes on, as the loader would at a next call)
+                raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
+            return _hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
 
     def _start(self):
         """Start the producer, at the first batch: a forked child process, or a

@@ -204,7 +204,10 @@ class GpuLoad:
 
 
 def synchronize(real_cuda: bool) -> None:
-    if real_cuda:
+    """The host waits for the GPU, as base_train does at each step's start. Under
+    `cuda_on_host` (a dry run) the simulated stream honours it too: the copies still in
+    flight run, so a batch is not read later than a GPU run that syncs would read it."""
+    if real_cuda or torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
@@ -674,6 +677,7 @@ def run_module(original: Path, patched: Path, steps: int, load_ms: float, dry_ru
                     try:
                         for side, generator in enumerate(generators):
                             for n in range(warmup):
+                                synchronize(real_cuda)  # a step each, as in base_train
                                 t0 = time.perf_counter()
                                 item = draw(side, n, lambda: next(generator))
                                 if n == 0:

@@ -3,6 +3,10 @@
     cli | hooks > tree | demo > patch_file : review : expect > check : proof > code_size > patch > render
         > transforms > families > survey > read > the shared helpers and the runtime (patcher.templates)
 
+The runtime lives at the top of the repository (`templates/`) and installs as
+`patcher.templates`; grimp walks `patcher/` on disk, so its modules and their imports are
+added to the graph from `templates/` (`add_runtime`).
+
 (`a | b`: siblings that never import each other; `a : b`: siblings that may.) A
 type-only import (`if TYPE_CHECKING:`) counts, for the layers and for cycles: a family
 typed against the transforms' `Context` is still a family that needs the transforms.
@@ -11,8 +15,13 @@ Cycles are looked for module by module, inside a layer too.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import grimp
 import pytest
+
+RUNTIME = Path(__file__).resolve().parent.parent / "templates"
 
 LAYERS = (
     grimp.Layer("patcher.cli", "patcher.hooks", independent=True),
@@ -36,9 +45,24 @@ LAYERS = (
 KNOWN: set[tuple[str, str]] = set()  # (importer, imported) allowed against the layers: none
 
 
+def add_runtime(g: grimp.ImportGraph) -> None:
+    """Add `templates/*.py` to `g` as `patcher.templates.<name>`, each with the `patcher`
+    modules it imports (what grimp would record, were the folder inside `patcher/`)."""
+    for path in sorted(RUNTIME.glob("*.py")):
+        module = "patcher.templates" if path.stem == "__init__" else f"patcher.templates.{path.stem}"
+        g.add_module(module)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name == "patcher" or name.startswith("patcher."):
+                    g.add_import(importer=module, imported=name, line_number=node.lineno, line_contents="")
+
+
 def graph() -> grimp.ImportGraph:
-    """The import graph of `patcher`, type-only imports included, the `KNOWN` ones taken out."""
+    """The import graph of `patcher`, the runtime included, type-only imports included,
+    the `KNOWN` ones taken out."""
     g = grimp.build_graph("patcher", cache_dir=None)
+    add_runtime(g)
     for importer, imported in sorted(KNOWN):
         # An exception that no longer exists leaves the list, so that it cannot come back unseen.
         assert g.direct_import_exists(importer=importer, imported=imported), f"{importer} no longer imports {imported}: drop it from KNOWN"
@@ -115,14 +139,21 @@ def test_no_import_cycles(imports):
     assert cycles(imports) == []
 
 
+def test_the_runtime_is_in_the_graph(imports):
+    """`templates/` is walked: its modules and the imports between them are there."""
+    assert "patcher.templates.prefetch_lean" in imports.modules
+    assert imports.direct_import_exists(importer="patcher.templates.prefetch_lean", imported="patcher.templates.staging")
+
+
 def test_an_upward_import_or_a_cycle_is_found(imports):
     """A survey module that imports a transform goes against the layers; two proof
-    modules of one layer that import each other make a cycle."""
-    planted = [("patcher.survey.index", "patcher.transforms.base"), ("patcher.proof.compare", "patcher.proof.verify")]
+    modules of one layer that import each other make a cycle; a runtime module that
+    imports the proof goes against the layers too."""
+    planted = [("patcher.survey.index", "patcher.transforms.base"), ("patcher.proof.compare", "patcher.proof.verify"), ("patcher.templates.staging", "patcher.proof.compare")]
     for importer, imported in planted:
         imports.add_import(importer=importer, imported=imported)
     try:
-        assert upward_imports(imports) == ["patcher.survey.index -> patcher.transforms.base"]
+        assert upward_imports(imports) == ["patcher.survey.index -> patcher.transforms.base", "patcher.templates.staging -> patcher.proof.compare"]
         assert [c for c in cycles(imports) if "patcher.proof.compare" in c] != []
     finally:
         for importer, imported in planted:

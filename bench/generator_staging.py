@@ -13,7 +13,7 @@ step, on the same shards:
 - staged: the patched script's generator on the CUDA path driven with host memory
   (`cuda_on_host`): each copy goes into pinned memory, as on a GPU;
 - thread: the original generator run ahead by the thread producer
-  (`patcher/templates/prefetch_loader.py`), what a default patch gives generators without
+  (`templates/prefetch_loader.py`), what a default patch gives generators without
   shard threads.
 
 Prints the mean and median step (ms) of each side and its ratio to the original's.

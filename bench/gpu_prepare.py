@@ -11,7 +11,7 @@ such as 2026-04-05's, modded-nanogpt's `train_gpt.py`, nanochat's `nanochat/data
 The GPU machine has no network, so the wheels it lacks (`WHEELS`, for CPython
 `WHEEL_PYTHON` on x86-64) are downloaded into `--out/wheels`. `manifest.json` records
 each script's source path and SHA-256, and the patcher that patched them (git commit,
-whether the tree was dirty, and a SHA-256 over `patcher/` and `patcher/templates/`), so a result
+whether the tree was dirty, and a SHA-256 over `patcher/` and `templates/`), so a result
 names the code it measured.
 
 The end-to-end stages run nanochat's `scripts/base_train.py` and modded-nanogpt's
@@ -66,14 +66,14 @@ class PrepareError(Exception):
 
 def patcher_identity() -> dict:
     """The code that patches: {"commit", "dirty" (bool), "sha256"} where sha256 covers
-    every `.py` file under `patcher/` and `patcher/templates/`, by path and content."""
+    every `.py` file under `patcher/` and `templates/`, by path and content."""
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "patcher").rglob("*.py")):
+    for path in sorted([*(ROOT / "patcher").rglob("*.py"), *(ROOT / "templates").rglob("*.py")]):
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "patcher")), "sha256": digest.hexdigest()}
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "patcher", "templates")), "sha256": digest.hexdigest()}
 
 
 def copy_tree(name: str, git_dir: Path, out: Path, commit: str = "HEAD") -> tuple[dict, Path]:

@@ -815,9 +815,9 @@ def stage_registered_slot(inputs: Path, work: Path, dry_run: bool) -> dict:
     """A registered-slot H2D (the producer's slot memory registered with
     `cudaHostRegister`, copied straight to the device on the copy stream, given back
     once the copy's event completed). Not implemented in the runtime yet: the stage
-    says so (skipped); once `patcher/templates/` registers slot memory it fails until
+    says so (skipped); once `templates/` registers slot memory it fails until
     its check is written here."""
-    templates = ROOT / "patcher" / "templates"
+    templates = ROOT / "templates"
     if not any("cudaHostRegister" in path.read_text() for path in templates.glob("*.py")):
         raise StageSkipped("not implemented in the runtime yet: no template registers slot memory (cudaHostRegister)")
     raise StageFailed("the runtime registers slot memory now, and this stage has no check of it yet: write one (issue 58 part 2)")

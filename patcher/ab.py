@@ -49,7 +49,7 @@ DEFAULT_TIMEOUT_S = 900.0
 ALPHA = 0.05  # a difference is claimed when the 95 % CI excludes 0 and p < ALPHA
 TAIL_LINES = 20  # lines of stderr (and stdout) kept per run for an error report
 SHOWN_TAIL = 5  # of them, in the one-line error
-# A producer that could not run says so in one line on stderr (patcher/templates/prefetch_lean.py,
+# A producer that could not run says so in one line on stderr (templates/prefetch_lean.py,
 # its forked and its spawned start); every line starting with "prefetch:" is quoted.
 FALLBACK_MARKERS = ("runs without prefetch", "runs in the training process")
 PREFETCH_PREFIX = "prefetch:"

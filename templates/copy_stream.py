@@ -15,9 +15,9 @@ data_prefetcher and timm's PrefetchLoader, plus `record_stream`, which those omi
 import torch
 
 _copy_streams = {}
-# Step timers timing H2D copies (TRAINING_TIMING_BREAKDOWN=1, patcher/templates/step_timing.py).
+# Step timers timing H2D copies (TRAINING_TIMING_BREAKDOWN=1, templates/step_timing.py).
 _h2d_timers = []
-# Filled only where patcher/templates/step_timing.py is injected (patcher/render/cut.py cuts the hook).
+# Filled only where templates/step_timing.py is injected (patcher/render/cut.py cuts the hook).
 _CUT_HOOKS = {"_h2d_timers": "step_timing"}
 
 

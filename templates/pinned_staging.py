@@ -20,7 +20,7 @@ and the H2D copy from it is queued on the copy stream: the host does not wait. T
 compute stream `wait_stream`s on the copy stream and `record_stream` keeps the caching
 allocator from reusing the result early.
 
-Buffers: the staging every producer shares (`_staged_h2d`, `patcher/templates/staging.py`):
+Buffers: the staging every producer shares (`_staged_h2d`, `templates/staging.py`):
 blocks of torch's caching host allocator, which records an event behind each copy from
 a block and hands the block out again only once that event has completed, so a buffer
 is never rewritten while its copy may still read it, whatever the batch size after a

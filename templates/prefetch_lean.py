@@ -28,7 +28,7 @@ back (its number; every slot's written before the start). `next_batch` reads the
 message and hands the batch out as views of its slot, lent (`_hand_out`): the slot
 goes back to the child at the first `next_batch` after the last tensor over it died.
 On CUDA the views die at once: they are copied into pinned memory and the H2D copy
-queued from there on the copy stream (`_staged_h2d`, `patcher/templates/staging.py`);
+queued from there on the copy stream (`_staged_h2d`, `templates/staging.py`);
 elsewhere the views are the batch, with no copy. Only
 the child advances the loader, with exactly the calls the original makes, so the
 batches are bit-identical. A batch of another shape or structure than the first travels as well:
@@ -88,7 +88,7 @@ and would otherwise hand out wrong batches. The child never touches CUDA (the lo
 is built on the CPU) and runs torch on one thread (a forked OpenMP team would hang).
 Needs `os.fork` (Linux, macOS); without memfd (not Linux) the batches travel in the
 messages. Scripts with per-step arguments, attribute reads or the producer tuning
-toggles get `patcher/templates/prefetch_loader.py` instead.
+toggles get `templates/prefetch_loader.py` instead.
 """
 
 import atexit

@@ -4,7 +4,7 @@ or a self-prefetching loader's calls (`_prefetch_next_batch`) built ahead on one
 background thread, `_Worker`.
 
 `patch-prefetch` renders the body of this module into a training script after the
-body of `patcher/templates/copy_stream.py`, and rewrites each construction of the training
+body of `templates/copy_stream.py`, and rewrites each construction of the training
 loader, e.g.
 
     train_loader = DistributedTokenLoader(args.train_files, rank, world_size, device)
@@ -45,7 +45,7 @@ parameter-golf's 2026-04-05 SDClip record (ShuffledSequenceLoader), 2-core CPU:
   `next_batch`: on this thread runtime it shortened the step by about 0.5 ms against
   the thread without it, but every thread variant made the step longer than the
   original (+0.27 ms at best), while the default forked child
-  (patcher/templates/prefetch_lean.py) shortened it. In that child, 3 alternated runs each,
+  (templates/prefetch_lean.py) shortened it. In that child, 3 alternated runs each,
   the script's own `next_batch` recovered 61.2, 56.9, 61.1 % of the data time (step
   20.09, 20.21, 20.08 ms) and the numpy build 67.5, 67.4, 58.6 % (step 20.09, 19.92,
   20.13 ms): the ranges overlap, about 0.02 ms a step, for +709 counted bytes on

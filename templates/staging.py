@@ -1,8 +1,8 @@
 """Injected runtime: the staging piece every producer shares (features `train_prefetch`,
 `pinned_staging`): the process producer and the thread producer
-(`patcher/templates/prefetch_lean.py`), the per-step-argument thread
-(`patcher/templates/prefetch_loader.py`), pinned staging of
-generators (`patcher/templates/pinned_staging.py`) and the spawned generator
+(`templates/prefetch_lean.py`), the per-step-argument thread
+(`templates/prefetch_loader.py`), pinned staging of
+generators (`templates/pinned_staging.py`) and the spawned generator
 (the same process producer started by spawn).
 
 - The structure walk (`_each_leaf`, `_each_tensor`): a batch of any structure.

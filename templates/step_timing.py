@@ -16,7 +16,7 @@ Modes (`TRAINING_TIMING_BREAKDOWN`):
   threads or streams would blur the phases, so `TRAIN_PREFETCH` and
   `TRAIN_COPY_STREAM` are forced to 0 while it is on (before the script reads them),
   and the first log line says so. H2D ms is the time inside the loader's `_h2d` copies
-  (`patcher/templates/copy_stream.py`); a loader whose copies do not go through `_h2d` logs
+  (`templates/copy_stream.py`); a loader whose copies do not go through `_h2d` logs
   `h2d_ms:-` and its copies count as batch CPU time.
 - 2: data wait. Only the wall time of the main thread's batch call is measured, with
   `time.perf_counter()` and no synchronisation, so training runs at full speed with

@@ -172,7 +172,7 @@ def test_without_run_ahead_an_unfenced_ring_of_one_passes():
 
 
 def test_our_staging_passes_at_any_run_ahead():
-    # The runtime's H2D (patcher/templates/staging.py): a fresh pinned block per copy, as
+    # The runtime's H2D (templates/staging.py): a fresh pinned block per copy, as
     # torch's caching host allocator hands a block out again only once its copy ran.
     from patcher.templates.staging import _staged_h2d
 

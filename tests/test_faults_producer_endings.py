@@ -1,5 +1,5 @@
 """How a run ends when its loader or its script does something the producer must pass on
-as the original would (patcher/templates/prefetch_lean.py, patcher/templates/staging.py):
+as the original would (templates/prefetch_lean.py, templates/staging.py):
 a script that ignores SIGCHLD (the kernel reaps its children), a loader that calls
 `sys.exit`, a built-in exception with fields outside its `args`, a loader error the
 caller catches before it calls `next_batch` again, and `next_batch` from two threads at

@@ -1,4 +1,4 @@
-"""patcher/templates/prefetch_lean.py's spawned start when the host gets in the way: no room for named
+"""templates/prefetch_lean.py's spawned start when the host gets in the way: no room for named
 semaphores (a full /dev/shm), no descriptors to spare, an argument that pickles but does
 not unpickle in the spawned process, and a run killed with SIGKILL (the whole process
 group, or the training process alone).

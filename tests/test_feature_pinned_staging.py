@@ -1,4 +1,4 @@
-"""Feature `pinned_staging` (patcher/transforms/pinned_staging.py, patcher/templates/pinned_staging.py).
+"""Feature `pinned_staging` (patcher/transforms/pinned_staging.py, templates/pinned_staging.py).
 
 A data generator whose threads load only shards (modded-nanogpt's 2026
 `distributed_data_generator`) is not run ahead; its own `.to(device, non_blocking=True)`

@@ -117,7 +117,7 @@ def test_the_registered_slot_stage_says_what_the_runtime_lacks(tmp_path, monkeyp
     with pytest.raises(gpu_proof.StageSkipped, match="not implemented in the runtime yet"):
         gpu_proof.stage_registered_slot(tmp_path, tmp_path, dry_run=True)
     # Once a template registers slot memory, the placeholder fails until its check is written.
-    templates = tmp_path / "patcher" / "templates"
+    templates = tmp_path / "templates"
     templates.mkdir(parents=True)
     (templates / "slots.py").write_text("cudart().cudaHostRegister(ptr, size, 0)\n")
     monkeypatch.setattr(gpu_proof, "ROOT", tmp_path)

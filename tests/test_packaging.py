@@ -91,3 +91,12 @@ def test_the_supported_python_versions_are_stated_where_pip_and_a_reader_look():
     assert config["project"]["requires-python"] == ">=3.10"
     first_screen = (ROOT / "README.md").read_text().split("## Quick start", 1)[0]
     assert "Python 3.10 or later" in " ".join(first_screen.split())
+
+
+def test_a_source_checkout_without_an_install_finds_the_runtime(tmp_path):
+    # As the GPU proof runs on a bare machine: the checkout on PYTHONPATH, no install
+    # (-S: no site-packages, so no editable install's finder either).
+    done = subprocess.run([sys.executable, "-S", "-c", "import patcher.templates as t; print(t.__file__)"],
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(ROOT / "templates" / "__init__.py")

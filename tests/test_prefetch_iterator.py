@@ -1,4 +1,4 @@
-"""The thread producer's generator runner (patcher/templates/prefetch_loader.py) as plain Python: a data generator run ahead on a thread."""
+"""The thread producer's generator runner (templates/prefetch_loader.py) as plain Python: a data generator run ahead on a thread."""
 
 from __future__ import annotations
 

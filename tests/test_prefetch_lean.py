@@ -1,4 +1,4 @@
-"""Tests for patcher/templates/prefetch_lean.py, the runtime of scripts whose `next_batch`
+"""Tests for templates/prefetch_lean.py, the runtime of scripts whose `next_batch`
 arguments are run constants, as plain Python and as the cut copy a script receives.
 
 The loader is a small TokenStream-like fake: a deterministic token array read with a
@@ -138,7 +138,7 @@ def test_batches_are_the_loaders_in_order_across_wraparound(depth):
 
 def test_on_cuda_a_slot_is_handed_out_through_the_shared_staging(monkeypatch):
     # CUDA driven with host memory: each batch is copied out of its slot into pinned
-    # memory and its H2D queued from there (patcher/templates/staging.py, `_staged_h2d`), so the
+    # memory and its H2D queued from there (templates/staging.py, `_staged_h2d`), so the
     # child refilling the slot cannot change a batch handed out (the stand-in's H2D keeps
     # viewing its pinned source: the worst case of a copy still in flight).
     staged = []

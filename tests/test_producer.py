@@ -1,9 +1,9 @@
 """The producer of ShuffledSequenceLoader batches.
 
-- `patcher/templates/prefetch_loader.py` (the thread runtime, where a script needs it): the
+- `templates/prefetch_loader.py` (the thread runtime, where a script needs it): the
   prefetched batches are the original's, and reading the loader's own state settles it
   where the caller is (its RNG and start lists replayed by the script's `next_batch`).
-- The patch: the forked producer (patcher/templates/prefetch_lean.py) runs the script's own
+- The patch: the forked producer (templates/prefetch_lean.py) runs the script's own
   `next_batch` in a child, with or without `--producer-toggles`, which add only the
   depth toggle `TRAIN_PREFETCH_QUEUE`.
 - verify: identical on the fixture with the producer toggles, at two depths.

@@ -1,4 +1,4 @@
-"""What real scripts do that the forked producer (patcher/templates/prefetch_lean.py) survives.
+"""What real scripts do that the forked producer (templates/prefetch_lean.py) survives.
 
 Each test takes fixtures/tokenstream_readable.py, adds one hazard to the ORIGINAL with a
 small text edit (a thread pool that reads the shards, the script's own SIGTERM handler,

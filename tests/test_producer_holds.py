@@ -1,7 +1,7 @@
 """The forked producer in a real patched script: what already holds when a run goes wrong.
 
 `fixtures/tokenstream_readable.py` (the TokenStream family, forked producer
-`patcher/templates/prefetch_lean.py`) is patched with `patch_source` and run on CPU on the
+`templates/prefetch_lean.py`) is patched with `patch_source` and run on CPU on the
 shards `patcher.proof.shards` writes. Each run is its own session, so that whatever
 it leaves behind can be found by session id; the producer child is found through
 /proc as the one child of the training process. Waits are bounded and on conditions

@@ -1,4 +1,4 @@
-"""patcher/templates/prefetch_lean.py started by spawn, as plain Python: a generator run ahead in a spawned process.
+"""templates/prefetch_lean.py started by spawn, as plain Python: a generator run ahead in a spawned process.
 
 Each test builds a small importable module (a generator that, like nanochat's loader,
 refills one buffer it keeps and yields views of it with a state dict) and compares what
@@ -109,7 +109,7 @@ def test_cuda_path_through_pinned_staging(module, capsys):
 
 
 def test_cuda_path_when_the_number_of_tensors_shrinks_then_grows(module):
-    # one ring per leaf (patcher/templates/staging.py, `_ring_h2d`): a leaf that comes back gets its ring
+    # one ring per leaf (templates/staging.py, `_ring_h2d`): a leaf that comes back gets its ring
     with cuda_on_host():
         got = [tuple(t.cpu().clone() for t in batch) for batch in _spawn_generator(module.gen_count, {"device": "cuda"}, "device")]
     want = list(module.gen_count())
@@ -143,7 +143,7 @@ def test_the_scripts_own_exception_arrives_as_itself(module):
 
 
 def test_an_exception_that_does_not_pickle_arrives_as_a_runtime_error_naming_it(module):
-    # the error transport every producer process shares (patcher/templates/staging.py, `_producer_error`)
+    # the error transport every producer process shares (templates/staging.py, `_producer_error`)
     batches = _spawn_generator(module.gen_lock, {"device": "cpu"}, "device")
     assert torch.equal(next(batches), torch.zeros(2))
     with pytest.raises(RuntimeError, match="^prefetch: HoldsALock in the producer: no lock at batch 1$") as raised:

@@ -1,4 +1,4 @@
-"""Step timing: the runtime (patcher/templates/step_timing.py), the transform
+"""Step timing: the runtime (templates/step_timing.py), the transform
 (patcher/transforms/step_timing.py) on sources and fixtures, and fixture runs on CPU.
 The exact rewrites, whole outputs, are the tables of test_feature_step_timing.py; here
 the transform's notes (reasons, lines) and the fixtures.

@@ -1,4 +1,4 @@
-"""Tests for the injected runtime templates: patcher/templates/copy_stream.py, patcher/templates/prefetch_loader.py.
+"""Tests for the injected runtime templates: templates/copy_stream.py, templates/prefetch_loader.py.
 
 The loaders here are small fakes in the style of the competition scripts'
 DistributedTokenLoader/TokenStream: a deterministic token array read with a position

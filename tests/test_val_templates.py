@@ -1,4 +1,4 @@
-"""Tests for the validation runtime: patcher/templates/prefetch_val.py, val_bytecount.py, val_progress.py.
+"""Tests for the validation runtime: templates/prefetch_val.py, val_bytecount.py, val_progress.py.
 
 Every expectation is the script's own code run directly: `slice.to(**kwargs)` per batch
 start for `_val_prefetch`, the three byte-counting statements for `_val_byte_count`.

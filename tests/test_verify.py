@@ -43,7 +43,7 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
-# Anchored where next_batch (patcher/templates/prefetch_lean.py) has copied a batch out of
+# Anchored where next_batch (templates/prefetch_lean.py) has copied a batch out of
 # its slot and freed the slot (every batch: the producer builds them all).
 # Taking one more: the next message read, its batch copied out and its slot freed.
 _TAKE = "_hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)"

@@ -3,10 +3,10 @@ patched fixture (with libcst, on generic constructs, not on exact text), each ru
 through verify with its default settings.
 
 The runtimes covered are the ones a patch injects: the lean train prefetch
-(patcher/templates/prefetch_lean.py: constant `next_batch` arguments, a forked producer
-process), the full one (patcher/templates/prefetch_loader.py: a per-step argument applied at
+(templates/prefetch_lean.py: constant `next_batch` arguments, a forked producer
+process), the full one (templates/prefetch_loader.py: a per-step argument applied at
 hand-out, a rollback to a snapshot), the generator runtime
-(patcher/templates/prefetch_loader.py's `_prefetch_iterator`) and the validation generator (patcher/templates/prefetch_val.py).
+(templates/prefetch_loader.py's `_prefetch_iterator`) and the validation generator (templates/prefetch_val.py).
 Every mutant in `MUTANTS` can change the batches a CPU run hands out (or leaves a
 replaced loader's thread running), so verify must catch every one (a difference, or a leak line for a thread left running; never
 "cannot verify"). `NOT_ON_A_CPU` lists the kinds that only a GPU run could tell apart.
@@ -142,7 +142,7 @@ class _AfterTake(_InInjected):
         return updated
 
 
-# Before a mutant takes one more batch from the lean runtime (patcher/templates/prefetch_lean.py):
+# Before a mutant takes one more batch from the lean runtime (templates/prefetch_lean.py):
 # the next batch's message read (`_hand_out` freed the slot just copied).
 ROOM = "if hasattr(self, 'fd'): message = _receive(self.conn, self.slots, self.lent)\n"
 
@@ -309,11 +309,11 @@ class ValStagingReused(_InInjected):
 
 
 LEAN, FULL_RESHAPE, FULL_ROLLBACK, GENERATOR, VAL = (
-    "own_configuration",  # TokenStream, patcher/templates/prefetch_lean.py
-    "curriculum",  # a per-step sequence length: patcher/templates/prefetch_loader.py, reshape at hand-out
-    "batch_switch",  # a per-step batch size: patcher/templates/prefetch_loader.py, rollback
+    "own_configuration",  # TokenStream, templates/prefetch_lean.py
+    "curriculum",  # a per-step sequence length: templates/prefetch_loader.py, reshape at hand-out
+    "batch_switch",  # a per-step batch size: templates/prefetch_loader.py, rollback
     "generator_toplevel",  # a data generator with .send(): `_prefetch_iterator`
-    "tokenstream_readable",  # the validation generator: patcher/templates/prefetch_val.py
+    "tokenstream_readable",  # the validation generator: templates/prefetch_val.py
 )
 
 MUTANTS = [

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # class with `next_batch`); "generator", a module-level generator function.
 KINDS = ("loader_class", "generator")
 
-# The runtime functions a patched script calls (`patcher/templates/`), each with the
+# The runtime functions a patched script calls (`templates/`), each with the
 # template that defines it: `_make_train_loader` rebuilds a loader on the CPU in a
 # producer (the forked `prefetch_lean`; a plan that needs a thread gets `prefetch_loader`);
 # `_prefetch_iterator` / `_prefetch_next_batch` run the script's own call ahead on a

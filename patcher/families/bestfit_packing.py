@@ -26,7 +26,7 @@ Rewrite (`train_prefetch`, module mode): the loader's `def name(` becomes `def _
 of it changes) and a new `def name(<the same parameters>)` follows it:
 `yield from _spawn_generator(_original_name, {every argument by name}, "<device param>",
 prefetch=TRAIN_PREFETCH, split_param="split", train_split="train",
-every_split=TRAIN_PREFETCH_EVERY_SPLIT)` (`patcher/templates/prefetch_lean.py`: a spawned
+every_split=TRAIN_PREFETCH_EVERY_SPLIT)` (`templates/prefetch_lean.py`: a spawned
 process rebuilds the generator from its arguments and sends CPU batches; this process
 does the pinned copy and the H2D). The split options are written where the loader
 asserts its split parameter's values (`_training_split`): a build for another split (the

@@ -3,8 +3,8 @@
 `train_loader = Loader(..., device)` becomes `_make_train_loader(lambda loader_device:
 Loader(..., loader_device), device, ...)`: a producer builds the batches on the CPU and
 hands them out in order. By default the producer is a forked child process
-(`patcher/templates/prefetch_lean.py`: it holds no GIL of the training loop); the thread
-runtime (`patcher/templates/prefetch_loader.py`) where the variable needs what only it has:
+(`templates/prefetch_lean.py`: it holds no GIL of the training loop); the thread
+runtime (`templates/prefetch_loader.py`) where the variable needs what only it has:
 a `next_batch` argument that changes during the run (applied at hand-out when the
 loader only reshapes with it, else a snapshot rollback), or reads of the loader beyond
 `.next_batch` (settled where the caller is).

@@ -327,7 +327,7 @@ def _producer_rate(make, args, batches: int, patched: bool) -> float:
             kept = [loader.next_batch(*args) for _ in range(batches)]
             return len(kept) / (time.perf_counter() - t0)
         _with_depth(loader, batches)  # `batches` slots or queue places, read at the first call
-        lean = hasattr(loader, "lent")  # patcher/templates/prefetch_lean.py
+        lean = hasattr(loader, "lent")  # templates/prefetch_lean.py
         if lean:
             wait_full = lambda timeout: _wait_queued(loader, batches, timeout)
         loader.next_batch(*args)  # cold start: worker start and its first batch

@@ -221,7 +221,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def copy_batch(batch):
     """A private copy of a batch of any structure (tensors cloned, numpy arrays copied,
     containers and dataclass instances rebuilt), walked as the runtime walks it
-    (`patcher/templates/staging.py` `_each_leaf`)."""
+    (`templates/staging.py` `_each_leaf`)."""
     return _each_leaf(batch, lambda v: v.detach().clone().as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
 
 
@@ -540,7 +540,7 @@ def thread_kind(thread: threading.Thread) -> str:
 
 def script_threads() -> set:
     """The threads (but the main one) and the child processes running here: a loader's
-    worker threads and (patcher/templates/prefetch_lean.py) its forked producer, whether started
+    worker threads and (templates/prefetch_lean.py) its forked producer, whether started
     by multiprocessing or by `os.fork`. Both kinds have `name`, `join(timeout)` and `is_alive()`."""
     threads = {t for t in threading.enumerate() if t is not threading.main_thread()}
     return threads | set(multiprocessing.active_children()) | {ChildProcess(pid) for pid in child_pids()}
@@ -592,11 +592,11 @@ class ChildProcess:
 
 
 def reset_producer(loader) -> set:
-    """The producer a rebuilt loader kept from the loader built before (patcher/templates/prefetch_lean.py
+    """The producer a rebuilt loader kept from the loader built before (templates/prefetch_lean.py
     resets its forked child or its thread at a rebuild instead of starting another): as
     `script_threads` lists it, or empty for other runtimes and a producer started anew.
     Reads the instance's own attributes only: a loader whose attribute reads settle it
-    (patcher/templates/prefetch_loader.py's `_SettlingLoader`) must not be read through `getattr`."""
+    (templates/prefetch_loader.py's `_SettlingLoader`) must not be read through `getattr`."""
     own = vars(loader) if hasattr(loader, "__dict__") else {}
     pid, thread = own.get("pid"), own.get("thread")
     if type(pid) is int and pid > 0:
@@ -606,7 +606,7 @@ def reset_producer(loader) -> set:
 
 def queued_batches(loader) -> int | None:
     """How many messages the producer of a process-producer loader
-    (patcher/templates/prefetch_lean.py) has sent that the loader has not read yet: the
+    (templates/prefetch_lean.py) has sent that the loader has not read yet: the
     batches built ahead and waiting (a reset's answer would count too). Read from the
     loader's end of its socket pair without consuming anything (`MSG_PEEK`), counting
     the complete frames of `multiprocessing.connection` (a 4-byte big-endian length, or

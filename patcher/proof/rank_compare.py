@@ -252,7 +252,7 @@ def _changed_since_handed_out(loader, want, batch):
 
 
 def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:
-    """Wait until a lean runtime's child (patcher/templates/prefetch_lean.py) has filled every
+    """Wait until a lean runtime's child (templates/prefetch_lean.py) has filled every
     slot it was given, at most `timeout_s` seconds: every slot but those the loader
     still lends (`lent`, the batches handed out since the last slots went back). A slot
     given back too early (its batch still held) is then rewritten, so the batch shows

@@ -176,7 +176,7 @@ class NothingToVerify(CannotVerify):
     """The patched script holds none of this tool's runtime: comparing it proves nothing."""
 
 
-# The runtime functions a training prefetch injects (patcher/templates/prefetch_*.py):
+# The runtime functions a training prefetch injects (templates/prefetch_*.py):
 # the producers a family's plan may call.
 TRAIN_RUNTIME = tuple(PRODUCERS)
 
@@ -369,7 +369,7 @@ def _generator_coverage(recipe: IteratorRecipe, plan, world_size: int) -> tuple[
     return exercised, skipped
 
 
-# The runtime function of a generator whose own H2D copies are staged (patcher/templates/pinned_staging.py).
+# The runtime function of a generator whose own H2D copies are staged (templates/pinned_staging.py).
 STAGING_RUNTIME = "_pinned_h2d"
 
 
@@ -520,7 +520,7 @@ def _load_definitions(source: str, path):
 
 def _beside_the_harness(module):
     """`module` with the lean runtime's fork check (`_threads_a_fork_lacks`, see
-    patcher/templates/prefetch_lean.py) blind to the threads that were running before it was
+    templates/prefetch_lean.py) blind to the threads that were running before it was
     loaded: the harness's own (a test runner's, the progress clock's), which a script's
     loader never hands work to. Without this the forked producer would decline to fork
     here and verify would prove the unprefetched path. The script's own threads, started

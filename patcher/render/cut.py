@@ -1,6 +1,6 @@
 """Cut a runtime template down to the code paths one script's patch uses.
 
-The templates (`patcher/templates/*.py`) are complete, tested modules: every option of the
+The templates (`templates/*.py`) are complete, tested modules: every option of the
 runtime (a per-step argument rolled back, settling on attribute reads, ...) is a
 keyword parameter of an entry function such as `_make_train_loader`, stored on the
 instance as `self._<option>` and tested where it matters. A script whose patch never
@@ -20,7 +20,7 @@ passes an option gets the code without it:
    names the script uses (and statements with effects, like `atexit.register`), and
    in each kept class the methods some kept code or the script reads by name (plus
    `__init__`, `__del__`, ...); API used only by tests and benchmarks goes.
-4. Docstrings and comments are dropped: they stay in `patcher/templates/`.
+4. Docstrings and comments are dropped: they stay in `templates/`.
 
 Everything is done on libcst trees; the result is still ordinary Python that the
 check compiles and verify runs.

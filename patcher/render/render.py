@@ -1,11 +1,11 @@
-"""Render the runtime templates (`patcher/templates/*.py`) into a script's own style.
+"""Render the runtime templates (`templates/*.py`) into a script's own style.
 
 A template is a real module: its imports, its module docstring and anything under
 `if __name__ == "__main__":` are dropped, and what the template needs from other
 templates comes from injecting those too (dependencies first). The bodies are then
 cut to what this script's patch uses (patcher/render/cut.py: options no call site passes,
 definitions nothing reaches), docstrings and comments are dropped (code bytes count
-toward the artifact cap; the explanations stay in `patcher/templates/` and docs/), and
+toward the artifact cap; the explanations stay in `templates/` and docs/), and
 the imports the kept code needs and the script lacks are emitted once, in front of
 it, after one header line naming the tool, its version and the toggles. A minified
 script gets the code as python-minifier writes it (`styled`); the indentation follows
@@ -109,7 +109,7 @@ def option_default(template: str, option: str) -> tuple[str, object]:
             found += [(stmt.name.value, p.default) for p in (*stmt.params.params, *stmt.params.kwonly_params) if p.name.value == option]
     known, value = constant_value(found[0][1]) if len(found) == 1 and found[0][1] is not None else (False, None)
     if not known:
-        raise CutError(f"option {option} of patcher/templates/{template}.py: no single module-level function takes it with a literal default")
+        raise CutError(f"option {option} of templates/{template}.py: no single module-level function takes it with a literal default")
     return found[0][0], value
 
 

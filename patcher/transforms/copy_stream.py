@@ -2,7 +2,7 @@
 
 In the loader class's `next_batch`, each `t.to(self.device, non_blocking=True)`
 becomes `_h2d(t, self.device, <TRAIN_COPY_STREAM>)` (runtime:
-`patcher/templates/copy_stream.py`): on CUDA the copy runs on a dedicated stream, the compute
+`templates/copy_stream.py`): on CUDA the copy runs on a dedicated stream, the compute
 stream `wait_stream`s on it and `record_stream` guards the result; on the CPU, or
 with the toggle off, it is the original call. Applies to loaders that already
 prefetch too (their batches still cross H2D on the compute stream). A prefetched data

@@ -7,7 +7,7 @@ generator (the device and non_blocking only: `families.copies.staged_copies`)
 whose target is a device (`copies.DEVICE_TARGET`) becomes `_pinned_h2d(x, device,
 staging=<TRAIN_PINNED_STAGING>, copy_stream=<TRAIN_COPY_STREAM>)`, the target passed
 as the original passes it (positionally or as `device=`; runtime:
-`patcher/templates/pinned_staging.py`). A positional target that is not a device literal
+`templates/pinned_staging.py`). A positional target that is not a device literal
 (`torch.float16`, another tensor, a name the tool cannot tell) makes the call a cast:
 it is left as it is, and a note says so. The generator itself, its shard threads and
 the training loop's `.send(...)` stay as they are, so the batches are the original's

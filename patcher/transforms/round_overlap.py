@@ -27,7 +27,7 @@ training runs `<train>` unchanged (a failed collection is raised when its round 
 received, after this round is trained and saved, as in the original) and the target
 copy is staged until the round in flight has ended. `_round_overlap_collect` is a copy
 of `<collect>` that fills the buffer it is given. The original methods are unchanged, so `ROUND_OVERLAP=0` runs the
-original code call for call. Runtime: `patcher/templates/round_overlap.py`. Idea: DeepXube
+original code call for call. Runtime: `templates/round_overlap.py`. Idea: DeepXube
 pull request #11 (timing-dependent there; see the runtime's docstring).
 Refused, with the reason and line, where any part is missing or shaped otherwise.
 """

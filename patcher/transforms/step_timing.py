@@ -13,7 +13,7 @@ Finds one training step in a parameter-golf script:
 
 Each of those calls `c` becomes `_step_timer.time("<phase>", lambda: c)`, and the
 training loop's body starts with `_step_timer.next_step(<TRAINING_TIMING_BREAKDOWN>,
-<TRAINING_TIMING_EVERY>, <log function>)` (runtime: `patcher/templates/step_timing.py`). With
+<TRAINING_TIMING_EVERY>, <log function>)` (runtime: `templates/step_timing.py`). With
 `TRAINING_TIMING_BREAKDOWN=0` (default) each wrapped call runs as before. Of several
 training steps (warm-up and main loop), the last complete one in the source is timed.
 Skipped, with the reason and line, where a part is missing or the script's log

@@ -9,9 +9,9 @@ transform writes what the families decided, and names none of them:
 - `_make_train_loader`: every construction `train_loader = Loader(..., device)` becomes
   `train_loader = _make_train_loader(lambda loader_device: Loader(..., loader_device),
   device, prefetch=…, copy_stream=…)` (`queue_depth=…` too with the producer toggles).
-  The runtime is the families' forked one, `patcher/templates/prefetch_lean.py` (a child
+  The runtime is the families' forked one, `templates/prefetch_lean.py` (a child
   process runs the loader, so it costs the training loop no GIL time), unless a
-  variable needs the thread runtime `patcher/templates/prefetch_loader.py` (replay, rollback,
+  variable needs the thread runtime `templates/prefetch_loader.py` (replay, rollback,
   reshape at hand-out, settling on attribute reads) or a runner's
   template uses it: the two define the same names, so a script gets one of them. The
   options after the run-time switches are the plan's (`Plan.options`, less those
@@ -21,7 +21,7 @@ transform writes what the families decided, and names none of them:
   (patcher/render/cut.py).
 - a runner (`_prefetch_iterator`, `_prefetch_next_batch`): the script's own call runs
   ahead on a thread, `train_loader = _prefetch_iterator(lambda: gen(...), ...)`
-  (`patcher/templates/prefetch_loader.py`, the thread producer).
+  (`templates/prefetch_loader.py`, the thread producer).
 - module mode: a data-loader module (no training script) whose loader generators a
   "module" family finds (`registry.module_loaders`): each accepted `def name(` becomes
   `def _original_name(` and a new `def name(<the same parameters>)` after it calls the

@@ -14,7 +14,7 @@ become
     else:
         <the three statements, unchanged>
 
-(runtime: `patcher/templates/val_bytecount.py`), where `val_tokens[raw_start:raw_end]` is the
+(runtime: `templates/val_bytecount.py`), where `val_tokens[raw_start:raw_end]` is the
 batch's own slice, still on the host. Applied only where `prev_ids` and `tgt_ids` are
 the batch's `local[:-1]` and `local[1:]` (reshaped or flattened) and the accumulator is
 a `torch.zeros` tensor, so the integer count, and `val_bpb`, are bit-identical.

@@ -18,7 +18,7 @@ becomes
         ...
         local = _val_batch
 
-(runtime: `patcher/templates/prefetch_val.py`). The loop's statements that the slice needs
+(runtime: `templates/prefetch_val.py`). The loop's statements that the slice needs
 move into `_val_slice` where nothing else in the function reads what they assign (the root
 script's `raw_start`, `raw_end`, `batch_seq_end`: no dead assignment is left in the loop);
 those the rest of the body reads stay, so everything else sees the same names. Skipped, with the reason, where the slice is not

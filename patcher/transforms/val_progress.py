@@ -2,7 +2,7 @@
 
 The evaluation loop's iterable (`range(...)`, or `_val_prefetch(...)` after
 `val_prefetch`) becomes `_val_progress(<iterable>, <log function>,
-<VAL_PROGRESS_LOG_EVERY>, "<function name>")` (runtime: `patcher/templates/val_progress.py`):
+<VAL_PROGRESS_LOG_EVERY>, "<function name>")` (runtime: `templates/val_progress.py`):
 the same items in the same order, and with the toggle at N > 0 a line such as
 `eval_val batch:16/64 elapsed_ms:812` through the script's own log function after
 every N batches and after the last. Skipped, with the reason, where the log function

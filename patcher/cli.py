@@ -220,7 +220,8 @@ def build_ab_parser() -> argparse.ArgumentParser:
             "evaluation or quantisation; read the mean step time of each run from the script's own log lines "
             "(parameter-golf, its 2026-04 records, modded-nanogpt, nanochat base_train, or `step:N train_loss:X` lines "
             "timed on arrival), and give the B/A ratio with a 95 % confidence interval, a p-value (Welch) and a verdict. "
-            "Every run gets ITERATIONS=S, TRAIN_LOG_EVERY=1, VAL_LOSS_EVERY=0 (what parameter-golf reads; --env wins), "
+            "Every run gets ITERATIONS=S, TRAIN_LOG_EVERY=K (--log-every, 20: a log line is a sync in parameter-golf, so never every step), "
+            "VAL_LOSS_EVERY=0 (what parameter-golf reads; --env wins), both sides one compile cache, "
             "and nanochat's --num-iterations=S where the script defines that flag. Lines starting with 'prefetch:' "
             "are quoted, and a producer that fell back ('runs without prefetch') is counted."
         ),
@@ -229,7 +230,10 @@ def build_ab_parser() -> argparse.ArgumentParser:
     parser.add_argument("original", help="script A (its path; relative to the current directory, not --cwd)")
     parser.add_argument("patched", help="script B, e.g. the output of patch-prefetch ORIGINAL -o PATCHED; what follows -- is passed to both scripts")
     parser.set_defaults(script_args=[])  # what follows `--`: split off before parsing (_main)
-    parser.add_argument("--runs", type=int, default=ab.DEFAULT_RUNS, help=f"runs of each script, alternated A B A B (default {ab.DEFAULT_RUNS})")
+    parser.add_argument("--runs", type=int, default=None, help=f"runs of each script, alternated A B A B (default {ab.DEFAULT_RUNS}; with --until the most, default {ab.DEFAULT_UNTIL_RUNS})")
+    parser.add_argument("--log-every", type=int, default=ab.DEFAULT_LOG_EVERY, metavar="K", help=f"steps between two log lines of a run, each a sync in parameter-golf (default {ab.DEFAULT_LOG_EVERY})")
+    parser.add_argument("--until", type=float, default=None, metavar="X", help="keep alternating runs until the ratio's 95 %% interval is narrower than ±X %% (or --budget has passed)")
+    parser.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS", help="stop starting new pairs of runs after this many seconds")
     parser.add_argument("--steps", type=int, default=ab.DEFAULT_STEPS, help=f"stop each run once it has logged this step (default {ab.DEFAULT_STEPS})")
     parser.add_argument("--skip", type=int, default=None, help="steps left out at the start of each run (compilation, warm-up; default 20 %% of --steps, at least 1)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="K", help="run under torchrun --standalone --nproc_per_node K (default: plain python, one process)")
@@ -704,10 +708,11 @@ def _run_ab(args) -> int:
 
     try:
         report = ab.run_ab(
-            args.original, args.patched, runs=args.runs, steps=args.steps, skip=args.skip, nproc_per_node=args.nproc_per_node,
+            args.original, args.patched, runs=args.runs if args.runs is not None else (ab.DEFAULT_UNTIL_RUNS if args.until is not None else ab.DEFAULT_RUNS), steps=args.steps, skip=args.skip, nproc_per_node=args.nproc_per_node,
             cwd=args.cwd, env=ab.parse_assignments(args.env, "--env"), env_b=ab.parse_assignments(args.env_b, "--env-b"),
             label_a=args.label_a, label_b=args.label_b, timeout_s=args.timeout, tokens_per_step=args.tokens_per_step,
             step_regex=args.step_regex, script_args=args.script_args, python=args.run_python, on_run=progress,
+            log_every=args.log_every, until_pct=args.until, budget_s=args.budget,
         )
     except ab.AbError as error:
         print(f"patch-prefetch ab: error: {error}", file=sys.stderr)

@@ -78,17 +78,21 @@ def test_custom_regex_names_its_first_group():
         ab.custom_format(r"iter (\d+")
 
 
-def test_step_ms_cumulative_uses_the_difference_after_skip():
+def test_step_ms_cumulative_is_the_median_window_after_skip():
     points = [(1, 500.0), (2, 600.0), (3, 700.0), (4, 810.0), (5, 900.0)]  # step 1: compilation
+    assert ab.windows(points, "cumulative", skip=1) == ([100.0, 100.0, 110.0, 90.0], 4)
     assert ab.step_ms(points, "cumulative", skip=1) == (100.0, 4)
     assert ab.step_ms(points, "cumulative", skip=3) == (100.0, 2)
+    # one slow window (a shard load) moves the median, not the level, of the run
+    assert ab.step_ms([(0, 0.0), (10, 1000.0), (20, 2000.0), (30, 3900.0), (40, 4900.0)], "cumulative", skip=0) == (100.0, 40)
     # a log every other step: the last point at or before the skip is the base
     assert ab.step_ms([(2, 600.0), (4, 800.0), (6, 1000.0)], "cumulative", skip=3) == (100.0, 4)
     assert ab.step_ms([(1, 5.0)], "cumulative", skip=0) == (None, 0)
 
 
-def test_step_ms_per_step_is_the_mean_after_skip():
+def test_step_ms_per_step_is_the_median_after_skip():
     assert ab.step_ms([(1, 900.0), (2, 100.0), (3, 110.0)], "per_step", skip=1) == (105.0, 2)
+    assert ab.step_ms([(1, 900.0), (2, 100.0), (3, 110.0), (4, 500.0)], "per_step", skip=1) == (110.0, 3)
     assert ab.step_ms([(1, 900.0)], "per_step", skip=1) == (None, 0)
 
 
@@ -109,22 +113,44 @@ def test_compare_planted_ten_percent_slower_is_slower():
     assert ab.verdict(ab.compare(b, a), 5).startswith("faster by 9.1 % ± ")
 
 
-def test_compare_noise_is_no_difference():
+def test_compare_noise_is_no_difference_and_says_what_could_not_be_seen():
     a, b = [100.0, 101.0, 99.0], [100.5, 99.5, 100.2]
     stats = ab.compare(a, b)
-    assert stats["ci_diff_ms"][0] < 0 < stats["ci_diff_ms"][1] and stats["p"] > 0.05
+    assert stats["ci_ratio"][0] < 1 < stats["ci_ratio"][1] and stats["p"] > 0.05
     words = ab.verdict(stats, 3)
     assert words.startswith("no difference within noise (") and "3 runs each" in words and "p = 0.92" in words
+    # (t_.975 + t_.8) * the log ratio's standard error: about 3.6 % for these runs
+    assert 2.0 < stats["resolution_pct"] < 5.0 and f"a difference under {ab._pct(stats['resolution_pct'])} % cannot be seen with these runs" in words
 
 
-def test_compare_one_run_each_has_no_interval():
-    stats = ab.compare([100.0], [103.0])
-    assert stats["p"] is None and stats["ci_ratio"] is None
-    assert ab.verdict(stats, 1) == "slower by 3.0 % (one run each: no confidence interval)"
+def test_the_interval_of_a_ratio_is_never_negative():
+    # Two patched runs of 396 and 1,069 ms against originals of about 7 ms (contention):
+    # a linear interval on the difference went below zero; the log ratio's cannot.
+    stats = ab.compare([7.1, 6.9, 7.0], [396.0, 1069.0, 700.0])
+    assert stats["ci_ratio"][0] > 0 and stats["ci_ratio"][0] < stats["ratio"] < stats["ci_ratio"][1]
+    assert ab.verdict(stats, 3).startswith("slower by ")
+    noisy = ab.compare([7.1, 6.9], [396.0, 1069.0])
+    assert noisy["resolution_pct"] > ab.NOISY_PCT and ab.verdict(noisy, 2).startswith("too noisy to say anything (")
+
+
+def test_one_run_each_gives_no_verdict_only_a_within_run_resolution():
+    stats = ab.compare([100.0], [103.0], within=([100.0, 101.0, 99.0, 100.0], [103.0, 102.0, 104.0, 103.0]))
+    assert stats["p"] is None and stats["ci_ratio"] is None and stats["basis"] == "within one run each"
+    words = ab.verdict(stats, 1)
+    assert words.startswith("no verdict from one run each (ratio 1.0300") and "faster" not in words and "slower" not in words
+    assert "from each run's windows alone" in words
+
+
+def test_a_run_far_from_its_side_is_flagged():
+    runs = [ab.RunResult(index=i + 1, side="ab"[i % 2], label="x", script="s", step_ms=ms, spread_pct=1.0)
+            for i, ms in enumerate([100.0, 100.0, 100.5, 100.2, 99.8, 99.9, 140.0, 100.1])]
+    ab.flag_outliers(runs)
+    assert [r.index for r in runs if r.outlier] == [7] and runs[6].outlier.startswith("level 140.000")
 
 
 def test_compare_without_spread():
     assert ab.compare([100.0, 100.0], [110.0, 110.0])["p"] == 0.0
+    assert ab.compare([100.0, 100.0], [110.0, 110.0])["resolution_pct"] == 0.0
     same = ab.compare([100.0, 100.0], [100.0, 100.0])
     assert same["p"] == 1.0 and ab.verdict(same, 2).startswith("no difference within noise")
 
@@ -187,9 +213,9 @@ for step in range(1, total + 1):
             time.sleep(60)
     t = 900.0 + step * ms  # cumulative; step 1 also pays a compilation
     line = {
-        "pg": f"step:{step}/{total} train_loss:2.5000 train_time:{t:.0f}ms step_avg:{t / step:.2f}ms",
+        "pg": f"step:{step}/{total} train_loss:2.5000 train_time:{t:.1f}ms step_avg:{t / step:.2f}ms",
         "records": f"{step}/{total} train_loss: 2.5000 train_time: {t / 60000:.1f}m tok/s: {step * tokens / (t / 1000):.0f}",
-        "modded": f"step:{step}/{total} train_time:{t:.0f}ms step_avg:{t / step:.2f}ms",
+        "modded": f"step:{step}/{total} train_time:{t:.1f}ms step_avg:{t / step:.2f}ms",
         "nanochat": f"step {step - 1:05d}/{total:05d} ({100 * (step - 1) / total:.2f}%) | loss: 2.500000 | lrm: 1.00 | dt: {(ms + (900 if step == 1 else 0)):.2f}ms | tok/sec: 1,000 | bf16_mfu: 1.00 | epoch: 1 | total time: 0.00m",
         "none": f"iteration {step} done",
     }[fmt]
@@ -237,10 +263,10 @@ def test_planted_ten_percent_slower_patched_is_slower(stand_ins, tmp_path, capsy
     assert report["format"] == {"a": name, "b": name}
     assert [r["side"] for r in report["runs"]] == ["a", "b"] * 3  # alternated
     expected_a = [100.0 * (1 + j / 100) for j in JITTER[:3]]
-    assert report["step_ms"]["a"] == pytest.approx(expected_a, abs=0.06)  # train_time is printed in whole ms
+    assert report["step_ms"]["a"] == pytest.approx(expected_a, abs=0.06)  # train_time is printed to 0.1 ms
     assert report["step_ms"]["b"] == pytest.approx([1.1 * v for v in expected_a], abs=0.06)
     assert report["ratio"] == pytest.approx(1.1, abs=0.002) and report["p"] < 0.01
-    assert report["verdict"].startswith("slower by 10.0 % ± ") and report["verdict"].endswith("3 runs each)")
+    assert report["verdict"].startswith("slower by 10.0 % ± ") and "3 runs each; a difference under " in report["verdict"]
     assert report["skip"] == 4 and all(r["steps_measured"] == 16 and r["stopped_at_steps"] for r in report["runs"])
     assert report["fallbacks"] == 0 and report["commands"]["a"][1:] == [str(stand_ins[0].resolve())]
 
@@ -250,7 +276,7 @@ def test_text_report_names_format_runs_and_verdict(stand_ins, tmp_path, capsys):
     assert code == 0, err
     lines = out.splitlines()
     assert "log format: parameter-golf" in lines[0] and "stopped at step 10, the first 2 steps left out" in lines[0]
-    assert sum(" ms/step  (steps measured 8)" in line for line in lines) == 4
+    assert sum(" ms/step  (steps measured 8, spread ±" in line for line in lines) == 4
     assert "producer fell back in 0 of 2 patched runs" in out
     assert lines[-1].startswith("verdict: patched faster by 10.0 % ± ")
     assert "ab: run 2/4 patched: 90.000 ms/step" in err
@@ -262,11 +288,11 @@ def test_same_script_is_no_difference(stand_ins, tmp_path, capsys):
     assert json.loads(out)["verdict"].startswith("no difference within noise (ratio 1.0000, ")
 
 
-def test_one_run_each_has_no_confidence_interval(stand_ins, capsys):
+def test_one_run_each_has_no_confidence_interval_and_no_verdict(stand_ins, capsys):
     code, out, err = run_cli(capsys, *stand_ins, "--runs", 1, "--steps", 10, "--json", "--env", "STAND_IN_FORMAT=pg", "--env-b", "STAND_IN_MS=103")
     report = json.loads(out)
-    assert code == 0 and report["p"] is None and report["ci"] is None
-    assert report["verdict"] == "slower by 3.0 % (one run each: no confidence interval)"
+    assert code == 0 and report["p"] is None and report["ci"] is None and report["resolution_basis"] == "within one run each"
+    assert report["verdict"].startswith("no verdict from one run each (ratio 1.0300")
 
 
 def test_producer_fallback_is_quoted_and_counted(stand_ins, tmp_path, capsys):
@@ -371,7 +397,10 @@ def test_script_args_after_double_dash(tmp_path, capsys):
     assert json.loads(out)["commands"]["b"][-2:] == ["--depth=4", "x"]
 
 
-def test_ctrl_c_kills_the_running_script_first(stand_ins, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
+def test_a_stop_signal_kills_the_running_script_first(stand_ins, tmp_path, stop):
+    # SIGTERM (a scheduler, `timeout`) and SIGHUP (a closed terminal) as Ctrl-C: the
+    # script's process group (its producer with it) is killed, and ab says "interrupted".
     pid_file = tmp_path / "pid"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
@@ -383,7 +412,7 @@ def test_ctrl_c_kills_the_running_script_first(stand_ins, tmp_path):
         while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.02)
         child = int(pid_file.read_text())
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
@@ -401,13 +430,80 @@ def test_real_fixture_and_its_patch(tmp_path, capsys):
     capsys.readouterr()
     shards = tmp_path / "shards"
     write_shards(shards)
-    code, out, err = run_cli(capsys, original, patched, "--runs", 2, "--steps", 6, "--json", "--env", f"DATA_PATH={shards}", "--env", "OMP_NUM_THREADS=1", "--cwd", tmp_path)
+    # The fixture's step lines carry no cumulative time: timed on arrival, a line each step.
+    code, out, err = run_cli(capsys, original, patched, "--runs", 2, "--steps", 6, "--log-every", 1, "--json", "--env", f"DATA_PATH={shards}", "--env", "OMP_NUM_THREADS=1", "--cwd", tmp_path)
     assert code == 0, err
     report = json.loads(out)
     assert report["format"] == {"a": "step lines timed on arrival", "b": "step lines timed on arrival"}
     assert [(r["side"], r["steps_reached"], r["stopped_at_steps"], r["steps_measured"]) for r in report["runs"]] == [("a", 6, True, 5), ("b", 6, True, 5)] * 2
     assert all(ms > 0 for side in "ab" for ms in report["step_ms"][side])
     assert report["fallbacks"] == 0 and report["p"] is not None and "2 runs each" in report["verdict"]
+    assert any("timed on arrival, which adds whatever sync the log line makes" in w for w in report["warnings"])
+    assert len(report["first_step_s"]["a"]) == 2 and report["compile_cache"].startswith("shared by both sides")
+
+
+# Counts every `Tensor.item()` (a host-device sync on a GPU) of a process into a file.
+SYNC_COUNTER = r"""
+import os
+if os.environ.get("SYNC_COUNT_FILE"):
+    import torch
+    _item = torch.Tensor.item
+    def item(self):
+        with open(os.environ["SYNC_COUNT_FILE"], "a") as out:
+            out.write("item\n")
+        return _item(self)
+    torch.Tensor.item = item
+"""
+
+
+# A miniature of the root script's loop: the loss accumulates on the device and only a
+# log line (`step % TRAIN_LOG_EVERY == 0`) calls `.item()`, a host-device sync on a GPU.
+ROOT_STYLE_LOOP = r"""
+import os, time, torch
+iterations, every = int(os.environ.get("ITERATIONS", 20000)), int(os.environ.get("TRAIN_LOG_EVERY", 200))
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+start = time.perf_counter()
+for step in range(1, iterations + 1):
+    train_loss = torch.zeros(())
+    loss = model(torch.ones(4, 8)).square().mean()
+    loss.backward(); opt.step(); opt.zero_grad()
+    train_loss += loss.detach()
+    if every > 0 and step % every == 0:
+        ms = 1000 * (time.perf_counter() - start)
+        print(f"step:{step}/{iterations} train_loss:{train_loss.item():.4f} train_time:{ms:.0f}ms step_avg:{ms / step:.2f}ms", flush=True)
+"""
+
+
+def test_ab_adds_no_sync_per_step_to_a_fixture_run(tmp_path):
+    # The same run three ways: as a user runs it (a line every 200 steps), with ab's
+    # environment, and with a planted TRAIN_LOG_EVERY=1 (what ab used to set): ab may add
+    # one sync a window of log_every steps, never one a step.
+    from concurrent.futures import ThreadPoolExecutor
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SYNC_COUNTER)
+    script = tmp_path / "train_gpt.py"
+    script.write_text(ROOT_STYLE_LOOP)
+    steps = 40
+    base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path / "site"))
+    envs = {
+        "user": {**base, "ITERATIONS": str(steps)},
+        "ab": ab.run_env(steps, {}, {}, "a", base),
+        "planted": ab.run_env(steps, {"TRAIN_LOG_EVERY": "1"}, {}, "a", base),
+    }
+
+    def syncs(name: str) -> int:
+        count = tmp_path / f"{name}.count"
+        done = subprocess.run([sys.executable, str(script)], env={**envs[name], "SYNC_COUNT_FILE": str(count)}, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return len(count.read_text().splitlines()) if count.exists() else 0
+
+    with ThreadPoolExecutor(3) as pool:
+        counted = dict(zip(envs, pool.map(syncs, envs)))
+    allowed = -(-steps // ab.DEFAULT_LOG_EVERY)  # one a window
+    assert counted["ab"] - counted["user"] <= allowed, counted
+    assert counted["planted"] - counted["user"] > allowed, f"the count cannot see a sync a step: {counted}"
 
 
 def test_python_runs_both_scripts_with_the_training_environments_interpreter(tmp_path, capsys):

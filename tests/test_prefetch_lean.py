@@ -726,6 +726,32 @@ def test_a_process_the_script_forks_does_not_touch_the_producer():
     assert same(held, want[0]) and producers() == [loader.pid]
 
 
+def test_a_process_the_script_forks_keeps_the_batch_it_had():
+    # A child forked right after next_batch reads its batch after the training process
+    # freed that batch's slot and the producer refilled it: the child has its own copy,
+    # as fork gives the original's. The child waits on a pipe, not a sleep.
+    want = direct(8)
+    loader = _make_train_loader(lambda d: Stream(d), CPU)
+    held = loader.next_batch(*ARGS)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        ok = False
+        try:
+            os.close(write)
+            os.read(read, 1)
+            ok = same(held, want[0])
+        finally:
+            os._exit(0 if ok else 1)
+    os.close(read)
+    del held
+    for w in want[1:6]:  # more batches than slots: the held batch's slot refilled
+        assert same(loader.next_batch(*ARGS), w)
+    os.write(write, b"x")
+    os.close(write)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+
+
 def _cut_runtime(options: dict) -> dict:
     """The lean runtime a script whose one call passes `options` receives, executed as a module."""
     facts = render.cut_facts(["prefetch_lean"], {"_make_train_loader": [options]})

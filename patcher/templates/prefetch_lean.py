@@ -369,10 +369,38 @@ def _hand_out(batch, index, slots, lent, device, copy_stream):
     if slot is not None:
         slot = slot.numpy()  # an object of this batch's own, kept alive by each tensor over it
         lent[index] = weakref.ref(slot)
+        _lent_out[id(slot)] = slot
         slot = torch.from_numpy(slot)
         if len(lent) == len(slots):  # views would leave the producer no slot: a copy
             slot = slot.clone()
     return _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot), device, copy_stream) if isinstance(v, _HostTensor) else v)
+
+
+# The slots lent out (`_hand_out`), and their pages' bytes at a fork, for `_keep_lent`.
+_lent_out, _lent_pages = weakref.WeakValueDictionary(), []
+
+
+def _keep_lent(child):
+    """Around a fork of the training process: before it, the pages of each lent slot are
+    copied (`child` False); in the child, those pages become a private copy of those
+    bytes at the same address (mmap MAP_FIXED over them), so that the batch the child
+    holds keeps its bytes when the producer refills the slot: fork's usual copy. Taken
+    before the fork, since the parent may free the slot as soon as fork returns."""
+    import ctypes
+    if not child:
+        for slot in list(_lent_out.values()):
+            start = slot.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+            _lent_pages.append((start, ctypes.string_at(start, -(-(slot.ctypes.data + slot.nbytes - start) // mmap.PAGESIZE) * mmap.PAGESIZE)))
+        return
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    for start, data in _lent_pages:
+        libc.mmap(start, len(data), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10, -1, 0)  # 0x10: MAP_FIXED
+        ctypes.memmove(start, data, len(data))
+    _lent_pages.clear()
+
+
+os.register_at_fork(before=lambda: _lent_out and _keep_lent(False), after_in_parent=_lent_pages.clear, after_in_child=lambda: _lent_pages and _keep_lent(True))
 
 
 class _HostTensor:

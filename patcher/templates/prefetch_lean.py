@@ -386,17 +386,17 @@ def _keep_lent(child):
     bytes at the same address (mmap MAP_FIXED over them), so that the batch the child
     holds keeps its bytes when the producer refills the slot: fork's usual copy. Taken
     before the fork, since the parent may free the slot as soon as fork returns."""
-    import ctypes
+    import ctypes as c
     if not child:
         for slot in list(_lent_out.values()):
             start = slot.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-            _lent_pages.append((start, ctypes.string_at(start, -(-(slot.ctypes.data + slot.nbytes - start) // mmap.PAGESIZE) * mmap.PAGESIZE)))
+            _lent_pages.append((start, c.string_at(start, -(start - slot.ctypes.data - slot.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE)))  # whole pages
         return
-    libc = ctypes.CDLL(None)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc = c.CDLL(None)
+    libc.mmap.argtypes = c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long
     for start, data in _lent_pages:
-        libc.mmap(start, len(data), mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10, -1, 0)  # 0x10: MAP_FIXED
-        ctypes.memmove(start, data, len(data))
+        libc.mmap(start, len(data), 3, 0x32, -1, 0)  # read and write; MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED (Linux)
+        c.memmove(start, data, len(data))
     _lent_pages.clear()
 
 

@@ -390,7 +390,7 @@ def _keep_lent(child):
     if not child:
         for slot in list(_lent_out.values()):
             start = slot.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-            _lent_pages.append((start, c.string_at(start, -(start - slot.ctypes.data - slot.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE)))  # whole pages
+            _lent_pages.append((start, c.string_at(start, (start - slot.ctypes.data - slot.nbytes) // mmap.PAGESIZE * -mmap.PAGESIZE)))  # whole pages
         return
     libc = c.CDLL(None)
     libc.mmap.argtypes = c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long

@@ -366,10 +366,38 @@ def _hand_out(batch, index, slots, lent, device, copy_stream):
     if slot is not None:
         slot = slot.numpy()  # an object of this batch's own, kept alive by each tensor over it
         lent[index] = weakref.ref(slot)
+        _lent_out[id(slot)] = slot
         slot = torch.from_numpy(slot)
         if len(lent) == len(slots):  # views would leave the producer no slot: a copy
             slot = slot.clone()
     return _each_leaf(batch, lambda v: _staged_h2d(v.tensor(slot), device, copy_stream) if isinstance(v, _HostTensor) else v)
+
+
+# The slots lent out (`_hand_out`), and their pages' bytes at a fork, for `_keep_lent`.
+_lent_out, _lent_pages = weakref.WeakValueDictionary(), []
+
+
+def _keep_lent(child):
+    """Around a fork of the training process: before it, the pages of each lent slot are
+    copied (`child` False); in the child, those pages become a private copy of those
+    bytes at the same address (mmap MAP_FIXED over them), so that the batch the child
+    holds keeps its bytes when the producer refills the slot: fork's usual copy. Taken
+    before the fork, since the parent may free the slot as soon as fork returns."""
+    import ctypes as c
+    if not child:
+        for slot in list(_lent_out.values()):
+            start = slot.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+            _lent_pages.append((start, c.string_at(start, (start - slot.ctypes.data - slot.nbytes) // mmap.PAGESIZE * -mmap.PAGESIZE)))  # whole pages
+        return
+    libc = c.CDLL(None)
+    libc.mmap.argtypes = c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long
+    for start, data in _lent_pages:
+        libc.mmap(start, len(data), 3, 0x32, -1, 0)  # read and write; MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED (Linux)
+        c.memmove(start, data, len(data))
+    _lent_pages.clear()
+
+
+os.register_at_fork(before=lambda: _lent_out and _keep_lent(False), after_in_parent=_lent_pages.clear, after_in_child=lambda: _lent_pages and _keep_lent(True))
 
 
 class _HostTensor:

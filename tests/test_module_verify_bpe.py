@@ -4,21 +4,32 @@ wrapped in tiktoken). Skipped where rustbpe or tiktoken is not installed."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 from patcher.patch import patch_source
+from patcher.proof.compare import CannotVerify
 
-pytest.importorskip("pyarrow")
-pytest.importorskip("rustbpe")
-pytest.importorskip("tiktoken")
+needs_bpe = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("pyarrow", "rustbpe", "tiktoken")), reason="needs pyarrow, rustbpe and tiktoken")
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "bestfit_packing.py"
 SOURCE = FIXTURE.read_text(encoding="utf-8")
 NAME = "rustbpe BPE, vocab 512, trained on the synthetic corpus"
 
 
+def test_without_rustbpe_bpe_cannot_verify(monkeypatch):
+    from patcher.proof.module_verify import make_tokenizer
+
+    monkeypatch.setitem(sys.modules, "rustbpe", None)  # import raises ImportError
+    with pytest.raises(CannotVerify, match="needs rustbpe and tiktoken"):
+        make_tokenizer("bpe")
+    assert make_tokenizer("byte")[1] == "byte-level stand-in"
+
+
+@needs_bpe
 def test_the_bpe_tokenizer_is_nanochats_shape():
     from patcher.proof.module_verify import BPETokenizer, corpus_texts
 
@@ -29,6 +40,7 @@ def test_the_bpe_tokenizer_is_nanochats_shape():
     assert tokenizer.enc.decode(ids[0][1:]) == "abc defg"
 
 
+@needs_bpe
 def test_verify_with_bpe_is_identical_and_says_so(tmp_path, capsys):
     from patcher.cli import main
 
@@ -39,6 +51,7 @@ def test_verify_with_bpe_is_identical_and_says_so(tmp_path, capsys):
     assert verdict.startswith("identical:") and f"tokenizer: {NAME}" in verdict, verdict
 
 
+@needs_bpe
 def test_verify_with_bpe_catches_a_wrong_state(tmp_path):
     from patcher.proof.verify import verify
 

@@ -685,7 +685,7 @@ def _run_verify(args) -> int:
             d = result.difference
             field = "" if d.field is None else f", field {d.field}"
             how = f" ({d.configuration})" if d.configuration else ""
-            print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}")
+            print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}" + (f"; tokenizer: {result.tokenizer}" if result.tokenizer else ""))
         for leak in result.leaks:
             print(f"LEAK: {leak}")
     if not result.identical:

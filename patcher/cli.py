@@ -204,6 +204,7 @@ def build_verify_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-tokens", type=int, help="tokens per synthetic train shard for a loader class (default: 4 shards holding about 2/3 of what the run reads); small shards make a ShuffledSequenceLoader reshuffle within the run")
     parser.add_argument("--send", action="append", default=[], metavar="EXPR", help="a value to pass to a data generator's .send() mid-run, as a Python expression over the script's module-level names (repeatable; the values the script's own .send() calls pass are used when they can be evaluated outside training)")
     parser.add_argument("--run-ahead", type=_micro_steps, default=None, metavar="K", help="micro-steps the host runs ahead of the GPU on the CUDA path driven with host memory: an asynchronous H2D copy from pinned memory reads its source K micro-steps after the call, unless an event, a synchronize or a use of its result makes it run earlier (default 2: the least that shows an unfenced double buffer; raise it for deeper rings)")
+    parser.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte", help="tokenizer a data-loader module (nanochat's dataloader.py) is driven with: byte, a byte-level stand-in (default); bpe, a rustbpe BPE of vocab 512 trained on the synthetic corpus and wrapped in tiktoken, as nanochat builds its own (needs pip install rustbpe tiktoken)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -659,7 +660,7 @@ def _run_verify(args) -> int:
     try:
         batches = "default batches" if args.batches is None else f"{args.batches} batches"
         with running_clock(f"verify {args.patched}: {batches} x {args.world_size} ranks", wanted(args.json)):
-            result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens, run_ahead=args.run_ahead)
+            result = verify(args.original, args.patched, batches=args.batches, world_size=args.world_size, seed=args.seed, sends=args.send, shard_tokens=args.shard_tokens, run_ahead=args.run_ahead, tokenizer=args.tokenizer)
     except NothingToVerify as error:
         return _verify_error(args, f"nothing to verify: {error}", EXIT_NOTHING)
     except CannotVerify as error:
@@ -679,7 +680,7 @@ def _run_verify(args) -> int:
         if result.identical:
             val = f" and {result.val_batches_compared} validation batches" if result.val_batches_compared else ""
             unproven = "" if result.prefetched else "; a hand-edited script (no runtime of patch-prefetch), driven through its own loader" if result.edited else "; not run ahead: the training generator's own H2D copies are staged (pinned_staging)" if result.staged else "; nothing was prefetched (train_prefetch was skipped): the training loader is the original's"
-            over = "".join(f", {what}" for what in result.exercised)
+            over = "".join(f", {what}" for what in result.exercised) + (f"; tokenizer: {result.tokenizer}" if result.tokenizer else "")
             if result.skipped:
                 print(f"partial: {result.batches_compared} batches{val} identical over {result.world_size} ranks{over}; not exercised: {'; '.join(result.skipped)} ({result.seconds:.1f} s){unproven}")
             else:
@@ -688,7 +689,7 @@ def _run_verify(args) -> int:
             d = result.difference
             field = "" if d.field is None else f", field {d.field}"
             how = f" ({d.configuration})" if d.configuration else ""
-            print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}")
+            print(f"DIFFER: rank {d.rank}, {d.phase} batch {d.batch}{field}: {d.what}{how}" + (f"; tokenizer: {result.tokenizer}" if result.tokenizer else ""))
         for leak in result.leaks:
             print(f"LEAK: {leak}")
     if not result.identical:

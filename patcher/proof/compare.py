@@ -82,6 +82,9 @@ class VerifyResult:
     # rebuilt it, one line each (`describe_leak`): no difference in the batches, but
     # memory held (the old loader's shard) and a worker never stopped.
     leaks: list[str] = dataclasses.field(default_factory=list)
+    # The tokenizer a data-loader module was driven with ("byte-level stand-in", "rustbpe
+    # BPE, vocab 512, trained on the synthetic corpus"); None for a training script.
+    tokenizer: str | None = None
 
     def as_dict(self) -> dict:
         d = {
@@ -99,6 +102,7 @@ class VerifyResult:
             "exercised": self.exercised,
             "skipped": self.skipped,
             "leaks": self.leaks,
+            "tokenizer": self.tokenizer,
         }
         return d
 

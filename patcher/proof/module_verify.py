@@ -7,7 +7,9 @@ way `scripts/base_train.py` does, `loader(tokenizer, B, T, split="train", device
 resume_state_dict=...)`, for every rank, on a synthetic parquet corpus it writes with
 pyarrow (a test extra, never a runtime dependency), with a byte-level test tokenizer
 (`ByteTokenizer`: the two methods the loader calls, `get_bos_token_id()` and
-`encode(texts, prepend=, num_threads=)`). What the module imports from its own package
+`encode(texts, prepend=, num_threads=)`), or with `tokenizer="bpe"` a real BPE built as
+nanochat's `RustBPETokenizer.train_from_iterator` builds it (`BPETokenizer`: rustbpe
+trained on the synthetic corpus, wrapped in a `tiktoken.Encoding`). What the module imports from its own package
 and the harness supplies (`get_dist_info` from the launcher's RANK / WORLD_SIZE,
 `list_parquet_files` over the corpus) is written as stub modules beside it and named in
 the notes. Both modules are imported by name from that package, so that the patched
@@ -75,15 +77,65 @@ class ByteTokenizer:
         return [([prepend] if prepend is not None else []) + [b + 1 for b in t.encode("utf-8")] + ([append] if append is not None else []) for t in text]
 
 
+# nanochat's tokenizer.py: the split pattern and special tokens its RustBPETokenizer trains with.
+BPE_SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+BPE_SPECIAL_TOKENS = ["<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
+BPE_VOCAB = 512
+
+
+class BPETokenizer:
+    """nanochat's tokenizer as `RustBPETokenizer.train_from_iterator` builds it (nanochat/tokenizer.py):
+    a rustbpe BPE trained on `texts` with nanochat's split pattern, its mergeable ranks wrapped
+    in a `tiktoken.Encoding` with nanochat's special tokens (BOS = `<|bos|>`). Token ids are
+    ints below `vocab_size`. Picklable (a spawned producer gets a copy; tiktoken pickles).
+    Raises ImportError when rustbpe or tiktoken is not installed."""
+
+    def __init__(self, texts: list[str], vocab_size: int = BPE_VOCAB):
+        import rustbpe
+        import tiktoken
+
+        trainer = rustbpe.Tokenizer()
+        trainer.train_from_iterator(iter(texts), vocab_size - len(BPE_SPECIAL_TOKENS), pattern=BPE_SPLIT_PATTERN)
+        ranks = {bytes(k): v for k, v in trainer.get_mergeable_ranks()}
+        special = {name: len(ranks) + i for i, name in enumerate(BPE_SPECIAL_TOKENS)}
+        self.enc = tiktoken.Encoding(name="rustbpe", pat_str=trainer.get_pattern(), mergeable_ranks=ranks, special_tokens=special)
+        self.vocab_size = self.enc.n_vocab
+
+    def get_bos_token_id(self) -> int:
+        return self.enc.encode_single_token("<|bos|>")
+
+    def encode(self, text, prepend=None, append=None, num_threads=8):
+        """Ids of one string or a list of strings, with `prepend` / `append` ids (nanochat's `encode`)."""
+        if isinstance(text, str):
+            return self.encode([text], prepend, append, num_threads)[0]
+        return [([prepend] if prepend is not None else []) + ids + ([append] if append is not None else []) for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
+
+
+def corpus_texts(seed: int = 0) -> list[list[str]]:
+    """The synthetic corpus's documents, per file: FILES lists of ROW_GROUPS * DOCS_PER_GROUP strings of 3-60 characters."""
+    rng = random.Random(seed)
+    return [["".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(3, 60))) for _ in range(ROW_GROUPS * DOCS_PER_GROUP)] for _ in range(FILES)]
+
+
+def make_tokenizer(kind: str, seed: int = 0):
+    """(tokenizer, how the verdict names it) for `kind` "byte" (`ByteTokenizer`) or "bpe"
+    (`BPETokenizer` trained on the synthetic corpus). Raises CannotVerify when "bpe" lacks rustbpe or tiktoken."""
+    if kind == "byte":
+        return ByteTokenizer(), "byte-level stand-in"
+    try:
+        tokenizer = BPETokenizer([t for texts in corpus_texts(seed) for t in texts])
+    except ImportError as error:
+        raise CannotVerify(f"--tokenizer bpe needs rustbpe and tiktoken (pip install rustbpe tiktoken): {error}") from None
+    return tokenizer, f"rustbpe BPE, vocab {tokenizer.vocab_size}, trained on the synthetic corpus"
+
+
 def write_corpus(directory: Path, seed: int = 0) -> list[Path]:
     """FILES parquet files of ROW_GROUPS row groups of DOCS_PER_GROUP documents (column `text`, 3-60 characters)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rng = random.Random(seed)
     paths = []
-    for f in range(FILES):
-        texts = ["".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(3, 60))) for _ in range(ROW_GROUPS * DOCS_PER_GROUP)]
+    for f, texts in enumerate(corpus_texts(seed)):
         path = directory / f"shard_{f:05d}.parquet"
         pq.write_table(pa.table({"text": texts}), path, row_group_size=DOCS_PER_GROUP)
         paths.append(path)
@@ -96,9 +148,12 @@ def module_loader(source: str) -> ModuleLoader | None:
     return next((lg for lg in registry.module_loaders(cst.parse_module(source)) if lg.refusal is None), None)
 
 
-def verify_module(original: str, patched: str, original_path, batches: int | None = None, world_size: int = 2, seed: int = 0):
+def verify_module(original: str, patched: str, original_path, batches: int | None = None, world_size: int = 2, seed: int = 0, tokenizer: str = "byte"):
     """Compare the original and patched module's loader for ranks 0..world_size-1. Returns a
-    `VerifyResult`; raises CannotVerify (one line) when the module cannot be driven."""
+    `VerifyResult` (`tokenizer` set to how the verdict names it); raises CannotVerify (one
+    line) when the module cannot be driven.
+
+    tokenizer: "byte" (a byte-level stand-in) or "bpe" (`BPETokenizer`, needs rustbpe and tiktoken)."""
     started = time.perf_counter()
     loader = module_loader(original)
     if loader is None:
@@ -115,13 +170,14 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
     if missing:
         raise CannotVerify(f"{name} needs {', '.join(missing)}, which the harness does not know how to give")
     call = {k: v for k, v in CALL.items() if k in {p.name.value for p in params}}
+    tok, tokenizer_name = make_tokenizer(tokenizer, seed)
     with tempfile.TemporaryDirectory(prefix="verify-module-") as tmp:
         tmp = Path(tmp)
         package, stubbed = write_package(tmp, original, patched, Path(original_path).stem, notes)
         data = tmp / "data"
         data.mkdir()
         write_corpus(data, seed)
-        notes.append(f"synthetic corpus: {FILES} parquet files x {ROW_GROUPS} row groups x {DOCS_PER_GROUP} documents (the last file is the val split); tokenizer: a byte-level test double")
+        notes.append(f"synthetic corpus: {FILES} parquet files x {ROW_GROUPS} row groups x {DOCS_PER_GROUP} documents (the last file is the val split); tokenizer: {tokenizer_name}")
         notes.append(f"stubbed for the module: {', '.join(stubbed)}; called as {name}(tokenizer, {', '.join(f'{k}={v!r}' for k, v in call.items())}, device=...)")
         compared, seen = 0, {"row group": 0, "file": 0, "epoch": 0}
         with package_importable(tmp, package):
@@ -130,34 +186,34 @@ def verify_module(original: str, patched: str, original_path, batches: int | Non
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
                 modules = [importlib.import_module(f"{package}.{m}") for m in ("_verify_original", Path(original_path).stem)]
                 original_fn, patched_fn = (getattr(m, name) for m in modules)
-                reference = _draw(original_fn(ByteTokenizer(), **call, **{loader.device: "cpu"}), batches)
+                reference = _draw(original_fn(tok, **call, **{loader.device: "cpu"}), batches)
                 _count_crossings(reference, seen)
                 for device in ("cuda-on-host", "cpu"):
-                    difference = _compare(reference, patched_fn, dict(call, tokenizer=ByteTokenizer()), loader.device, device, rank, "train")
+                    difference = _compare(reference, patched_fn, dict(call, tokenizer=tok), loader.device, device, rank, "train")
                     if difference:
-                        return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
+                        return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started, tokenizer=tokenizer_name)
                     compared += len(reference)
                     if rank:
                         break
                 state = reference[len(reference) // 2][2]
-                resumed = _draw(original_fn(ByteTokenizer(), **call, resume_state_dict=state, **{loader.device: "cpu"}), batches // 2)
-                difference = _compare(resumed, patched_fn, dict(call, tokenizer=ByteTokenizer(), resume_state_dict=state), loader.device, "cuda-on-host", rank, f"resumed from {state}")
+                resumed = _draw(original_fn(tok, **call, resume_state_dict=state, **{loader.device: "cpu"}), batches // 2)
+                difference = _compare(resumed, patched_fn, dict(call, tokenizer=tok, resume_state_dict=state), loader.device, "cuda-on-host", rank, f"resumed from {state}")
                 if difference:
-                    return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
+                    return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started, tokenizer=tokenizer_name)
                 compared += len(resumed)
                 if rank == 0 and loader.split is not None and loader.split[0] in call:
                     # another split's build runs the original here: no producer, same batches
                     other = dict(call, **{loader.split[0]: VAL_SPLIT})
-                    val = _draw(original_fn(ByteTokenizer(), **other, **{loader.device: "cpu"}), batches // 2)
-                    difference = _compare(val, patched_fn, dict(other, tokenizer=ByteTokenizer()), loader.device, "cuda-on-host", rank, f"{loader.split[0]}={VAL_SPLIT!r}", spawned=False)
+                    val = _draw(original_fn(tok, **other, **{loader.device: "cpu"}), batches // 2)
+                    difference = _compare(val, patched_fn, dict(other, tokenizer=tok), loader.device, "cuda-on-host", rank, f"{loader.split[0]}={VAL_SPLIT!r}", spawned=False)
                     if difference:
-                        return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started)
+                        return VerifyResult(False, world_size, compared, difference, notes, time.perf_counter() - started, tokenizer=tokenizer_name)
                     compared += len(val)
                     notes.append(f"{loader.split[0]}={VAL_SPLIT!r} (rank 0, {len(val)} batches): run in the training process, no producer started (only {loader.split[0]}={loader.split[1]!r} spawns one)")
         crossed = [k for k, v in seen.items() if v]
         notes.append(f"rank states crossed: {', '.join(f'{k} boundary x{seen[k]}' for k in crossed) or 'nothing'}; each rank also resumed from the state dict of its batch {batches // 2}")
         notes.append("patched loader run on the CUDA path driven with host memory (pinned ring, events) for every rank, and on a CPU device for rank 0; each batch re-checked after the next is taken" + ("; the val build's batches as handed out (it keeps the original's lifetime)" if loader.split is not None else ""))
-        result = VerifyResult(True, world_size, compared, None, notes, time.perf_counter() - started)
+        result = VerifyResult(True, world_size, compared, None, notes, time.perf_counter() - started, tokenizer=tokenizer_name)
         if len(crossed) < 3:
             result.notes.append("partial: the run did not cross a row group, a file and an epoch boundary")
         return result

@@ -77,6 +77,7 @@ class _Run:
     notes: list[str]
     started: float
     edited: bool = False  # the patched side is a hand-edited script (no runtime of this tool)
+    tokenizer: str = "byte"  # a data-loader module's tokenizer (`module_verify.make_tokenizer`)
     leaks: list = field(default_factory=list)  # threads left running by a replaced loader (`compare.describe_leak`)
     loops: LoopCalls | None = None  # a hand-edited loop's calls read against the original's (`loop_calls`)
     seeded: bool = False  # both sides make their script's own global seeding (`_seeding`)
@@ -107,7 +108,7 @@ class Driver:
 # The scripts are unloaded once verify's frame is gone: a process that verifies many would
 # otherwise keep every script's shards open (memmap caches) and its runtime's exit hooks.
 @scripts_unloaded()
-def verify(original: str | Path, patched: str | Path, batches: int | None = None, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None, run_ahead: int | None = None) -> VerifyResult:
+def verify(original: str | Path, patched: str | Path, batches: int | None = None, world_size: int = 2, seed: int = 0, warmup: int = 4, sends: list[str] | None = None, shard_tokens: int | None = None, run_ahead: int | None = None, tokenizer: str = "byte") -> VerifyResult:
     """Compare the training batches of `original` and `patched` for ranks 0..world_size-1.
 
     Both scripts are imported with `__file__` = the original's path (the patched one is
@@ -153,7 +154,7 @@ def verify(original: str | Path, patched: str | Path, batches: int | None = None
         except HarnessError:  # a training script, not a data-loader module
             loader = None
         if loader is not None:  # a data-loader module (nanochat's dataloader.py)
-            run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started, edited)
+            run = _Run((original, patched), sources, as_path, batches, world_size, seed, warmup, sends or [], shard_tokens, notes, started, edited, tokenizer)
             result = module.run(loader, run, module.compare)
             result.prefetched, result.edited, result.run_ahead = prefetched, edited, run_ahead
             return result
@@ -410,7 +411,7 @@ def _read_module(original: str, patched: str):
 
 def _verify_module(loader, run: _Run, compare) -> VerifyResult:
     """Every rank of a data-loader module (`module_verify.verify_module`), after this run's notes."""
-    result = compare(run.sources[0], run.sources[1], run.paths[0], run.batches, run.world_size, run.seed)
+    result = compare(run.sources[0], run.sources[1], run.paths[0], run.batches, run.world_size, run.seed, run.tokenizer)
     result.notes[:0] = run.notes
     return result
 

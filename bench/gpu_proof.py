@@ -720,7 +720,10 @@ def stage_ab(name: str, runs: int, steps: int, env: dict, env_b: dict | None = N
             _write_json(work / STAGE_FILE, figures)
 
         try:
-            report = run_ab(str(scripts[0]), str(scripts[1]), runs=n_runs, steps=n_steps, cwd=str(work), env=common, env_b=env_b, on_run=checkpoint)
+            # a dry run's fixtures log no cumulative time: a line each step; a GPU run keeps ab's
+            # default (a line every 20 steps: the real scripts log their first 10 steps too)
+            report = run_ab(str(scripts[0]), str(scripts[1]), runs=n_runs, steps=n_steps, cwd=str(work), env=common, env_b=env_b, on_run=checkpoint,
+                            **({"log_every": 1} if dry_run else {}))
         except AbError as error:
             raise _Failed(figures, [f"ab: {str(error)[:400]}"]) from None
         figures["ab"] = report

@@ -700,8 +700,8 @@ def _judge_run(result: RunResult, steps: int, skip: int, formats: tuple[LogForma
         known = "; ".join(f.example for f in formats)
         raise AbError(f"{result.script}: no step line recognised in its output (known: {known}; else give --step-regex); its output ended: {sample or '(nothing)'}")
     kind = next(f.kind for f in formats if f.name == result.format)
-    result.windows, _ = windows(result.points, kind, skip)
-    result.step_ms, result.steps_measured = step_ms(result.points, kind, skip)
+    result.windows, result.steps_measured = windows(result.points, kind, skip)
+    result.step_ms = statistics.median(result.windows) if result.windows else None  # `step_ms`, on the windows just found
     if result.step_ms and len(result.windows) > 1:
         result.spread_pct = 100.0 * statistics.stdev(result.windows) / result.step_ms
     if result.step_ms is None:

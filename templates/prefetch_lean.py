@@ -109,7 +109,7 @@ import weakref
 
 import torch
 
-from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _staged_h2d
+from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _spans, _staged_h2d
 
 # One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}
@@ -315,14 +315,22 @@ def _produce(conn, build, count, alive, rebuild):
                 rebuild(conn.recv_bytes())
                 conn.send(("reset",))
                 continue
-            batch = build()
+            batch, tensors = build(), []
+            _each_tensor(batch, tensors.append)
+            spans, at = _spans(tensors), {}  # tensors whose bytes overlap travel as one span of their storage
             if slots is None:  # the first batch sizes the slots
-                tensors = []
-                _each_tensor(batch, tensors.append)
-                size = sum(map(_slot_bytes, tensors))
+                size = sum(_slot_bytes(hi - lo) for _, lo, hi, _ in spans)
                 slots = _make_slots(conn, size, count) if size else [None] * count
-            slot, at = slots[order[0]], [0]
-            conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, slot, at)), order[0]))
+            slot, end = slots[order[0]], 0
+            for _, lo, hi, over in spans:
+                source = torch.empty(0, dtype=torch.uint8).set_(over[0].untyped_storage(), lo, (hi - lo,))
+                if slot is None or end + hi - lo > len(slot):  # no room: the span travels in the message
+                    data, place = source.numpy().copy(), 0
+                else:
+                    slot[end : end + hi - lo].copy_(source)
+                    data, place, end = None, end, end + _slot_bytes(hi - lo)
+                at.update((id(t), (data, place - lo)) for t in over)
+            conn.send(("batch", _each_tensor(batch, lambda t: _HostTensor(t, at)), order[0]))
         except BaseException as error:  # re-raised in the training process, as itself, its traceback its cause; the loop goes on
             conn.send(("error", _producer_error(error), traceback.format_exc(), order[0]))  # the training process gone: BrokenPipeError, the producer's end
 
@@ -401,34 +409,29 @@ os.register_at_fork(before=lambda: _lent_out and _keep_lent(False), after_in_par
 
 
 class _HostTensor:
-    """A tensor as it crosses to the training process: dtype, shape, and where its bytes
-    are: at `offset` in the batch's shared-memory slot (`data` None), or at 0 in `data`
-    (a numpy uint8 array, pickled with the message) where the slot has no room for it
-    (a batch larger than the first, or no slots)."""
+    """A tensor as it crosses to the training process: dtype, shape, strides, and where
+    its bytes are: at `offset` in the batch's shared-memory slot (`data` None), or in
+    `data` (a numpy uint8 array pickled with the message, one for the tensors of a span)
+    where the slot has no room (a batch larger than the first, or no slots). Tensors
+    whose bytes overlap in one storage in the producer overlap in the training process
+    the same way (`x, y = t[:-1], t[1:]`: a write to `y` shows in `x`, as in the original)."""
 
-    def __init__(self, tensor, slot, at):
-        """at: [the offset in `slot` of this tensor], advanced past it (tensors of a batch in turn)."""
-        self.dtype, self.shape, self.offset, self.data = tensor.dtype, tuple(tensor.shape), at[0], None
-        at[0] += _slot_bytes(tensor)
-        if slot is None or at[0] > len(slot):
-            self.data, self.offset = tensor.detach().flatten().view(torch.uint8).numpy().copy(), 0
-        else:
-            _view(slot, self.offset, tensor.dtype, tensor.shape).copy_(tensor)
+    def __init__(self, tensor, at):
+        """at: {id(tensor): (data, its span's offset in the slot less the span's first byte in the storage)}."""
+        self.data, self.offset = at[id(tensor)]
+        self.dtype, self.shape, self.stride = tensor.dtype, tuple(tensor.shape), tensor.stride()
+        self.offset += tensor.storage_offset() * tensor.element_size()
 
     def tensor(self, slot):
         """The tensor: a view of `slot` (valid until the slot is freed), or of its own memory."""
-        return _view(slot if self.data is None else torch.from_numpy(self.data), self.offset, self.dtype, self.shape)
+        slot = slot if self.data is None else torch.from_numpy(self.data)
+        return torch.empty(0, dtype=self.dtype).set_(slot.untyped_storage(), (slot.storage_offset() + self.offset) // self.dtype.itemsize, self.shape, self.stride)
 
 
-def _slot_bytes(tensor):
-    """The bytes `tensor` takes in a slot: its own, rounded up to a multiple of 64, so
-    that every tensor of a slot starts aligned for any dtype's view of its bytes."""
-    return -(-tensor.nbytes // 64) * 64
-
-
-def _view(slot, offset, dtype, shape):
-    """The tensor of `dtype` and `shape` whose bytes start at `offset` of `slot` (uint8)."""
-    return slot[offset:].view(dtype)[: torch.Size(shape).numel()].view(shape)  # (slots and offsets are multiples of 64 bytes)
+def _slot_bytes(n):
+    """`n` bytes as a slot takes them: rounded up to a multiple of 64, so that every span
+    of a slot starts aligned for any dtype's view of its bytes."""
+    return -(-n // 64) * 64
 
 
 def _make_slots(conn, size, count):

@@ -5,7 +5,8 @@
 generators (`templates/pinned_staging.py`) and the spawned generator
 (the same process producer started by spawn).
 
-- The structure walk (`_each_leaf`, `_each_tensor`): a batch of any structure.
+- The structure walk (`_each_leaf`, `_each_tensor`): a batch of any structure;
+  `_spans`: the bytes its tensors cover, one span for those that overlap.
 - The H2D of a host tensor (`_staged_h2d`): copied into pinned memory that torch's
   caching host allocator reuses only once the CUDA event behind its last copy has
   completed, then queued on the copy stream (`wait_stream`, `record_stream`); `_stage`:
@@ -57,6 +58,22 @@ def _each_leaf(item, fn):
 def _each_tensor(item, fn):
     """`item` (a batch of any structure, see `_each_leaf`) with `fn` applied to each tensor."""
     return _each_leaf(item, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
+
+
+def _spans(tensors):
+    """The bytes to carry for `tensors` (a batch's, CPU): [storage address, first byte,
+    end byte, the tensors over them] each, in order of storage and first byte: one span for
+    tensors whose bytes overlap in one storage, else one a tensor. The first byte rounded
+    down to a multiple of 64, so that a span keeps its storage's alignment in a slot."""
+    spans = []
+    for t in sorted(tensors, key=lambda t: (t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size())):
+        p, lo = t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size()
+        hi = lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size() * (t.numel() > 0)
+        if spans and spans[-1][0] == p and lo < spans[-1][2]:
+            spans[-1][2:] = max(spans[-1][2], hi), spans[-1][3] + [t]
+        else:
+            spans.append([p, lo - lo % 64, hi, [t]])
+    return spans
 
 
 def _stage(item, pin, host_copy=True):

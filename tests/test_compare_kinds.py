@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from patcher.cli import EXIT_OK, main
+from patcher.cli import EXIT_FAILED, EXIT_OK, main
 from patcher.patch import patch_source
-from patcher.proof.compare import first_difference
+from patcher.proof.compare import copy_batch, first_difference
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -78,3 +78,37 @@ def test_a_numpy_field_names_where_and_what_differs():
     assert first_difference((want, want), (want, got)) == (1, "bytes differ: first at [2, 1]: 9 vs 99")
     assert first_difference(want, want.astype(np.int32))[1] == "dtype uint16 vs int32"
     assert first_difference(np.float32([0.0]), np.float32([-0.0])) == (0, "bytes differ: first at [0]: 0.0 vs -0.0")
+
+
+def test_tensors_that_share_memory_on_one_side_only_differ():
+    # parameter-golf's loader on a CPU: x, y = t[:-1], t[1:], where a write to y shows in
+    # x. A patched batch of equal values whose x and y are apart is another batch.
+    t = torch.arange(17)
+    shared, apart = (t[:-1], t[1:]), (t[:-1].clone(), t[1:].clone())
+    assert first_difference(shared, apart) == (1, "memory shared in the original (tensor 1 starts 8 bytes after tensor 0, in one storage), not in the patched batch")
+    assert first_difference(apart, shared)[1].startswith("memory shared in the patched batch")
+    assert first_difference(shared, (t[:-1], t[1:])) is None
+    far = torch.arange(1 << 16)  # one storage, no overlap: no sharing a write could show
+    assert first_difference((far[:8], far[-8:]), (far[:8].clone(), far[-8:].clone())) is None
+
+
+def test_a_copy_of_a_batch_keeps_the_sharing_of_its_tensors():
+    t = torch.arange(17)
+    x, y = copy_batch((t[:-1].view(2, 8), t[1:].view(2, 8)))
+    assert x.data_ptr() != t.data_ptr() and first_difference((t[:-1].view(2, 8), t[1:].view(2, 8)), (x, y)) is None
+    y[0, 0] = -1
+    assert x[0, 1] == -1 and t[2] == 2  # the copy's x shows the write; the source does not
+
+
+def test_verify_finds_a_hand_edit_whose_x_and_y_no_longer_share_memory(tmp_path, capsys):
+    # On a CPU device the fixture's x and y overlap (views of one chunk); an edited copy
+    # that clones y hands out equal values, but a loop that masks y in place would no
+    # longer change x. The CPU run compares against the original drawn on a CPU device.
+    source = (FIXTURES / "tokenstream_readable.py").read_text()
+    edited = source.replace("        y = mine[1:].reshape(-1, seq_len)\n", "        y = mine[1:].reshape(-1, seq_len).clone()\n")
+    assert edited != source
+    original, patched = tmp_path / "train_gpt.py", tmp_path / "edited.py"
+    original.write_text(source)
+    patched.write_text(edited)
+    assert main(["verify", str(original), str(patched)]) == EXIT_FAILED
+    assert "memory shared in the original (tensor 1 starts 8 bytes after tensor 0, in one storage), not in the patched batch" in capsys.readouterr().out

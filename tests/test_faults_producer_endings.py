@@ -1,7 +1,8 @@
 """How a run ends when its loader or its script does something the producer must pass on
 as the original would (templates/prefetch_lean.py, templates/staging.py):
 a script that ignores SIGCHLD (the kernel reaps its children), a loader that calls
-`sys.exit`, a built-in exception with fields outside its `args`, a loader error the
+`sys.exit`, a built-in exception with fields outside its `args`, tensors of a batch that share
+memory, a loader error the
 caller catches before it calls `next_batch` again, and `next_batch` from two threads at
 once. The rule: the patched run ends as the original (the same values, the same exit
 code, the same last line) and prints nothing more on stderr.
@@ -159,6 +160,50 @@ def test_the_thread_runtimes_worker_passes_a_systemexit_on_with_its_code():
         assert raised.value.code == 5
     finally:
         loader.shutdown()
+
+
+# --------------------------------------------------------------------------- 4. tensors that share memory
+
+def masked(loader, n_calls):
+    """A loop that masks token 0 of its targets in place (`y[y % 5 == 0] = 0`): where x
+    and y overlap (parameter-golf's `x, y = t[:-1], t[1:]`), x changes too. Each call's
+    x and y after the mask."""
+    seen = []
+    for _ in range(n_calls):
+        x, y = loader.next_batch(8)
+        y[y % 5 == 0] = 0
+        seen.append((x.clone(), y.clone()))
+    return seen
+
+
+def test_tensors_that_overlap_in_the_loaders_batch_overlap_when_handed_out(start):
+    # Before: each tensor travelled into its own part of the slot, so the mask left x as
+    # it was and every x differed from the original's.
+    want = masked(Shards(CPU), 6)
+    assert not torch.equal(want[0][0], torch.arange(8, 16)), "the mask shows in x in the original"
+    got = masked(_make_train_loader(lambda d: Shards(d), CPU, queue_depth=2), 6)
+    assert same(got, want)
+
+
+class Apart:
+    """`next_batch(n) -> (x, y)`: two tensors of one large storage, far apart, not overlapping."""
+
+    def __init__(self, device):
+        self.calls, self.tokens = 0, torch.arange(1 << 20)
+
+    def next_batch(self, n):
+        self.calls += 1
+        return self.tokens[self.calls : self.calls + n], self.tokens[-self.calls - n : -self.calls]
+
+
+def test_tensors_of_one_storage_that_do_not_overlap_travel_apart(start):
+    # Only overlapping bytes travel together: a slot holds the two tensors' bytes (64
+    # each, in spans rounded to 64-byte boundaries at both ends), not the 8 MiB between them.
+    loader = _make_train_loader(lambda d: Apart(d), CPU, queue_depth=2)
+    want = Apart(CPU)
+    for _ in range(5):
+        assert same([loader.next_batch(8)], [want.next_batch(8)])
+    assert max(slot.numel() for slot in loader.slots) <= 2 * (64 + 2 * 64)
 
 
 # --------------------------------------------------------------------------- 7. a caught error, then a retry

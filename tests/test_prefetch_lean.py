@@ -790,7 +790,8 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     for gone in ('"""', "# ", "_stage(", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    # Bytes a raw-counted script pays: 11,998 today (11,150 before a process the script
+    # Bytes a raw-counted script pays: 12,896 today (11,998 before tensors whose bytes
+    # overlap in one storage travelled as one span, with their strides (898); 11,150 before a process the script
     # forks kept the batch it had, its lent slots' pages made private there (848); 10,794 before a built-in exception
     # kept its fields (150: SystemExit.code, OSError.filename), a loader error the caller
     # catches left the producer going (-1), next_batch took a lock (130) and a child the
@@ -806,7 +807,7 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     # (on a thread, torch's own pools told by identity, the script's exception rebuilt
     # as itself, its pipes read while it is joined); about 1,200 reset the producer at a
     # rebuild instead of forking again.
-    assert len(code.encode()) <= 11998, len(code.encode())
+    assert len(code.encode()) <= 12896, len(code.encode())
 
 
 # --------------------------------------------------------------------------- any batch structure

@@ -255,7 +255,11 @@ def test_a_device_op_on_a_late_copy_does_not_make_the_copy_run_on_time(tmp_path,
     original, changed = edited(tmp_path, "tokenstream_readable.py", (RETURN, STAGED_LONG.format(slots=slots, fence=fence)))
     result = verify(original, changed, batches=6, world_size=1, run_ahead=run_ahead)
     if not differs:
-        assert result.identical, result.difference
+        # Every value exact on the CUDA path (the CPU run comes after it). On a CPU device
+        # the widened x and y are two tensors where the original's overlap: a loop that
+        # masks y in place would change x in the original only.
+        d = result.difference
+        assert d.configuration == "the edited loader on a CPU device" and d.what.startswith("memory shared in the original"), d
         return
     d = result.difference
     assert (d.rank, d.phase, d.batch, d.field) == (0, "warmup", 0, 0), d

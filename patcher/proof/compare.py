@@ -31,7 +31,7 @@ import torch
 
 from patcher.proof import host_cuda
 from patcher.proof.harness import HarnessError
-from patcher.templates.staging import _each_leaf
+from patcher.templates.staging import _each_leaf, _spans
 
 
 class CannotVerify(Exception):
@@ -107,7 +107,7 @@ class VerifyResult:
         return d
 
 
-def first_difference(a, b) -> tuple[int | str, str] | None:
+def first_difference(a, b, sharing: bool = True) -> tuple[int | str, str] | None:
     """The first place where batch `b` differs from batch `a`, as (where, what differs),
     or None when they are the same.
 
@@ -118,9 +118,12 @@ def first_difference(a, b) -> tuple[int | str, str] | None:
     anything else (a Python scalar, a string, None) by type and `==`. where: the index
     of a top-level field of a tuple or list batch (an int, as for `(x, y)`), else a
     path such as `[2]['pq_idx']` or `x` (a namedtuple's or dataclass's field); 0 for
-    a batch that is one value.
+    a batch that is one value. Tensors whose bytes overlap in one storage (`x, y =
+    t[:-1], t[1:]`: a write to `y` shows in `x`) must overlap the same way on both sides
+    (`_overlaps`; not compared with `sharing` False: `b` drawn where copies keep them
+    apart); the path is then that of the later tensor of the first pair that differs.
     """
-    found = _difference(a, b, "")
+    found = _difference(a, b, "") or (_overlap_difference(a, b) if sharing else None)
     if found is None:
         return None
     path, what = found
@@ -225,8 +228,45 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def copy_batch(batch):
     """A private copy of a batch of any structure (tensors cloned, numpy arrays copied,
     containers and dataclass instances rebuilt), walked as the runtime walks it
-    (`templates/staging.py` `_each_leaf`)."""
-    return _each_leaf(batch, lambda v: v.detach().clone().as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
+    (`templates/staging.py` `_each_leaf`). CPU tensors whose bytes overlap in one storage
+    are copied as one span of it (the runtime's `_spans`) and overlap the same way in the
+    copy, so that `first_difference` compares their sharing too."""
+    copies = {}
+    with torch._C.DisableTorchFunctionSubclass():
+        for _, lo, hi, over in _spans(_cpu_tensors(batch)):
+            if len(over) > 1:  # a shared span: one copy, the tensors as views of it at the same distances and strides
+                span = torch.empty(0, dtype=torch.uint8).set_(over[0].untyped_storage(), lo, (hi - lo,)).clone()
+                copies.update((id(t), torch.empty(0, dtype=t.dtype).set_(span.untyped_storage(), (t.storage_offset() * t.element_size() - lo) // t.element_size(), t.shape, t.stride())) for t in over)
+    return _each_leaf(batch, lambda v: copies.get(id(v)) if id(v) in copies else v.detach().clone().as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
+
+
+def _cpu_tensors(batch) -> list[torch.Tensor]:
+    """The CPU tensors of a batch, in walk order, as plain tensors (not `host_cuda`'s device stand-ins)."""
+    found: list[torch.Tensor] = []
+    _each_leaf(batch, lambda v: found.append(v) if type(v) is torch.Tensor and v.device.type == "cpu" and v.layout == torch.strided else None)
+    return found
+
+
+def _overlaps(batch) -> list[tuple[int, int, int]]:
+    """(i, j, bytes from tensor i's first byte to tensor j's) for each pair i < j of a
+    batch's CPU tensors (`_cpu_tensors`, walk order) whose bytes overlap in one storage."""
+    tensors = _cpu_tensors(batch)
+    spans = {id(t): (span[0], span[1]) for span in _spans(tensors) for t in span[3]}
+    firsts = [t.storage_offset() * t.element_size() for t in tensors]
+    return [(i, j, firsts[j] - firsts[i]) for i in range(len(tensors)) for j in range(i + 1, len(tensors)) if spans[id(tensors[i])] == spans[id(tensors[j])]]
+
+
+def _overlap_difference(a, b) -> tuple[str, str] | None:
+    """(path, what) where the tensors of `a` and `b` share memory differently, or None."""
+    want, got = _overlaps(a), _overlaps(b)
+    if want == got:
+        return None
+    i, j, distance = min(set(want) ^ set(got))
+    shared = (i, j, distance) in want
+    positions = [k for k, v in enumerate(a) if isinstance(v, torch.Tensor)] if isinstance(a, (tuple, list)) else []
+    path = f"[{positions[j]}]" if len(positions) > j and not dataclasses.is_dataclass(a) else ""
+    where = f"tensor {j} starts {distance} bytes after tensor {i}, in one storage"
+    return path, f"memory shared in the original ({where}), not in the patched batch" if shared else f"memory shared in the patched batch ({where}), not in the original"
 
 
 class GlobalRng:

@@ -79,17 +79,25 @@ class Reference:
     batches: dict
     reuses: dict
     leaked: collections.Counter = field(default_factory=collections.Counter)
+    on_cuda: bool = True  # drawn on the CUDA path (host memory), else on a CPU device: sharing compares only on the same path
 
 
-def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes: list[str], timeout_s: float, seeded: bool = False) -> Reference:
+def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes: list[str], timeout_s: float, seeded: bool = False, on_cuda: bool = True) -> Reference:
     """Draw the original's batches of `rank` for every phase (on the CUDA path driven
     with host memory). Raises CannotVerify when the original cannot be built or drawn
     from here (a module it needs is missing, the configuration breaks its rules), and
     DrawTimeout when a batch takes longer than `timeout_s` seconds. seeded: the script's
-    own global seeding before it builds its loader is made first (`loop_calls.script_seeding`)."""
+    own global seeding before it builds its loader is made first (`loop_calls.script_seeding`).
+    on_cuda False: drawn on a CPU device, as a CPU-only run draws them, where the tensors
+    of a batch may share memory that the CUDA path's copies keep apart."""
     batches, reuses, leaked = {}, {}, collections.Counter()
-    with cuda_on_host(notes), host_cuda.reference_side(), GlobalRng():  # the same global random state as the patched side's; copies as meant
-        ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(True))
+    with contextlib.ExitStack() as context, host_cuda.reference_side(), GlobalRng():  # the same global random state as the patched side's; copies as meant
+        if on_cuda:
+            context.enter_context(cuda_on_host(notes))
+        else:
+            context.enter_context(host_only_pinning(notes))
+            context.enter_context(cuda_as_host(notes))
+        ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(on_cuda))
         if seeded:
             seed(script_seeding(recipe, ns))
         loader, started_with = None, script_threads()
@@ -112,7 +120,7 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
                     leaked.update(thread_kind(t) for t in earlier if t.is_alive())
         finally:
             close(loader)
-    return Reference(batches, reuses, leaked)
+    return Reference(batches, reuses, leaked, on_cuda)
 
 
 def _draw_original(loader, arguments: tuple, n: int, plan: Plan, what: str):
@@ -148,7 +156,10 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     arguments drive that phase (a hand-edited call, `loop_calls.loop_calls`; None:
     `calls`' for every phase; the phases it does not name: the original's), and call_where: that call's line, for the
     difference. seeded: the patched script's own global seeding is made first (`calls`' or the original's).
+    Whether tensors of a batch share memory is compared only against a reference drawn
+    on the same path (`Reference.on_cuda`): the CUDA path's copies keep them apart.
     """
+    sharing = reference.on_cuda == configuration.host_cuda
     loader = None
     started_with, leaked = script_threads(), []
     # A hand-edited loop that fetches the next batch before it uses this one: each batch
@@ -191,7 +202,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                 after_the_draw = calls is None or early
                 for n in range(count):
                     if held is not None and not after_the_draw and not reference.reuses[phase]:
-                        diff = _changed_since_handed_out(loader, reference.batches[phase][held[0]], held[1])
+                        diff = _changed_since_handed_out(loader, reference.batches[phase][held[0]], held[1], sharing)
                         if diff is not None:
                             return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, before batch {n} was taken: {diff[1]}")
                     try:
@@ -202,21 +213,21 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     except Exception as error:
                         return Difference(rank, phase, n, None, f"the patched loader raised {type(error).__name__}: {one_line(error)}")
                     if held is not None and after_the_draw and (early or not reference.reuses[phase]):
-                        diff = _changed_since_handed_out(loader, reference.batches[phase][held[0]], held[1])
+                        diff = _changed_since_handed_out(loader, reference.batches[phase][held[0]], held[1], sharing)
                         if diff is not None:
                             return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out, by the time batch {n} was taken{early_words}: {diff[1]}")
                     for m, batch in in_flight.drawn(n, candidate):
-                        diff = first_difference(reference.batches[phase][m], batch)
+                        diff = first_difference(reference.batches[phase][m], batch, sharing)
                         if diff is not None:
                             return Difference(rank, phase, m, diff[0], diff[1] + early_words)
                         held = m, batch
                 for m, batch in in_flight.landed():
-                    diff = first_difference(reference.batches[phase][m], batch)
+                    diff = first_difference(reference.batches[phase][m], batch, sharing)
                     if diff is not None:
                         return Difference(rank, phase, m, diff[0], diff[1] + early_words)
                     held = m, batch
                 if held is not None and (early or not reference.reuses[phase]):
-                    diff = first_difference(reference.batches[phase][held[0]], held[1])
+                    diff = first_difference(reference.batches[phase][held[0]], held[1], sharing)
                     if diff is not None:
                         return Difference(rank, phase, held[0], diff[0], f"changed after it was handed out: {diff[1]}")
                 if p > 0 and rank == 0:
@@ -244,11 +255,11 @@ def _early_fetches(calls: LoaderRecipe) -> dict[int, int]:
     return found
 
 
-def _changed_since_handed_out(loader, want, batch):
-    """`first_difference(want, batch)` for a batch handed out earlier and still held,
+def _changed_since_handed_out(loader, want, batch, sharing=True):
+    """`first_difference(want, batch, sharing)` for a batch handed out earlier and still held,
     once the producer of `loader` has filled the slots it was given (`_producer_caught_up`)."""
     _producer_caught_up(loader)
-    return first_difference(want, batch)
+    return first_difference(want, batch, sharing)
 
 
 def _producer_caught_up(loader, timeout_s: float = 2.0) -> None:

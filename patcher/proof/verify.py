@@ -311,16 +311,31 @@ def _compare_ranks(recipe: LoaderRecipe, run: _Run, plan: Plan, modules, load, l
     configuration of the patched loader that runs on that rank; the first difference."""
     for rank in range(run.world_size):
         rank_modules = modules if rank == 0 else load(rank)
-        reference = reference_batches(recipe, rank_modules[0], plan, rank, run.notes, DRAW_TIMEOUT_S, run.seeded)
+        reference, cpu_reference = reference_batches(recipe, rank_modules[0], plan, rank, run.notes, DRAW_TIMEOUT_S, run.seeded), None
         for configuration in configurations:
             if configuration.ranks is not None and rank not in configuration.ranks:
                 continue
+            if not configuration.host_cuda and cpu_reference is None:
+                cpu_reference = _cpu_reference(recipe, rank_modules[0], plan, rank, run, reference)
             patched_module = rank_modules[1] if not configuration.env else load_one(run.sources[1], rank, configuration.env)
-            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference, configuration, run.notes, DRAW_TIMEOUT_S, calls, leaks=run.leaks, phase_calls=run.loops.phases if run.loops else None, call_where=run.loops.where if run.loops else None, seeded=run.seeded)
+            difference = compare(recipe, patched_sites, patched_module, plan, rank, reference if configuration.host_cuda else cpu_reference, configuration, run.notes, DRAW_TIMEOUT_S, calls, leaks=run.leaks, phase_calls=run.loops.phases if run.loops else None, call_where=run.loops.where if run.loops else None, seeded=run.seeded)
             if difference is not None:
                 difference.configuration = configuration.label
                 return difference
     return None
+
+
+def _cpu_reference(recipe: LoaderRecipe, module, plan: Plan, rank: int, run: _Run, reference):
+    """The original's batches of `rank` drawn on a CPU device, for the patched loader's CPU
+    run: there the tensors of a batch may share memory (`x, y = t[:-1], t[1:]`, a write
+    to one showing in the other), and the patched batch must share it the same way. Where
+    the original cannot be drawn on a CPU device, `reference` (the CUDA path's), with a
+    note: values compared, sharing not."""
+    try:
+        return reference_batches(recipe, module, plan, rank, [], DRAW_TIMEOUT_S, run.seeded, on_cuda=False)
+    except (CannotVerify, HarnessError) as error:
+        run.notes.append(f"the original's batches not drawn on a CPU device ({error}): the CPU run's values compared, not which of its tensors share memory")
+        return reference
 
 
 def _verify_generator(recipe: IteratorRecipe, run: _Run, compare) -> VerifyResult:

@@ -80,11 +80,18 @@ def _stage(item, pin, host_copy=True):
     """The host tensors of one batch in fresh (pinned when `pin`) memory.
 
     A copy, so that a loader that reuses its buffers cannot change a queued batch;
-    with `host_copy=False` and no pinning the batch is returned as it is.
+    tensors whose bytes overlap in one storage (`x, y = t[:-1], t[1:]`) are copied as one
+    span (`_spans`) and overlap the same way in the copy, with their strides. With
+    `host_copy=False` and no pinning the batch is returned as it is.
     """
     if not (pin or host_copy):
         return item
-    return _each_tensor(item, lambda t: t if t.device.type != "cpu" else torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t))
+    tensors, copies = [], {}
+    _each_tensor(item, lambda t: t.device.type == "cpu" and tensors.append(t))
+    for _, lo, hi, over in _spans(tensors):  # tensors that overlap in one storage: one copy, overlapping the same way
+        span = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pin).copy_(torch.empty(0, dtype=torch.uint8).set_(over[0].untyped_storage(), lo, (hi - lo,)))
+        copies.update((id(t), torch.empty(0, dtype=t.dtype).set_(span.untyped_storage(), (t.storage_offset() * t.element_size() - lo) // t.element_size(), t.shape, t.stride())) for t in over)
+    return _each_tensor(item, lambda t: copies.get(id(t), t))
 
 
 def _staged_h2d(tensor, device, copy_stream=True):

@@ -185,6 +185,17 @@ def test_tensors_that_overlap_in_the_loaders_batch_overlap_when_handed_out(start
     assert same(got, want)
 
 
+def test_the_thread_runtimes_batches_overlap_as_the_originals():
+    # The thread runtime (per-step arguments) copies each batch before its queue: the
+    # copy keeps x and y overlapping, one span of the copy.
+    want = masked(Shards(CPU), 6)
+    loader = prefetch_loader._make_train_loader(lambda d: Shards(d), CPU, queue_depth=2, name="thread_runtime")
+    try:
+        assert same(masked(loader, 6), want)
+    finally:
+        loader.shutdown()
+
+
 class Apart:
     """`next_batch(n) -> (x, y)`: two tensors of one large storage, far apart, not overlapping."""
 

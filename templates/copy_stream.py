@@ -17,8 +17,11 @@ import torch
 _copy_streams = {}
 # Step timers timing H2D copies (TRAINING_TIMING_BREAKDOWN=1, templates/step_timing.py).
 _h2d_timers = []
-# Filled only where templates/step_timing.py is injected (patcher/render/cut.py cuts the hook).
-_CUT_HOOKS = {"_h2d_timers": "step_timing"}
+# Step timers counting the process producer's hand-outs, and those that found no batch
+# built (TRAINING_TIMING_BREAKDOWN=2: `_StepTimer.ring`, templates/prefetch_lean.py).
+_ring_timers = []
+# Filled only where templates/step_timing.py is injected (patcher/render/cut.py cuts the hooks).
+_CUT_HOOKS = {"_h2d_timers": "step_timing", "_ring_timers": "step_timing"}
 
 
 def _h2d(tensor, device, copy_stream=True):

@@ -109,6 +109,7 @@ import weakref
 
 import torch
 
+from patcher.templates.copy_stream import _ring_timers
 from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _spans, _staged_h2d
 
 # One live prefetcher per loader variable: building the variable again resets it.
@@ -169,6 +170,8 @@ class _PrefetchLoader:
                 self._start()
             elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
                 raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
+            if _ring_timers:  # a step timer counts the hand-outs, and those that found no batch built (the producer behind)
+                _ring_timers[-1].ring[:] = _ring_timers[-1].ring[0] + 1, _ring_timers[-1].ring[1] + (not self.conn.poll())
             try:
                 message = _receive(self.conn, self.slots, self.lent)
             except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)

@@ -21,7 +21,11 @@ Modes (`TRAINING_TIMING_BREAKDOWN`):
 - 2: data wait. Only the wall time of the main thread's batch call is measured, with
   `time.perf_counter()` and no synchronisation, so training runs at full speed with
   prefetch and copy stream as configured: a data wait near 0 ms means data is off the
-  critical path.
+  critical path. Each line also gives the wait's p50 and p99 over the steps so far and,
+  for a loader prefetched by the process producer (templates/prefetch_lean.py), how
+  many of its hand-outs found no batch built (`ring_empty:k/n`): a wait with the ring
+  empty is the producer not keeping up; a wait with batches built is the hand-out's
+  own cost.
 
 A step's line is logged for the first 10 steps, then every `TRAINING_TIMING_EVERY`
 steps, and, in breakdown mode, for every step that ran a validation (a step's line
@@ -37,7 +41,7 @@ import time
 
 import torch
 
-from patcher.templates.copy_stream import _h2d_timers
+from patcher.templates.copy_stream import _h2d_timers, _ring_timers
 
 # Toggles that run work ahead of the training thread; the breakdown switches them off.
 _SYNC_FORCED_OFF = ("TRAIN_PREFETCH", "TRAIN_COPY_STREAM")
@@ -107,6 +111,8 @@ class _StepTimer:
         self.log = None
         self.steps = 0  # training steps completed since the loop started
         self.data_wait_total_ms = 0.0
+        self.waits = []  # data wait mode: each step's wait (ms), for its p50 and p99
+        self.ring = [0, 0]  # the process producer's hand-outs, and those that found no batch built (`_ring_timers`)
         self._record = {}
         self._open = []  # names of the phases being timed, innermost last
         self._step_start = None
@@ -123,10 +129,14 @@ class _StepTimer:
         now = time.perf_counter()
         if self.mode == 0 and mode in (_BREAKDOWN, _DATA_WAIT):
             self.mode, self.every, self.log = int(mode), int(every), log
+            if self.mode == _DATA_WAIT:
+                _ring_timers.append(self)
             log(self._header())
         elif self._step_start is not None and self.mode:
             self.steps += 1
-            self.data_wait_total_ms += self._record.get("batch", 0.0) if self.mode == _DATA_WAIT else 0.0
+            if self.mode == _DATA_WAIT:
+                self.data_wait_total_ms += self._record.get("batch", 0.0)
+                self.waits.append(self._record.get("batch", 0.0))
             if self._due():
                 self.log(self._line(1000.0 * (now - self._step_start)))
         self._record = {}
@@ -190,8 +200,10 @@ class _StepTimer:
         """One log line for the step just completed; times in ms (float, 2 decimals)."""
         record = self._record
         if self.mode == _DATA_WAIT:
-            wait = record.get("batch", 0.0)
-            return f"step_timing step:{self.steps} data_wait_ms:{wait:.2f} step_ms:{step_ms:.2f} data_wait_total_ms:{self.data_wait_total_ms:.2f}"
+            wait, waits = record.get("batch", 0.0), sorted(self.waits)
+            p50, p99 = waits[(len(waits) - 1) // 2], waits[round(0.99 * (len(waits) - 1))]
+            ring = f" ring_empty:{self.ring[1]}/{self.ring[0]}" if self.ring[0] else ""
+            return f"step_timing step:{self.steps} data_wait_ms:{wait:.2f} step_ms:{step_ms:.2f} data_wait_total_ms:{self.data_wait_total_ms:.2f} data_wait_p50_ms:{p50:.2f} data_wait_p99_ms:{p99:.2f}{ring}"
         h2d = record.get("h2d")
         fields = [
             f"batch_cpu_ms:{record.get('batch', 0.0) - (h2d or 0.0):.2f}",

@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from patcher.templates.copy_stream import _h2d, _h2d_timers
 from patcher.templates.step_timing import _force_sync_toggles, _StepTimer
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+DATA_WAIT_FIELDS = ["data_wait_ms", "step_ms", "data_wait_total_ms", "data_wait_p50_ms", "data_wait_p99_ms"]
 BREAKDOWN_FIELDS = ["batch_cpu_ms", "h2d_ms", "forward_ms", "backward_ms", "optimizer_ms", "val_ms", "step_ms"]
 LINE = re.compile(r"^step_timing step:(\d+) (.*)$", re.M)
 
@@ -111,9 +114,59 @@ def test_data_wait_never_synchronises(sync_calls):
     assert lines[0].startswith("step_timing mode:data_wait")
     steps = LINE.findall("\n".join(lines))
     assert [int(n) for n, _ in steps] == [1, 2, 3, 4]
-    assert list(_fields("x " + steps[0][1])) == ["data_wait_ms", "step_ms", "data_wait_total_ms"]
+    assert list(_fields("x " + steps[0][1])) == DATA_WAIT_FIELDS  # no process producer here: no ring_empty
     waits = [float(_fields("x " + rest)["data_wait_ms"]) for _, rest in steps]
     assert float(_fields("x " + steps[-1][1])["data_wait_total_ms"]) == pytest.approx(sum(waits), abs=0.02)
+    last = _fields("x " + steps[-1][1])
+    assert float(last["data_wait_p50_ms"]) == pytest.approx(sorted(waits)[1], abs=0.006) and float(last["data_wait_p99_ms"]) == pytest.approx(max(waits), abs=0.006)
+
+
+def test_data_wait_counts_the_hand_outs_that_found_no_batch_built():
+    # The process producer (templates/prefetch_lean.py) builds batches 2 and 3 ahead, then
+    # waits at batch 4 for a gate: hand-outs 2 and 3 find a batch built, hand-out 4
+    # finds the ring empty (the producer behind), and the line says 1/3.
+    import multiprocessing
+
+    from patcher.proof.compare import queued_batches
+    from patcher.templates.prefetch_lean import _make_train_loader
+
+    gate = multiprocessing.get_context("fork").Event()
+
+    class Gated:
+        def __init__(self, device):
+            self.calls = 0
+
+        def next_batch(self, n):
+            self.calls += 1
+            if self.calls > 3:
+                gate.wait(30)
+            return torch.arange(n) + self.calls
+
+    timer, lines = _StepTimer(), []
+    timer.next_step(2, 200, lines.append)
+    loader = _make_train_loader(lambda d: Gated(d), torch.device("cpu"), queue_depth=2, name="gated")
+    try:
+        assert torch.equal(loader.next_batch(4), torch.arange(4) + 1)
+        deadline = time.monotonic() + 30
+        while queued_batches(loader) < 2 and time.monotonic() < deadline:  # batches 2 and 3 built
+            time.sleep(0.001)
+        timer.ring[:] = 0, 0
+        opener = threading.Thread(target=lambda: (_wait_until(lambda: timer.ring[0] == 3), gate.set()))
+        opener.start()  # opens the gate once hand-out 4 has looked at the ring
+        got = [loader.next_batch(4) for _ in range(3)]
+        opener.join()
+        assert all(torch.equal(g, torch.arange(4) + k) for g, k in zip(got, (2, 3, 4)))
+        timer.next_step(2, 200, lines.append)
+        assert timer.ring == [3, 1] and lines[-1].endswith(" ring_empty:1/3")
+    finally:
+        gate.set()
+        loader.shutdown()
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def test_first_ten_steps_then_every_n(sync_calls):
@@ -366,7 +419,9 @@ def test_data_wait_run_never_synchronises(runs):
     assert "step_timing mode:data_wait every:5" in out
     steps = LINE.findall(out)
     assert [int(n) for n, _ in steps] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20]
-    assert all(list(_fields("x " + rest)) == ["data_wait_ms", "step_ms", "data_wait_total_ms"] for _, rest in steps)
+    assert all(list(_fields("x " + rest)) == DATA_WAIT_FIELDS + ["ring_empty"] for _, rest in steps)
+    hand_outs = [int(_fields("x " + rest)["ring_empty"].split("/")[1]) for _, rest in steps]
+    assert hand_outs == sorted(hand_outs) and hand_outs[-1] >= 20  # the process producer's hand-outs, counted
     assert "sync_calls:0" in out
 
 

@@ -179,7 +179,9 @@ class _PrefetchLoader:
 
     `next_batch(*args)` returns what the wrapped loader's `next_batch(*args)` returns
     (e.g. `x, y: int64 [batch, seq_len]` on `device`), bit for bit and in order.
-    A worker's exception is re-raised in the caller with the worker's traceback.
+    A worker's exception is re-raised in the caller with the worker's traceback, at
+    the batch where it happened, and the worker goes on: a caller that catches it and
+    calls again gets what the loader's next call returns, as from the original.
     """
 
     def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, reshape_arg=None, rollback=False, host_copy=True, replay=False):
@@ -282,7 +284,7 @@ class _PrefetchLoader:
         if item is _EMPTY:
             item = _next_built(self._worker)
         if isinstance(item, BaseException):
-            self.shutdown()
+            self._worker.queue.room()  # its place back: the worker goes on, as the loader would at a next call
             raise item  # with the worker's traceback
         return item
 
@@ -347,11 +349,21 @@ class _Worker:
         try:
             if self.setup is not None:
                 self.setup()
-            while not self.stop.is_set():
-                # The item is not held by this frame while the next one is built.
-                self.queue.put_until(self.build(), self.stop)
         except BaseException as error:  # handed to the caller, which re-raises it
-            self.queue.put_until(error, self.stop)
+            return self.queue.put_until(error, self.stop)
+        while not self.stop.is_set():
+            # The item is not held by this frame while the next one is built.
+            self.queue.put_until(_built(self.build), self.stop)
+
+
+def _built(build):
+    """`build()`, or the exception it raised: handed to the caller, which re-raises it at
+    that batch, while the worker goes on building, as the loader goes on at a next call
+    (a loop that catches a bad shard's error and calls again gets the next batch)."""
+    try:
+        return build()
+    except BaseException as error:
+        return error
 
 
 def _next_built(worker):

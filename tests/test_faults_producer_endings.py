@@ -235,6 +235,19 @@ def test_a_caught_loader_error_then_a_retry_gets_the_originals_next_batch(start)
     assert sum(isinstance(w[0], type) for w in want) == 7
 
 
+def test_the_thread_runtime_after_a_caught_error_gets_the_originals_next_batch():
+    # The per-step-argument runtime's worker (templates/prefetch_loader.py) goes on after
+    # an error, as the loader would. Before: it stopped at the first one, and every call
+    # after it raised "prefetch: next_batch after shutdown", a shutdown nobody asked for.
+    fail = {k: (lambda call: ShardError(call % 3, call)) for k in (3, 5, 6, 7, 8, 9, 12)}
+    want = original(16, fail)
+    loader = prefetch_loader._make_train_loader(lambda d: Shards(d, fail), CPU, queue_depth=2, name="thread_runtime")
+    try:
+        assert same(patched(loader, 16), want)
+    finally:
+        loader.shutdown()
+
+
 def test_an_error_the_caller_does_not_retry_leaves_the_producer_bounded(start):
     # A loader that fails at every call from the 3rd on, and a caller that stops at the
     # first error: the producer goes on only while it has free slots (depth 2: four), as

@@ -196,6 +196,34 @@ def test_the_thread_runtimes_batches_overlap_as_the_originals():
         loader.shutdown()
 
 
+class Widening:
+    """`next_batch(n) -> (w, v)`: one int32 storage of `2 n k + 1` values at call k, w its
+    first `2 n k` as int64 `[n k]`, v all but its first as int32: they overlap, and the
+    storage ends 4 bytes past w's last int64. Each batch is larger than the one before:
+    from the third on it has no room in the slots and travels in its message."""
+
+    def __init__(self, device):
+        self.calls = 0
+
+    def next_batch(self, n):
+        self.calls += 1
+        base = torch.arange(2 * n * self.calls + 1, dtype=torch.int32) * 1_000_003
+        return base[:-1].view(torch.int64), base[1:]
+
+
+def test_overlapping_tensors_of_two_dtypes_travel_in_a_message_and_overlap_as_the_originals(start):
+    # The span is 4 bytes longer than a whole number of int64s: the message carries it
+    # padded to whole 64 bytes, so that the int64 view of it can be made (unpadded: "must be
+    # divisible by 8 to view Byte as Long" at the third batch).
+    loader, want = _make_train_loader(lambda d: Widening(d), CPU, queue_depth=2), Widening(CPU)
+    for _ in range(5):
+        (w, v), (ww, vv) = loader.next_batch(3), want.next_batch(3)
+        assert torch.equal(w, ww) and torch.equal(v, vv)
+        v[0] = -1  # the high half of w[0], in both
+        vv[0] = -1
+        assert torch.equal(w, ww)
+
+
 class Apart:
     """`next_batch(n) -> (x, y)`: two tensors of one large storage, far apart, not overlapping."""
 
@@ -214,7 +242,7 @@ def test_tensors_of_one_storage_that_do_not_overlap_travel_apart(start):
     want = Apart(CPU)
     for _ in range(5):
         assert same([loader.next_batch(8)], [want.next_batch(8)])
-    assert max(slot.numel() for slot in loader.slots) <= 2 * (64 + 2 * 64)
+    assert max(slot.size for slot in loader.slots) <= 2 * (64 + 2 * 64)
 
 
 # --------------------------------------------------------------------------- 7. a caught error, then a retry

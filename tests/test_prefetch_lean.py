@@ -180,7 +180,7 @@ def test_a_batch_handed_out_is_a_view_of_its_slot_until_it_dies():
     loader = _make_train_loader(lambda d: Stream(d), CPU, queue_depth=2)
     x, y = loader.next_batch(*ARGS)
     slot = loader.slots[0]
-    assert x.untyped_storage().data_ptr() == slot.data_ptr() and list(loader.lent) == [0]
+    assert x.untyped_storage().data_ptr() == slot.ctypes.data and list(loader.lent) == [0]
     kept = x[:, :5]  # the user's own view outlives x and y
     del x, y
     got = [copy_batch(loader.next_batch(*ARGS)) for _ in range(11)]  # through the other slots
@@ -587,7 +587,7 @@ def test_a_thread_alive_at_the_first_batch_means_a_producer_thread_and_one_line(
                 assert same(loader.next_batch(*ARGS), w)
             assert not producers()
         assert len(threads) == 1, "a rebuild started another thread"
-        assert moved == [(CPU, False)] * 32
+        assert moved == []  # on a CPU device the views are the batch: no staging call (no op)
         _make_train_loader(lambda d: Stream(d), CPU, prefetch=False, name="threaded")  # shuts the thread down, joined
         assert not prefetch_threads()
     finally:
@@ -790,7 +790,9 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     for gone in ('"""', "# ", "_stage(", "_h2d_timers", "queue_depth"):
         assert gone not in code.strip().split("\n", 1)[1], gone  # after the header line
     assert "class _PrefetchLoader" in code and "def _produce" in code and "_h2d" in code
-    # Bytes a raw-counted script pays: 12,896 today (11,998 before tensors whose bytes
+    # Bytes a raw-counted script pays: 12,999 today (12,896 before a hand-out with fewer
+    # torch calls: numpy views of the slots, one view and one as_strided a tensor, no
+    # `.to()` on the CPU, and a span that travels padded to 64 bytes (103); 11,998 before tensors whose bytes
     # overlap in one storage travelled as one span, with their strides (898); 11,150 before a process the script
     # forks kept the batch it had, its lent slots' pages made private there (848); 10,794 before a built-in exception
     # kept its fields (150: SystemExit.code, OSError.filename), a loader error the caller
@@ -807,7 +809,7 @@ def test_the_cut_copy_has_only_what_a_default_script_uses():
     # (on a thread, torch's own pools told by identity, the script's exception rebuilt
     # as itself, its pipes read while it is joined); about 1,200 reset the producer at a
     # rebuild instead of forking again.
-    assert len(code.encode()) <= 12896, len(code.encode())
+    assert len(code.encode()) <= 12999, len(code.encode())
 
 
 # --------------------------------------------------------------------------- any batch structure

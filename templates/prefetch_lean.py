@@ -303,7 +303,8 @@ def _produce(conn, build, count, alive, rebuild):
     root script: that write 20-22 µs at p50 against 40-43 µs with 5 ms of polling, which
     a 20 ms step outlasts; on a ShuffledSequenceLoader record a sleeping waiter made a
     hand-out 0.11 ms against 0.08). Polling costs the producer's CPU about 2,000
-    wake-ups a second while the training loop runs.
+    wake-ups a second while the training loop runs: 7.0 % of a core against 3.5 % with 5 ms
+    of polling (a 20 ms step, on a loaded 2-core host), a core a GPU node has to spare.
     """
     slots = None
     while True:

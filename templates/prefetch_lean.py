@@ -162,6 +162,7 @@ class _PrefetchLoader:
         self.loader, self.scope = make_loader(torch.device("cpu")), make_loader.__globals__
         self.device, self.copy_stream, self.name, self.args, self.pid = device, copy_stream, name, None, None
         self.depth, self.lent, self.lock = min(max(1, int(queue_depth)), 250), {}, threading.Lock()  # lent: the slots the caller holds (`_hand_out`)
+        _lending.append(self.lent)
 
     def next_batch(self, *args):
         with self.lock:  # one caller at a time: two threads at once would read each other's messages
@@ -390,15 +391,16 @@ def _hand_out(batch, index, slots, lent, device, copy_stream):
     if slot is not None:
         slot = slot[:]  # a numpy view of the slot of this batch's own, kept alive by each tensor over it
         lent[index] = weakref.ref(slot)
-        _lent_out[id(slot)] = slot
         slot = torch.from_numpy(slot)
         if len(lent) == len(slots):  # views would leave the producer no slot: a copy
             slot = slot.clone()
     return _each_leaf(batch, lambda v: (v.tensor(slot) if device.type == "cpu" else _staged_h2d(v.tensor(slot), device, copy_stream)) if isinstance(v, _HostTensor) else v)  # (on the CPU the views are the batch: no op)
 
 
-# The slots lent out (`_hand_out`), and their pages' bytes at a fork, for `_keep_lent`.
-_lent_out, _lent_pages = weakref.WeakValueDictionary(), []
+# Each producer's slots lent out (`_hand_out`), and their pages' bytes at a fork, for
+# `_keep_lent`: a dict a producer, registered once (not an entry a hand-out: a
+# hand-out makes as few calls as it can).
+_lending, _lent_pages = [], []
 
 
 def _keep_lent(child):
@@ -409,7 +411,7 @@ def _keep_lent(child):
     before the fork, since the parent may free the slot as soon as fork returns."""
     import ctypes as c
     if not child:
-        for slot in list(_lent_out.values()):
+        for slot in [slot for lent in _lending for ref in list(lent.values()) if (slot := ref()) is not None]:
             start = slot.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
             _lent_pages.append((start, c.string_at(start, (start - slot.ctypes.data - slot.nbytes) // mmap.PAGESIZE * -mmap.PAGESIZE)))  # whole pages
         return
@@ -421,7 +423,7 @@ def _keep_lent(child):
     _lent_pages.clear()
 
 
-os.register_at_fork(before=lambda: _lent_out and _keep_lent(False), after_in_parent=_lent_pages.clear, after_in_child=lambda: _lent_pages and _keep_lent(True))
+os.register_at_fork(before=lambda: _lending and _keep_lent(False), after_in_parent=_lent_pages.clear, after_in_child=lambda: _lent_pages and _keep_lent(True))
 
 
 class _HostTensor:
@@ -609,6 +611,7 @@ def _spawn_generator(function, arguments, device_param="device", prefetch=True, 
     owner = os.getpid()
     _spawned[child] = owner
     device, slots, lent, first = torch.device(arguments[device_param]), [None] * count, {}, True  # first: no batch received yet
+    _lending.append(lent)
     try:
         while True:
             try:

@@ -89,7 +89,7 @@ def _stage(item, pin, host_copy=True):
     tensors, copies = [], {}
     _each_tensor(item, lambda t: t.device.type == "cpu" and tensors.append(t))
     for _, lo, hi, over in _spans(tensors):  # tensors that overlap in one storage: one copy, overlapping the same way
-        span = torch.empty(hi - lo, dtype=torch.uint8, pin_memory=pin).copy_(torch.empty(0, dtype=torch.uint8).set_(over[0].untyped_storage(), lo, (hi - lo,)))
+        span = torch.empty((hi - lo,), dtype=torch.uint8, pin_memory=pin).copy_(torch.empty(0, dtype=torch.uint8).set_(over[0].untyped_storage(), lo, (hi - lo,)))
         copies.update((id(t), torch.empty(0, dtype=t.dtype).set_(span.untyped_storage(), (t.storage_offset() * t.element_size() - lo) // t.element_size(), t.shape, t.stride())) for t in over)
     return _each_tensor(item, lambda t: copies.get(id(t), t))
 

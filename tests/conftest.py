@@ -35,7 +35,32 @@ def python312() -> str:
     return _interpreter("3.12")
 
 
+# The files that take longest (seconds of a full run, measured on 2 cores), longest
+# first; `make test` (pytest-xdist, --dist loadfile) hands them out before the others, so
+# that the many short files fill in at the end instead of one long file running alone
+# while the other worker has nothing left. The first two share their original fixture
+# runs (fixture_training.py): started together, one trains the originals while the other
+# trains the patched scripts.
+LONGEST_FIRST = [
+    "test_end_to_end.py", "test_fixtures.py", "test_step_timing.py", "test_cli_conventions.py",
+    "test_verify.py", "test_verify_mutants.py", "test_gpu_proof.py", "test_producer_where_users_train.py",
+    "test_check.py", "test_producer_holds.py", "test_verify_classes.py", "test_prefetch_lean.py",
+    "test_ab.py", "test_producer_faults.py", "test_val_end_to_end.py", "test_cli.py", "test_gpu_loaders.py",
+    "test_verify_edited.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    # Stable: each file's tests stay together and in their order; other files keep theirs.
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
+
 def pytest_configure(config):
+    # xdist's loadfile would otherwise hand out the files with the most tests first
+    # (--loadscope-reorder, its default), whatever their time: the collection order instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     # A test run started in the background of a non-interactive shell (`make test &`)
     # inherits SIGINT ignored, and so would every process it starts: the Ctrl-C tests
     # would see scripts that never get their KeyboardInterrupt. A handler (unlike an

@@ -3,25 +3,23 @@
 Each runnable fixture is patched, then the original and the patched script are run
 as subprocesses on the same synthetic shards; every `step:N train_loss:X` line
 (full float repr) and the final validation loss must match, with TRAIN_PREFETCH=1
-and =0. The runs go in parallel so the whole file stays fast.
+and =0. The runs go in parallel so the whole file stays fast; the original runs are
+shared with test_fixtures.py (fixture_training.py).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from fixture_training import original_runs, run_env, run_script, shard_dir, workers
 from test_fixtures import NOT_RUN as FIXTURES_NOT_RUN, WRAPPED, runnable
 
 from patcher.demo import STEP_LINE
 from patcher.families import registry
 from patcher.patch import patch_source
-from patcher.proof.shards import write_shards
 from patcher.read.source import read_script, render
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -33,32 +31,36 @@ RUNNABLE = runnable(registry.UNITS, NOT_RUN, others=["curriculum", "batch_switch
 MODES = {"original": {}, "prefetch_on": {"TRAIN_PREFETCH": "1"}, "prefetch_off": {"TRAIN_PREFETCH": "0"}}
 
 
-def _run(script: Path, data: Path, env: dict) -> str:
-    full = dict(os.environ, DATA_PATH=str(data), OMP_NUM_THREADS="1", **env)
-    done = subprocess.run([sys.executable, str(script)], env=full, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{script.name} {env}: {done.stderr[-2000:]}"
+def _run(script: Path, env: dict, workdir: Path) -> str:
+    done = run_script(script, env, workdir)
+    assert done.returncode == 0, f"{script.name} {env.get('TRAIN_PREFETCH')}: {done.stderr[-2000:]}"
     return done.stdout
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    data = tmp_path_factory.mktemp("shards")
-    write_shards(data)
+    """{(fixture, mode): stdout}. The patched runs train here, on the shards of the original
+    runs; those come from fixture_training.py, trained once for this file and test_fixtures.py."""
+    data = shard_dir(tmp_path_factory)
     out_dir = tmp_path_factory.mktemp("patched")
+    workdir = tmp_path_factory.mktemp("cwd")
     jobs = {}
     for name in RUNNABLE:
         script = read_script(FIXTURES / f"{name}.py")
         patched = out_dir / f"{name}.py"
         patched.write_text(render(script, patch_source(script.source).source))
-        # A wrapped fixture's original run is its payload's source run (same bytes, same
-        # output: test_fixtures.py::test_wrapped_fixture_matches_source), so it is not run twice.
-        if WRAPPED.get(name) not in RUNNABLE:
-            jobs[(name, "original")] = (FIXTURES / f"{name}.py", {})
-        jobs[(name, "prefetch_on")] = (patched, MODES["prefetch_on"])
-        jobs[(name, "prefetch_off")] = (patched, MODES["prefetch_off"])
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = {key: pool.submit(_run, path, data, env) for key, (path, env) in jobs.items()}
+        jobs[(name, "prefetch_on")] = (patched, run_env(data, **MODES["prefetch_on"]))
+        jobs[(name, "prefetch_off")] = (patched, run_env(data, **MODES["prefetch_off"]))
+    # The patched runs first: meanwhile the other test worker may train the originals.
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        futures = {key: pool.submit(_run, path, env, workdir) for key, (path, env) in jobs.items()}
         done = {key: f.result() for key, f in futures.items()}
+    # A wrapped fixture's original run is its payload's source run (same bytes, same
+    # output: test_fixtures.py::test_wrapped_fixture_matches_source), so it is not run twice.
+    originals = [name for name in RUNNABLE if WRAPPED.get(name) not in RUNNABLE]
+    for (name, _), run in original_runs(tmp_path_factory, [(name, 0) for name in originals]).items():
+        assert run.returncode == 0, f"{name}.py: {run.stderr[-2000:]}"
+        done[(name, "original")] = run.stdout
     for name in RUNNABLE:
         done.setdefault((name, "original"), done.get((WRAPPED.get(name), "original")))
     return done

@@ -1,7 +1,8 @@
 """Synthetic shards (`patcher.proof.shards`) and the fixture training scripts in `fixtures/`.
 
 The fixture scripts are run as subprocesses on CPU, all at once on a thread pool
-(one torch thread each), once per session; the tests then look at the outputs.
+(one torch thread each), once per test run (fixture_training.py: test_end_to_end.py
+reuses the first run of each); the tests then look at the outputs.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import glob
 import importlib.util
 import lzma
 import math
-import os
 import re
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,8 @@ import pytest
 from patcher.families import registry
 from patcher.proof import shards
 from patcher.proof.shards import read_shard, write_shards
+
+from fixture_training import original_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
@@ -303,36 +303,11 @@ def test_make_wrapped_is_deterministic():
 
 
 @pytest.fixture(scope="session")
-def shard_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("shards")
-    write_shards(directory, train_shards=3, val_shards=1, tokens_per_shard=2048, vocab_size=128, seed=0, bos_id=1)
-    return directory
-
-
-def _env_names_read_by_fixtures() -> set[str]:
-    names = set()
-    for name in ALL_SCRIPTS:
-        names.update(re.findall(r"os\.environ\.get\(['\"]([A-Z0-9_]+)['\"]", (FIXTURES / name).read_text(encoding="utf-8")))
-    return names | {"RANK", "WORLD_SIZE", "LOCAL_RANK"}
-
-
-@pytest.fixture(scope="session")
-def fixture_runs(shard_dir, tmp_path_factory):
-    """{(script stem, run index): CompletedProcess}: every runnable fixture twice, every wrapped one once."""
-    env = dict(os.environ)
-    for key in _env_names_read_by_fixtures():
-        env.pop(key, None)
-    env.update(DATA_PATH=str(shard_dir), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0")
-    workdir = tmp_path_factory.mktemp("runs")
+def fixture_runs(tmp_path_factory):
+    """{(script stem, run index): CompletedProcess}: every runnable fixture twice, every wrapped
+    one once (run index 0 is shared with test_end_to_end.py: fixture_training.py)."""
     jobs = [(name, i) for name in RUNNABLE for i in (0, 1)] + [(name, 0) for name in WRAPPED]
-
-    def run(job):
-        script = FIXTURES / f"{job[0]}.py"
-        return job, subprocess.run([sys.executable, str(script)], env=env, cwd=workdir, capture_output=True, text=True, timeout=300)
-
-    workers = max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return dict(pool.map(run, jobs))
+    return original_runs(tmp_path_factory, jobs)
 
 
 def _stable_lines(stdout: str) -> list[str]:

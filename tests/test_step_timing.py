@@ -10,7 +10,6 @@ logged, on which steps, what each wrapped call returns, and how many times
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -25,10 +24,10 @@ import pytest
 import torch
 
 import patcher.templates.step_timing as step_timing_mod
+from fixture_training import original_runs, run_env, shard_dir
 from patcher.demo import STEP_LINE
 from patcher.patch import features_from, patch_source
 from patcher.transforms.features import FEATURES
-from patcher.proof.shards import write_shards
 from patcher.read.source import read_script, render
 from patcher.templates.copy_stream import _h2d, _h2d_timers
 from patcher.templates.step_timing import _force_sync_toggles, _StepTimer
@@ -365,10 +364,13 @@ RUNS = {
 }
 
 
+# The original runs trained once for test_fixtures.py too (fixture_training.py).
+SHARED_ORIGINALS = ["shuffled_minified"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    data = tmp_path_factory.mktemp("shards")
-    write_shards(data, bos_id=1)
+    data = shard_dir(tmp_path_factory)
     out = tmp_path_factory.mktemp("patched")
     counter = out / "count_sync.py"
     counter.write_text(SYNC_COUNTER)
@@ -381,13 +383,18 @@ def runs(tmp_path_factory):
     def run(key):
         name, mode = key
         script = FIXTURES / f"{name}.py" if mode == "original" else paths[name]
-        env = dict(os.environ, DATA_PATH=str(data), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **RUNS[key])
-        done = subprocess.run([sys.executable, str(counter), str(script)], env=env, capture_output=True, text=True, timeout=300)
+        env = run_env(data, **RUNS[key])
+        done = subprocess.run([sys.executable, str(counter), str(script)], env=env, cwd=out, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"{key}: {done.stderr[-2000:]}"
         return done.stdout
 
+    here = [key for key in RUNS if not (key[1] == "original" and key[0] in SHARED_ORIGINALS)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(RUNS, pool.map(run, RUNS)))
+        found = dict(zip(here, pool.map(run, here)))
+    for (name, _), done in original_runs(tmp_path_factory, [(name, 0) for name in SHARED_ORIGINALS]).items():
+        assert done.returncode == 0, f"{name}: {done.stderr[-2000:]}"
+        found[(name, "original")] = done.stdout
+    return found
 
 
 @pytest.mark.parametrize("key", [k for k in RUNS if k[1] != "original"])

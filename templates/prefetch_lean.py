@@ -172,7 +172,8 @@ class _PrefetchLoader:
             elif args != self.args or (not self.pid and self.pid is not False):  # False: a thread; 0: shut down
                 raise RuntimeError(f"prefetch: next_batch{args} after next_batch{self.args} or shutdown")
             if _ring_timers:  # a step timer counts the hand-outs, and those that found no batch built (the producer behind)
-                _ring_timers[-1].ring[:] = _ring_timers[-1].ring[0] + 1, _ring_timers[-1].ring[1] + (not self.conn.poll())
+                ring = _ring_timers[-1].ring
+                ring[:] = ring[0] + 1, ring[1] + (not self.conn.poll())
             try:
                 message = _receive(self.conn, self.slots, self.lent)
             except (EOFError, OSError):  # gone without a word (a reset connection: it left bytes of free slots unread)

@@ -86,12 +86,21 @@ def _stage(item, pin, host_copy=True):
     """
     if not (pin or host_copy):
         return item
-    tensors, copies = [], {}
+    tensors = []
     _each_tensor(item, lambda t: t.device.type == "cpu" and tensors.append(t))
-    for _, lo, hi, over in _spans(tensors):  # tensors that overlap in one storage: one copy, overlapping the same way
+    copies = _span_copies(_spans(tensors), pin)
+    return _each_tensor(item, lambda t: copies.get(id(t), t))
+
+
+def _span_copies(spans, pin=False):
+    """{id(tensor): its copy} for the tensors of `spans` (`_spans`): each span copied once
+    (into pinned memory when `pin`), its tensors views of the copy at the same distances
+    and strides, so tensors that overlap in the original overlap the same way."""
+    copies = {}
+    for _, lo, hi, over in spans:
         span = torch.empty((hi - lo,), dtype=torch.uint8, pin_memory=pin).copy_(torch.empty(0, dtype=torch.uint8).set_(over[0].untyped_storage(), lo, (hi - lo,)))
         copies.update((id(t), torch.empty(0, dtype=t.dtype).set_(span.untyped_storage(), (t.storage_offset() * t.element_size() - lo) // t.element_size(), t.shape, t.stride())) for t in over)
-    return _each_tensor(item, lambda t: copies.get(id(t), t))
+    return copies
 
 
 def _staged_h2d(tensor, device, copy_stream=True):

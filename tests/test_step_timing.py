@@ -146,9 +146,7 @@ def test_data_wait_counts_the_hand_outs_that_found_no_batch_built():
     loader = _make_train_loader(lambda d: Gated(d), torch.device("cpu"), queue_depth=2, name="gated")
     try:
         assert torch.equal(loader.next_batch(4), torch.arange(4) + 1)
-        deadline = time.monotonic() + 30
-        while queued_batches(loader) < 2 and time.monotonic() < deadline:  # batches 2 and 3 built
-            time.sleep(0.001)
+        _wait_until(lambda: queued_batches(loader) >= 2)  # batches 2 and 3 built
         timer.ring[:] = 0, 0
         opener = threading.Thread(target=lambda: (_wait_until(lambda: timer.ring[0] == 3), gate.set()))
         opener.start()  # opens the gate once hand-out 4 has looked at the ring

@@ -31,7 +31,7 @@ import torch
 
 from patcher.proof import host_cuda
 from patcher.proof.harness import HarnessError
-from patcher.templates.staging import _each_leaf, _spans
+from patcher.templates.staging import _each_leaf, _span_copies, _spans
 
 
 class CannotVerify(Exception):
@@ -231,12 +231,8 @@ def copy_batch(batch):
     (`templates/staging.py` `_each_leaf`). CPU tensors whose bytes overlap in one storage
     are copied as one span of it (the runtime's `_spans`) and overlap the same way in the
     copy, so that `first_difference` compares their sharing too."""
-    copies = {}
     with torch._C.DisableTorchFunctionSubclass():
-        for _, lo, hi, over in _spans(_cpu_tensors(batch)):
-            if len(over) > 1:  # a shared span: one copy, the tensors as views of it at the same distances and strides
-                span = torch.empty(0, dtype=torch.uint8).set_(over[0].untyped_storage(), lo, (hi - lo,)).clone()
-                copies.update((id(t), torch.empty(0, dtype=t.dtype).set_(span.untyped_storage(), (t.storage_offset() * t.element_size() - lo) // t.element_size(), t.shape, t.stride())) for t in over)
+        copies = _span_copies([span for span in _spans(_cpu_tensors(batch)) if len(span[3]) > 1])  # shared spans only: a tensor alone is cloned
     return _each_leaf(batch, lambda v: copies.get(id(v)) if id(v) in copies else v.detach().clone().as_subclass(torch.Tensor) if isinstance(v, torch.Tensor) else v.copy() if isinstance(v, np.ndarray) else v)
 
 

@@ -92,11 +92,7 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
     of a batch may share memory that the CUDA path's copies keep apart."""
     batches, reuses, leaked = {}, {}, collections.Counter()
     with contextlib.ExitStack() as context, host_cuda.reference_side(), GlobalRng():  # the same global random state as the patched side's; copies as meant
-        if on_cuda:
-            context.enter_context(cuda_on_host(notes))
-        else:
-            context.enter_context(host_only_pinning(notes))
-            context.enter_context(cuda_as_host(notes))
+        _enter_device(context, on_cuda, notes)
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(on_cuda))
         if seeded:
             seed(script_seeding(recipe, ns))
@@ -121,6 +117,17 @@ def reference_batches(recipe: LoaderRecipe, module, plan: Plan, rank: int, notes
         finally:
             close(loader)
     return Reference(batches, reuses, leaked, on_cuda)
+
+
+def _enter_device(context: contextlib.ExitStack, on_cuda: bool, notes: list[str]) -> None:
+    """Enter, on `context`, the device a side's batches are drawn for: the CUDA path driven
+    with host memory (`cuda_on_host`), or what a CPU-only run sees (pinning requests as
+    plain host memory; a loader that calls .cuda() itself keeps its batches on the host)."""
+    if on_cuda:
+        context.enter_context(cuda_on_host(notes))
+    else:
+        context.enter_context(host_only_pinning(notes))
+        context.enter_context(cuda_as_host(notes))
 
 
 def _draw_original(loader, arguments: tuple, n: int, plan: Plan, what: str):
@@ -168,11 +175,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
     with contextlib.ExitStack() as context:
         context.enter_context(GlobalRng())  # the same global random state as the original's side
         started = context.enter_context(thread_starts())
-        if configuration.host_cuda:
-            context.enter_context(cuda_on_host(notes))
-        else:  # what a CPU-only run sees; a loader that calls .cuda() itself keeps its batches on the host
-            context.enter_context(host_only_pinning(notes))
-            context.enter_context(cuda_as_host(notes))
+        _enter_device(context, configuration.host_cuda, notes)
         ns = recipe.namespace(module, plan.hparams_for(rank), rank, plan.world_size, device_for(configuration.host_cuda))
         if seeded:
             seed(script_seeding(calls or recipe, ns))

@@ -25,8 +25,12 @@ its minimum time is skipped and recorded as skipped; a failed stage never stops 
 2. sanitizer: one process under PyTorch's CUDA stream sanitizer (a planted race must be
    reported, then the injected pieces must report none, each between markers so a
    hang is named), then the CUDA-only tests in the time left (skipped on a CPU).
-3. registered slot: the H2D straight from registered slot memory. Not implemented in
-   the runtime yet: recorded as skipped, saying so.
+3. registered slot (`bench/gpu_registered.py`): the process producer's hand-out on
+   CUDA, H2D straight from slot memory registered as pinned: batches exact behind a
+   queued load, the slot lent until its copies' event completed, a failed registration
+   kept off the training thread; host ms per hand-out (registered, the pinned-copy
+   fallback, the original's pageable `.to()`), and per H2D on the copy stream against
+   the compute stream at 64 KB, 1 MB and 8 MB.
 4. ab: `patch-prefetch ab` on parameter-golf's root `train_gpt.py` at 524,288 tokens a
    step, one compile cache; its resolution (ab's interval) beside the figure, or why
    there is none. A patched run whose producer fell back fails its stage.
@@ -55,6 +59,7 @@ Exit 0 when every stage that ran passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -127,7 +132,8 @@ BUDGET_BASIS = {
                       "patched ~50 ms (bounded by the producer's ~24 ms a batch): 3 s; 4 runs (2 a side, a between-run interval) ~ 46 + 3 x 26 = 124 s",
     "2_sanitizer": "one sanitizer process (torch import and CUDA init ~8 s, the pieces and the planted race ~3 s) + the 5 CUDA-only tests in pytest (~15 s, estimate); "
                    "the H200 run's 40 s box held two sanitizer processes and the tests and timed out; now the process gets at most 25 s, the tests the rest",
-    "3_registered_slot": "0 s: the runtime has no registered-slot path yet (issue 58 part 2); the stage records that",
+    "3_registered_slot": "estimate (never run on a GPU): torch import and CUDA init ~8 s (the probe's), 4 forked producers' starts ~1 s, "
+                         "200 batches behind a 5 ms load ~1.2 s, 3 x 42 timed hand-outs and 6 x 42 timed copies behind a 5 ms load ~2.5 s: ~13 s; boxed at 30 s",
     "4_ab_root": "one run a side at 524,288 tokens: 652 ms a step (163 ms at 131,072 tokens, ab by hand on the H200, x4) x 25 steps (5 warm-up + 20) = 16 s, "
                  "+ >= 32 s compile and start-up (first run; ~12 s with the shared cache, estimate) + shards and tokenizer ~5 s: ~81 s",
     "5_modded_e2e": "what is left (the script's own message: ~7 minutes of warm-up compile on the first execution, on 8 H100s; no H200 figure): "
@@ -141,7 +147,7 @@ STAGES = [
     Stage("0_probe", "probe and install", 15, 8, 60),
     Stage("1_nanochat_e2e", "nanochat scripts/base_train.py end to end: step dt, original vs patched dataloader", 140, 70, 60),
     Stage("2_sanitizer", "CUDA stream sanitizer and the CUDA-only tests", 40, 25, 60),
-    Stage("3_registered_slot", "registered-slot H2D (cudaHostRegister, no host copy)", 5, 0, 10),
+    Stage("3_registered_slot", "registered-slot H2D (cudaHostRegister, no host copy)", 30, 15, 60),
     Stage("4_ab_root", "ab: root train_gpt.py at 524,288 tokens, original vs patched", 100, 80, 60),
     Stage("5_modded_e2e", "modded-nanogpt train_gpt.py end to end, WORLD_SIZE=1: step time, original vs patched", 230, 150, 60),
     Stage("6_ab_sdclip", "ab: SDClip record at 524,288 tokens, original vs patched", 100, 80, 60),
@@ -815,15 +821,30 @@ def _cuda() -> bool:
 
 
 def stage_registered_slot(inputs: Path, work: Path, dry_run: bool) -> dict:
-    """A registered-slot H2D (the producer's slot memory registered with
-    `cudaHostRegister`, copied straight to the device on the copy stream, given back
-    once the copy's event completed). Not implemented in the runtime yet: the stage
-    says so (skipped); once `templates/` registers slot memory it fails until
-    its check is written here."""
-    templates = ROOT / "templates"
-    if not any("cudaHostRegister" in path.read_text() for path in templates.glob("*.py")):
-        raise StageSkipped("not implemented in the runtime yet: no template registers slot memory (cudaHostRegister)")
-    raise StageFailed("the runtime registers slot memory now, and this stage has no check of it yet: write one (issue 58 part 2)")
+    """The registered-slot hand-out on a real device (`bench/gpu_registered.py`); in a
+    dry run, the same code on host memory (`cuda_on_host`) at tiny sizes."""
+    import torch
+
+    import gpu_registered
+    from patcher.proof.host_cuda import cuda_on_host
+
+    cuda = torch.cuda.is_available() and not dry_run
+    with cuda_on_host() if not cuda else contextlib.nullcontext():
+        device = torch.device("cuda", 0)
+        load = _GpuLoad(device, target_ms=5.0 if cuda else 0.0)
+        if cuda:
+            figures = gpu_registered.run(device, load, batches=200, shape=(16, 2048), sizes={"64KB": 64 << 10, "1MB": 1 << 20, "8MB": 8 << 20}, reps=40)
+        else:
+            figures = gpu_registered.run(device, load, batches=12, shape=(2, 64), sizes={"64KB": 64 << 10}, reps=3, real=False)
+    figures["device"] = str(torch.cuda.get_device_name(0)) if cuda else "cpu (cuda_on_host)"
+    figures["load_ms"] = load.measured_ms
+    ms, exact = figures["hand_out_ms"], figures["exact"]
+    figures["headline"] = (f"{exact['batches'] - exact['differ']}/{exact['batches']} batches exact, registered {exact['registered']}; hand-out p50 "
+                           f"{ms['registered']['p50']:.3f} ms registered, {ms['pinned_copy_fallback']['p50']:.3f} ms with a pinned copy, "
+                           f"{ms['original_pageable_to']['p50']:.3f} ms the original's pageable .to() (behind a {load.measured_ms:.1f} ms load)")
+    if figures["problems"]:
+        raise _Failed(figures, figures["problems"])
+    return figures
 
 
 def _inputs_of(inputs: Path, name: str) -> tuple[Path, Path] | None:

@@ -27,9 +27,9 @@ child (its structure, its non-tensor values, its slot's number), one byte a free
 back (its number; every slot's written before the start). `next_batch` reads the
 message and hands the batch out as views of its slot, lent (`_hand_out`): the slot
 goes back to the child at the first `next_batch` after the last tensor over it died.
-On CUDA the views die at once: they are copied into pinned memory and the H2D copy
-queued from there on the copy stream (`_staged_h2d`, `templates/staging.py`);
-elsewhere the views are the batch, with no copy. Only
+On CUDA the H2D copies read the slot itself, its memory registered as pinned once
+(cudaHostRegister), queued on the copy stream, and the slot goes back once a CUDA event
+behind them has completed; elsewhere the views are the batch, with no copy. Only
 the child advances the loader, with exactly the calls the original makes, so the
 batches are bit-identical. A batch of another shape or structure than the first travels as well:
 each message carries its own, and a tensor the slot has no room for travels in it.
@@ -109,8 +109,8 @@ import weakref
 
 import torch
 
-from patcher.templates.copy_stream import _ring_timers
-from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _spans, _staged_h2d
+from patcher.templates.copy_stream import _h2d, _ring_timers
+from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _spans
 
 # One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}
@@ -366,14 +366,27 @@ def _receive(conn, slots, lent):
 
 def _hand_out(batch, index, slots, lent, device, copy_stream):
     """The batch of a message (its tensors `_HostTensor`s, in slot `index` of `slots`) on
-    `device`, as views of the slot, lent: `lent[index]` becomes a weak reference to an
-    object that only the batch's tensors keep alive, and the next `_receive` that finds
-    it dead gives the slot back to the producer. On CUDA the views die inside this
-    call, once `_staged_h2d` has copied them into pinned memory and queued the H2D;
-    elsewhere they are the batch, with no copy (the hand-out a thread producer's queue
-    gives: parameter-golf #591). A batch whose views would leave the producer no slot
-    (a caller that keeps every batch) is a copy instead, as is a batch that travelled
-    in its message: a wait for a slot there would never end.
+    `device`, and slot `index` lent until the batch no longer needs it: `lent[index]`
+    becomes a callable that returns None once the slot may be rewritten, and the next
+    `_receive` that finds it so gives the slot back to the producer.
+
+    On the CPU the batch is views of the slot, with no copy (the hand-out a thread
+    producer's queue gives: parameter-golf #591), lent while they live: the callable is a
+    weak reference to a numpy view of the slot that only the batch's tensors keep alive.
+    A batch whose views would leave the producer no slot (a caller that keeps every
+    batch) is a copy instead, as is a batch that travelled in its message: a wait for a
+    slot there would never end.
+
+    On CUDA the H2D copies read the slot itself: its memory is registered as pinned
+    memory once (`_pinned`, cudaHostRegister), so each copy is asynchronous with no host
+    copy before it, and the slot is lent until a CUDA event recorded behind the batch's
+    copies has completed (polled at the next hand-out, `event.query()`; recorded on the
+    current stream, it completes once the GPU has reached the hand-out: a slot goes back
+    about a step after its batch was handed out, while the producer has the other slots
+    to build ahead in). Where the slot would be the last lent, the host waits for that
+    event here (it runs as many batches ahead of the GPU as there are slots). Where registration failed, each tensor is first
+    copied into pinned memory (`Tensor.pin_memory()`: torch's caching host allocator
+    hands that block out again only once the copy from it has completed).
 
     The hand-out makes as few torch calls as it can: each torch call after a step's
     thousands of others costs 20-40 µs on a 2-core host (its code and data out of the
@@ -389,13 +402,56 @@ def _hand_out(batch, index, slots, lent, device, copy_stream):
     Returns: the batch's structure, its tensors (e.g. `x, y: int64 [batch, seq_len]`)
     on `device`."""
     slot, lent[index] = slots[index], lambda: None  # no slot, nothing lent: free at the next batch
+    if slot is not None and device.type == "cuda":
+        slot, done = torch.from_numpy(slot), torch.cuda.Event()
+        batch = _each_leaf(batch, lambda v: _h2d(v.tensor(slot) if _pinned(slots) else v.tensor(slot).pin_memory(), device, copy_stream) if isinstance(v, _HostTensor) else v)
+        done.record()  # on the current stream, which waits for the copy stream (`_h2d`): after the copies
+        lent[index] = lambda: None if done.query() else done
+        if len(lent) == len(slots):  # the producer would have no slot: wait for this batch's copies
+            done.synchronize()
+        return batch
     if slot is not None:
         slot = slot[:]  # a numpy view of the slot of this batch's own, kept alive by each tensor over it
         lent[index] = weakref.ref(slot)
         slot = torch.from_numpy(slot)
         if len(lent) == len(slots):  # views would leave the producer no slot: a copy
             slot = slot.clone()
-    return _each_leaf(batch, lambda v: (v.tensor(slot) if device.type == "cpu" else _staged_h2d(v.tensor(slot), device, copy_stream)) if isinstance(v, _HostTensor) else v)  # (on the CPU the views are the batch: no op)
+    return _each_leaf(batch, lambda v: (v.tensor(slot) if device.type == "cpu" else v.tensor(slot).to(device)) if isinstance(v, _HostTensor) else v)  # (on the CPU the views are the batch: no op; a copy to another device)
+
+
+# The slot lists whose memory registration was tried (`_pinned`): id -> (the list, registered).
+# The list is kept, so that its memory stays mapped while it is registered (never undone).
+_registered = {}
+
+
+def _pinned(slots):
+    """Whether the memory of `slots` (rows of one shared mapping, `_map_slots`) is
+    registered with CUDA as pinned memory; tried at the first call for a list
+    (`_register`), on a thread of its own: a failed CUDA call leaves its error as its
+    thread's last error, which torch's next kernel-launch check on that thread would
+    raise. The thread gets the training process's current device: a thread's own is
+    device 0, whose context a rank on another device must not create."""
+    if id(slots) not in _registered:
+        thread = threading.Thread(target=_register, args=(slots, torch.cuda.current_device()))
+        thread.start()
+        thread.join()
+    return _registered[id(slots)][1]
+
+
+def _register(slots, device):
+    """Register the memory of `slots` as pinned memory with CUDA `device` current
+    (cudaHostRegister, portable: every device's context sees it pinned) and record in
+    `_registered` whether it worked. Where it fails (a container's locked-memory limit, a
+    driver that cannot pin shared memory), one line on stderr says so, and the hand-out
+    copies each tensor into pinned memory first (`_hand_out`)."""
+    try:
+        torch.cuda.set_device(device)
+        error = int(torch.cuda.cudart().cudaHostRegister(slots[0].ctypes.data, slots[0].nbytes * len(slots), 1))
+    except Exception as failure:  # a torch without cudart bindings
+        error = failure
+    if error:
+        print(f"prefetch: slot memory not pinned ({error}): each batch is copied into pinned memory first", file=sys.stderr)
+    _registered[id(slots)] = slots, not error
 
 
 # Each producer's slots lent out (`_hand_out`), and their pages' bytes at a fork, for
@@ -412,7 +468,7 @@ def _keep_lent(child):
     before the fork, since the parent may free the slot as soon as fork returns."""
     import ctypes as c
     if not child:
-        for slot in [slot for lent in _lending for ref in list(lent.values()) if (slot := ref()) is not None]:
+        for slot in [slot for lent in _lending for ref in list(lent.values()) if hasattr(slot := ref(), "ctypes")]:  # (not None: free; not a CUDA event: copied to the device)
             start = slot.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
             _lent_pages.append((start, c.string_at(start, (start - slot.ctypes.data - slot.nbytes) // mmap.PAGESIZE * -mmap.PAGESIZE)))  # whole pages
         return

@@ -39,10 +39,7 @@ def test_dry_run_runs_every_stage(prepared, tmp_path):
     results = json.loads((out / "results.json").read_text())
     rows = results["stages"]
     assert list(rows) == [stage.key for stage in gpu_proof.STAGES]
-    # Every stage ran, but the registered-slot one, which says why it has nothing to run.
-    expected = {key: "ok" for key in rows} | {"3_registered_slot": "skipped"}
-    assert {key: row["status"] for key, row in rows.items()} == expected, done.stdout + done.stderr
-    assert "not implemented in the runtime yet" in rows["3_registered_slot"]["why"]
+    assert {key: row["status"] for key, row in rows.items()} == {key: "ok" for key in rows}, done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
     # Each stage recorded its figures, exit and time; each box says where its seconds come from.
     for key, row in rows.items():
@@ -51,6 +48,9 @@ def test_dry_run_runs_every_stage(prepared, tmp_path):
     assert set(rows["0_probe"]["figures"]["installed"]) >= {"libcst", "pyflakes", "python_minifier"}
     assert rows["7_generator"]["figures"]["exact"] is True
     assert rows["8_module"]["figures"]["exact"] is True
+    registered = rows["3_registered_slot"]["figures"]
+    assert registered["exact"] == {"batches": 12, "differ": 0, "registered": True}
+    assert registered["failure_isolated"]["second_registration"] is False and registered["failure_isolated"]["launch_after_failure_on_its_thread"] == "clean"
     # The end-to-end stages: the miniatures run original then patched to their last step,
     # the producer never fell back, and the comparison carries its resolution and basis.
     for key in ("1_nanochat_e2e", "5_modded_e2e"):
@@ -113,13 +113,11 @@ def test_the_boxes_before_the_modded_stage_fit_the_deadline():
     assert set(gpu_proof.BUDGET_BASIS) == set(keys)
 
 
-def test_the_registered_slot_stage_says_what_the_runtime_lacks(tmp_path, monkeypatch):
-    with pytest.raises(gpu_proof.StageSkipped, match="not implemented in the runtime yet"):
-        gpu_proof.stage_registered_slot(tmp_path, tmp_path, dry_run=True)
-    # Once a template registers slot memory, the placeholder fails until its check is written.
-    templates = tmp_path / "templates"
-    templates.mkdir(parents=True)
-    (templates / "slots.py").write_text("cudart().cudaHostRegister(ptr, size, 0)\n")
-    monkeypatch.setattr(gpu_proof, "ROOT", tmp_path)
-    with pytest.raises(gpu_proof.StageFailed, match="no check"):
+def test_the_registered_slot_stage_fails_where_the_slots_are_not_registered(tmp_path, monkeypatch):
+    # The planted fault: a runtime that never registers its slots (every hand-out then
+    # copies into pinned memory first, the path of a failed registration).
+    from patcher.templates import prefetch_lean
+
+    monkeypatch.setattr(prefetch_lean, "_register", lambda slots, device: prefetch_lean._registered.__setitem__(id(slots), (slots, False)))
+    with pytest.raises(gpu_proof.StageFailed, match="the slots' memory is not registered"):
         gpu_proof.stage_registered_slot(tmp_path, tmp_path, dry_run=True)

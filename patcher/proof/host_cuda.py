@@ -96,6 +96,8 @@ class AsyncCopies:
         # A loader's own threads copy too (a hand-written prefetch): one copy, run or tick at a time.
         self.lock = threading.RLock()
         self._pinned: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Host memory registered as pinned (`cudaHostRegister`): [first byte, end byte) each.
+        self.registered: list[tuple[int, int]] = []
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Mark `tensor` (and every view of it) pinned; returns it."""
@@ -104,8 +106,17 @@ class AsyncCopies:
         return tensor
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Pinned by `pin` (a view of a pinned tensor too), or its first byte in memory registered (`register`)."""
         base = tensor._base if tensor._base is not None else tensor
-        return self._pinned.get(id(base)) is base
+        if self._pinned.get(id(base)) is base:
+            return True
+        with torch._C.DisableTorchFunctionSubclass():
+            first = tensor.data_ptr()
+        return any(lo <= first < hi for lo, hi in self.registered)
+
+    def register(self, address: int, size: int) -> None:
+        """`cudaHostRegister(address, size)`: `size` bytes of host memory from `address` are pinned."""
+        self.registered.append((address, address + size))
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, non_blocking: bool) -> None:
         """`dst.copy_(src)` (dst: plain host memory standing for the device), queued; it
@@ -307,7 +318,7 @@ def run_ahead_of(micro_steps: int):
 
 
 @contextlib.contextmanager
-def cuda_on_host(notes: list[str] | None = None, run_ahead: int | None = None):
+def cuda_on_host(notes: list[str] | None = None, run_ahead: int | None = None, register_error: int = 0):
     """Inside: `torch.cuda.is_available()` is True and CUDA means host memory, so code
     that takes its CUDA path (pinned staging buffers, a copy stream, events,
     `record_stream`) runs on a CPU-only machine with the same values.
@@ -318,15 +329,17 @@ def cuda_on_host(notes: list[str] | None = None, run_ahead: int | None = None):
     `run_ahead` micro-steps behind the host may from pinned memory (`AsyncCopies`; the
     harness counts micro-steps with `tick()`; None: `RUN_AHEAD`, or `run_ahead_of`'s). `pin_memory()` returns a pinned copy (as
     torch does); a `pin_memory=True` or `device="cuda"` argument of a factory means
-    pinned or device memory on the host. With real CUDA present nothing changes
-    (yields False). Not thread-safe against other code patching torch at the same time.
+    pinned or device memory on the host; `torch.cuda.cudart().cudaHostRegister(address,
+    size, flags)` pins that memory, or returns `register_error` where it is not 0 (a
+    failed registration, as a container's locked-memory limit makes it). With real CUDA
+    present nothing changes (yields False). Not thread-safe against other code patching torch at the same time.
     """
     if torch.cuda.is_available():
         yield False
         return
     run_ahead = _DEFAULT_RUN_AHEAD[-1] if run_ahead is None else run_ahead
     model = AsyncCopies(run_ahead)
-    saved_cuda = {name: getattr(torch.cuda, name, None) for name in ("is_available", "current_device", "device_count", "set_device", "synchronize", "Stream", "Event", "current_stream", "default_stream", "stream")}
+    saved_cuda = {name: getattr(torch.cuda, name, None) for name in ("is_available", "current_device", "device_count", "set_device", "synchronize", "Stream", "Event", "current_stream", "default_stream", "stream", "cudart")}
     saved_tensor = {name: getattr(torch.Tensor, name) for name in ("cuda", "cpu", "to", "pin_memory", "record_stream", "is_pinned", "copy_")}
     saved_factories = {name: getattr(torch, name) for name in _FACTORIES if hasattr(torch, name)}
     original_to, original_cpu, empty_like = saved_tensor["to"], saved_tensor["cpu"], saved_factories["empty_like"]
@@ -394,6 +407,8 @@ def cuda_on_host(notes: list[str] | None = None, run_ahead: int | None = None):
     torch.cuda.Stream, torch.cuda.Event = _HostStream, _HostEvent
     torch.cuda.current_stream = torch.cuda.default_stream = lambda *a, **k: host_stream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    host_cudart = _HostCudart(model, register_error)
+    torch.cuda.cudart = lambda: host_cudart
     torch.Tensor.cuda = host_cuda
     torch.Tensor.cpu = host_cpu
     torch.Tensor.to = host_to
@@ -421,6 +436,25 @@ def cuda_on_host(notes: list[str] | None = None, run_ahead: int | None = None):
                     f"from pinned memory reads its source as late as a GPU {run_ahead} micro-step(s) behind the host may (--run-ahead; events and synchronize calls respected)")
             if note not in notes:
                 notes.append(note)
+
+
+class _HostCudart:
+    """Stands in for `torch.cuda.cudart()`: `cudaHostRegister` pins host memory in the
+    model (`AsyncCopies.register`) and returns 0, or returns `error` and pins nothing
+    where it is not 0, or 712 (cudaErrorHostMemoryAlreadyRegistered) for memory that
+    overlaps memory registered before; `registered` counts the calls that pinned."""
+
+    def __init__(self, model: AsyncCopies, error: int = 0):
+        self.model, self.error, self.registered = model, error, 0
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+        if self.error:
+            return self.error
+        if any(lo < address + size and address < hi for lo, hi in self.model.registered):
+            return 712
+        self.model.register(address, size)
+        self.registered += 1
+        return 0
 
 
 class _HostStream:

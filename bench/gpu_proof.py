@@ -26,10 +26,11 @@ its minimum time is skipped and recorded as skipped; a failed stage never stops 
    reported, then the injected pieces must report none, each between markers so a
    hang is named), then the CUDA-only tests in the time left (skipped on a CPU).
 3. registered slot (`bench/gpu_registered.py`): the process producer's hand-out on
-   CUDA, H2D straight from slot memory registered as pinned: batches exact behind a
+   CUDA with `pinned_slots` (an option no patch passes yet), H2D straight from slot
+   memory registered as pinned: batches exact behind a
    queued load, the slot lent until its copies' event completed, a failed registration
-   kept off the training thread; host ms per hand-out (registered, the pinned-copy
-   fallback, the original's pageable `.to()`), and per H2D on the copy stream against
+   kept off the training thread; host ms per hand-out (registered, the default
+   pinned copy, the original's pageable `.to()`), and per H2D on the copy stream against
    the compute stream at 64 KB, 1 MB and 8 MB.
 4. ab: `patch-prefetch ab` on parameter-golf's root `train_gpt.py` at 524,288 tokens a
    step, one compile cache; its resolution (ab's interval) beside the figure, or why
@@ -840,7 +841,7 @@ def stage_registered_slot(inputs: Path, work: Path, dry_run: bool) -> dict:
     figures["load_ms"] = load.measured_ms
     ms, exact = figures["hand_out_ms"], figures["exact"]
     figures["headline"] = (f"{exact['batches'] - exact['differ']}/{exact['batches']} batches exact, registered {exact['registered']}; hand-out p50 "
-                           f"{ms['registered']['p50']:.3f} ms registered, {ms['pinned_copy_fallback']['p50']:.3f} ms with a pinned copy, "
+                           f"{ms['registered']['p50']:.3f} ms registered, {ms['default_pinned_copy']['p50']:.3f} ms the default (a pinned copy first), "
                            f"{ms['original_pageable_to']['p50']:.3f} ms the original's pageable .to() (behind a {load.measured_ms:.1f} ms load)")
     if figures["problems"]:
         raise _Failed(figures, figures["problems"])

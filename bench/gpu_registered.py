@@ -1,6 +1,8 @@
 """The GPU proof's registered-slot stage (`bench/gpu_proof.py`, stage 3): the process
-producer's hand-out on CUDA, H2D straight from slot memory registered as pinned
-(`cudaHostRegister`, templates/prefetch_lean.py `_pinned`), checked on a real device.
+producer's hand-out on CUDA with `pinned_slots` (templates/prefetch_lean.py
+`_hand_out_pinned`: H2D straight from slot memory registered as pinned with
+`cudaHostRegister`; an option no patch passes yet, for its bytes), checked on a real
+device, and timed against the default hand-out (a pinned copy first).
 
 1. exact: a loader's batches through `_make_train_loader` on CUDA, each handed out
    behind a queued GPU load (the host ahead of the GPU, as in training) and held;
@@ -12,9 +14,9 @@ producer's hand-out on CUDA, H2D straight from slot memory registered as pinned
    there (cudaErrorHostMemoryAlreadyRegistered), and a kernel launched on the training
    thread afterwards raises nothing; the same call on the training thread is the control,
    whose error torch's next kernel-launch check raises.
-4. host ms: a hand-out p50/p90 through the registered path, through the fallback (a
-   pinned host copy first, as where registration fails), and the original's pageable
-   `.to(device, non_blocking=True)` of the same batch, each behind the same load.
+4. host ms: a hand-out p50/p90 through the registered path, through the default one (a
+   pinned host copy first), and the original's pageable `.to(device, non_blocking=True)`
+   of the same batch, each behind the same load.
 5. the copy stream by size (issue 58 part 3): host ms of one H2D from registered memory
    on the copy stream (`_h2d`) against a `.to()` on the compute stream, behind the load,
    at 64 KB, 1 MB and 8 MB.
@@ -32,7 +34,6 @@ import time
 import numpy as np
 import torch
 
-from patcher.templates import prefetch_lean
 from patcher.templates.copy_stream import _h2d
 from patcher.templates.prefetch_lean import _make_train_loader, _map_slots, _pinned, _register, _registered
 
@@ -78,7 +79,7 @@ def _exact(device, load, batches, shape, problems):
     """`batches` batches handed out behind the load and held, compared after one synchronize."""
     want_loader = TokenLoader(torch.device("cpu"))
     want = [want_loader.next_batch(*shape) for _ in range(batches)]
-    loader = _make_train_loader(lambda d: TokenLoader(d), device, queue_depth=2, name="registered-proof")
+    loader = _make_train_loader(lambda d: TokenLoader(d), device, queue_depth=2, name="registered-proof", pinned_slots=True)
     got = []
     for _ in range(batches):
         load.queue()
@@ -148,19 +149,13 @@ def _memfd(size: int) -> int:
 
 
 def _hand_out_ms(device, load, shape, reps) -> dict:
-    """Host ms per batch behind the load: the registered hand-out, the fallback (a pinned
-    copy first), and the original's pageable `.to()`."""
+    """Host ms per batch behind the load: the registered hand-out, the default one (a
+    pinned copy first, `_staged_h2d`), and the original's pageable `.to()`."""
     out = {}
-    for name, pinned in (("registered", None), ("pinned_copy_fallback", False)):
-        saved = prefetch_lean._pinned
-        if pinned is False:
-            prefetch_lean._pinned = lambda slots: False
-        try:
-            loader = _make_train_loader(lambda d: TokenLoader(d), device, queue_depth=2, name=f"registered-proof-{name}")
-            out[name] = _timed(lambda: loader.next_batch(*shape), load, reps)
-            loader.shutdown()
-        finally:
-            prefetch_lean._pinned = saved
+    for name, pinned_slots in (("registered", True), ("default_pinned_copy", False)):
+        loader = _make_train_loader(lambda d: TokenLoader(d), device, queue_depth=2, name=f"registered-proof-{name}", pinned_slots=pinned_slots)
+        out[name] = _timed(lambda: loader.next_batch(*shape), load, reps)
+        loader.shutdown()
     original = TokenLoader(device)
     out["original_pageable_to"] = _timed(lambda: original.next_batch(*shape), load, reps)
     return out

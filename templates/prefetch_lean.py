@@ -110,7 +110,7 @@ import weakref
 import torch
 
 from patcher.templates.copy_stream import _h2d, _ring_timers
-from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _spans
+from patcher.templates.staging import _POLL_S, _STOP_WAIT_S, _each_leaf, _each_tensor, _producer_error, _producer_setup, _rebuilt, _spans, _staged_h2d
 
 # One live prefetcher per loader variable: building the variable again resets it.
 _live_prefetchers = {}
@@ -119,7 +119,7 @@ _live_prefetchers = {}
 atexit.register(lambda: [loader.shutdown(time.monotonic() + _STOP_WAIT_S) for loader in _live_prefetchers.values()])
 
 
-def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader"):
+def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_stream=True, name="train_loader", pinned_slots=False):
     """Build the training loader, prefetching when `prefetch` is on.
 
     Takes: make_loader: `device -> loader`, the script's own construction expression;
@@ -139,7 +139,7 @@ def _make_train_loader(make_loader, device, prefetch=True, queue_depth=2, copy_s
         old.shutdown()
     if not prefetch:
         return make_loader(device)
-    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader, torch.device(device), queue_depth, copy_stream, name)
+    loader = _live_prefetchers[name] = _PrefetchLoader(make_loader, torch.device(device), queue_depth, copy_stream, name, pinned_slots=pinned_slots)
     return loader
 
 
@@ -158,10 +158,11 @@ class _PrefetchLoader:
     for the first's (a lock), as the original's calls run one after the other.
     """
 
-    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader"):
+    def __init__(self, make_loader, device, queue_depth=2, copy_stream=True, name="train_loader", pinned_slots=False):
         self.loader, self.scope = make_loader(torch.device("cpu")), make_loader.__globals__
         self.device, self.copy_stream, self.name, self.args, self.pid = device, copy_stream, name, None, None
         self.depth, self.lent, self.lock = min(max(1, int(queue_depth)), 250), {}, threading.Lock()  # lent: the slots the caller holds (`_hand_out`)
+        self._pinned_slots = pinned_slots
         _lending.append(self.lent)
 
     def next_batch(self, *args):
@@ -181,7 +182,7 @@ class _PrefetchLoader:
             if message[0] == "error":
                 self.lent[message[3]] = lambda: None  # its slot: free at the next batch (the producer goes on, as the loader would at a next call)
                 raise _rebuilt(message[1]) from RuntimeError(message[2])  # (the exception, the producer's formatted traceback)
-            return _hand_out(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
+            return (_hand_out_pinned if self._pinned_slots else _hand_out)(message[1], message[2], self.slots, self.lent, self.device, self.copy_stream)
 
     def _start(self):
         """Start the producer, at the first batch: a forked child process, or a
@@ -366,27 +367,14 @@ def _receive(conn, slots, lent):
 
 def _hand_out(batch, index, slots, lent, device, copy_stream):
     """The batch of a message (its tensors `_HostTensor`s, in slot `index` of `slots`) on
-    `device`, and slot `index` lent until the batch no longer needs it: `lent[index]`
-    becomes a callable that returns None once the slot may be rewritten, and the next
-    `_receive` that finds it so gives the slot back to the producer.
-
-    On the CPU the batch is views of the slot, with no copy (the hand-out a thread
-    producer's queue gives: parameter-golf #591), lent while they live: the callable is a
-    weak reference to a numpy view of the slot that only the batch's tensors keep alive.
-    A batch whose views would leave the producer no slot (a caller that keeps every
-    batch) is a copy instead, as is a batch that travelled in its message: a wait for a
-    slot there would never end.
-
-    On CUDA the H2D copies read the slot itself: its memory is registered as pinned
-    memory once (`_pinned`, cudaHostRegister), so each copy is asynchronous with no host
-    copy before it, and the slot is lent until a CUDA event recorded behind the batch's
-    copies has completed (polled at the next hand-out, `event.query()`; recorded on the
-    current stream, it completes once the GPU has reached the hand-out: a slot goes back
-    about a step after its batch was handed out, while the producer has the other slots
-    to build ahead in). Where the slot would be the last lent, the host waits for that
-    event here (it runs as many batches ahead of the GPU as there are slots). Where registration failed, each tensor is first
-    copied into pinned memory (`Tensor.pin_memory()`: torch's caching host allocator
-    hands that block out again only once the copy from it has completed).
+    `device`, as views of the slot, lent: `lent[index]` becomes a weak reference to an
+    object that only the batch's tensors keep alive, and the next `_receive` that finds
+    it dead gives the slot back to the producer. On CUDA the views die inside this
+    call, once `_staged_h2d` has copied them into pinned memory and queued the H2D;
+    elsewhere they are the batch, with no copy (the hand-out a thread producer's queue
+    gives: parameter-golf #591). A batch whose views would leave the producer no slot
+    (a caller that keeps every batch) is a copy instead, as is a batch that travelled
+    in its message: a wait for a slot there would never end.
 
     The hand-out makes as few torch calls as it can: each torch call after a step's
     thousands of others costs 20-40 µs on a 2-core host (its code and data out of the
@@ -402,21 +390,44 @@ def _hand_out(batch, index, slots, lent, device, copy_stream):
     Returns: the batch's structure, its tensors (e.g. `x, y: int64 [batch, seq_len]`)
     on `device`."""
     slot, lent[index] = slots[index], lambda: None  # no slot, nothing lent: free at the next batch
-    if slot is not None and device.type == "cuda":
-        slot, done = torch.from_numpy(slot), torch.cuda.Event()
-        batch = _each_leaf(batch, lambda v: _h2d(v.tensor(slot) if _pinned(slots) else v.tensor(slot).pin_memory(), device, copy_stream) if isinstance(v, _HostTensor) else v)
-        done.record()  # on the current stream, which waits for the copy stream (`_h2d`): after the copies
-        lent[index] = lambda: None if done.query() else done
-        if len(lent) == len(slots):  # the producer would have no slot: wait for this batch's copies
-            done.synchronize()
-        return batch
     if slot is not None:
         slot = slot[:]  # a numpy view of the slot of this batch's own, kept alive by each tensor over it
         lent[index] = weakref.ref(slot)
         slot = torch.from_numpy(slot)
         if len(lent) == len(slots):  # views would leave the producer no slot: a copy
             slot = slot.clone()
-    return _each_leaf(batch, lambda v: (v.tensor(slot) if device.type == "cpu" else v.tensor(slot).to(device)) if isinstance(v, _HostTensor) else v)  # (on the CPU the views are the batch: no op; a copy to another device)
+    return _each_leaf(batch, lambda v: (v.tensor(slot) if device.type == "cpu" else _staged_h2d(v.tensor(slot), device, copy_stream)) if isinstance(v, _HostTensor) else v)  # (on the CPU the views are the batch: no op)
+
+
+def _hand_out_pinned(batch, index, slots, lent, device, copy_stream):
+    """`_hand_out` with the H2D straight from the slot (the `pinned_slots` option: not
+    injected by a patch yet, for its bytes; the GPU proof's stage 3 measures it): on
+    CUDA, `lent[index]` becomes a callable that returns None once the slot may be
+    rewritten, and the next `_receive` that finds it so gives the slot back.
+
+    The slots' memory is registered as pinned memory once (`_pinned`, cudaHostRegister),
+    so each H2D copy reads the slot itself, asynchronously, with no host copy before it,
+    and the slot is lent until a CUDA event recorded behind the batch's copies has
+    completed (polled at the next hand-out, `event.query()`; recorded on the current
+    stream, it completes once the GPU has reached the hand-out: a slot goes back about a
+    step after its batch was handed out, while the producer has the other slots to build
+    ahead in). Where the slot would be the last lent, the host waits for that event here
+    (it runs as many batches ahead of the GPU as there are slots). Where registration
+    failed, each tensor is first copied into pinned memory (`Tensor.pin_memory()`:
+    torch's caching host allocator hands that block out again only once the copy from it
+    has completed). Not CUDA, or no slot: `_hand_out`.
+    Returns: the batch's structure, its tensors (e.g. `x, y: int64 [batch, seq_len]`)
+    on `device`."""
+    slot = slots[index]
+    if slot is None or device.type != "cuda":
+        return _hand_out(batch, index, slots, lent, device, copy_stream)
+    row, slot, done = slot, torch.from_numpy(slot), torch.cuda.Event()
+    batch = _each_leaf(batch, lambda v: _h2d(v.tensor(slot) if _pinned(slots) else v.tensor(slot).pin_memory(), device, copy_stream) if isinstance(v, _HostTensor) else v)
+    done.record()  # on the current stream, which waits for the copy stream (`_h2d`): after the copies
+    lent[index] = lambda: None if done.query() else row  # (the slot, while lent: what the fork hook keeps, `_keep_lent`)
+    if len(lent) == len(slots):  # the producer would have no slot: wait for this batch's copies
+        done.synchronize()
+    return batch
 
 
 # The slot lists whose memory registration was tried (`_pinned`): id -> (the list, registered).
@@ -468,7 +479,7 @@ def _keep_lent(child):
     before the fork, since the parent may free the slot as soon as fork returns."""
     import ctypes as c
     if not child:
-        for slot in [slot for lent in _lending for ref in list(lent.values()) if hasattr(slot := ref(), "ctypes")]:  # (not None: free; not a CUDA event: copied to the device)
+        for slot in [slot for lent in _lending for ref in list(lent.values()) if (slot := ref()) is not None]:
             start = slot.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
             _lent_pages.append((start, c.string_at(start, (start - slot.ctypes.data - slot.nbytes) // mmap.PAGESIZE * -mmap.PAGESIZE)))  # whole pages
         return

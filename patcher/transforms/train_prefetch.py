@@ -210,7 +210,7 @@ RUNTIME = {
 # chooses them. The lean runtime's depth is one: a default patch passes none (the
 # TRAIN_PREFETCH_QUEUE toggle comes with the producer toggles), so the depth is 2.
 OPTIONS = {
-    "prefetch_lean": ("queue_depth",),
+    "prefetch_lean": ("queue_depth", "pinned_slots"),  # pinned_slots: passed by no patch yet (templates/prefetch_lean.py, `_hand_out_pinned`)
     "prefetch_loader": ("reshape_arg", "rollback", "host_copy", "attrs", "replay"),
 }
 # Every producer a family's plan may call (`PRODUCERS`) marks a patched script, the

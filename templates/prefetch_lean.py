@@ -27,9 +27,10 @@ child (its structure, its non-tensor values, its slot's number), one byte a free
 back (its number; every slot's written before the start). `next_batch` reads the
 message and hands the batch out as views of its slot, lent (`_hand_out`): the slot
 goes back to the child at the first `next_batch` after the last tensor over it died.
-On CUDA the H2D copies read the slot itself, its memory registered as pinned once
-(cudaHostRegister), queued on the copy stream, and the slot goes back once a CUDA event
-behind them has completed; elsewhere the views are the batch, with no copy. Only
+On CUDA the views die at once: they are copied into pinned memory and the H2D copy
+queued from there on the copy stream (`_staged_h2d`, `templates/staging.py`; with the
+`pinned_slots` option, which no patch passes yet, the H2D reads the slot itself,
+`_hand_out_pinned`); elsewhere the views are the batch, with no copy. Only
 the child advances the loader, with exactly the calls the original makes, so the
 batches are bit-identical. A batch of another shape or structure than the first travels as well:
 each message carries its own, and a tensor the slot has no room for travels in it.
@@ -413,16 +414,15 @@ def _hand_out_pinned(batch, index, slots, lent, device, copy_stream):
     step after its batch was handed out, while the producer has the other slots to build
     ahead in). Where the slot would be the last lent, the host waits for that event here
     (it runs as many batches ahead of the GPU as there are slots). Where registration
-    failed, each tensor is first copied into pinned memory (`Tensor.pin_memory()`:
-    torch's caching host allocator hands that block out again only once the copy from it
-    has completed). Not CUDA, or no slot: `_hand_out`.
+    failed, each tensor takes `_hand_out`'s path: a copy into pinned memory first
+    (`_staged_h2d`). Not CUDA, or no slot: `_hand_out`.
     Returns: the batch's structure, its tensors (e.g. `x, y: int64 [batch, seq_len]`)
     on `device`."""
     slot = slots[index]
     if slot is None or device.type != "cuda":
         return _hand_out(batch, index, slots, lent, device, copy_stream)
-    row, slot, done = slot, torch.from_numpy(slot), torch.cuda.Event()
-    batch = _each_leaf(batch, lambda v: _h2d(v.tensor(slot) if _pinned(slots) else v.tensor(slot).pin_memory(), device, copy_stream) if isinstance(v, _HostTensor) else v)
+    row, slot, done, h2d = slot, torch.from_numpy(slot), torch.cuda.Event(), _h2d if _pinned(slots) else _staged_h2d
+    batch = _each_leaf(batch, lambda v: h2d(v.tensor(slot), device, copy_stream) if isinstance(v, _HostTensor) else v)
     done.record()  # on the current stream, which waits for the copy stream (`_h2d`): after the copies
     lent[index] = lambda: None if done.query() else row  # (the slot, while lent: what the fork hook keeps, `_keep_lent`)
     if len(lent) == len(slots):  # the producer would have no slot: wait for this batch's copies
@@ -454,7 +454,7 @@ def _register(slots, device):
     (cudaHostRegister, portable: every device's context sees it pinned) and record in
     `_registered` whether it worked. Where it fails (a container's locked-memory limit, a
     driver that cannot pin shared memory), one line on stderr says so, and the hand-out
-    copies each tensor into pinned memory first (`_hand_out`)."""
+    copies each tensor into pinned memory first (`_hand_out_pinned`, `_staged_h2d`)."""
     try:
         torch.cuda.set_device(device)
         error = int(torch.cuda.cudart().cudaHostRegister(slots[0].ctypes.data, slots[0].nbytes * len(slots), 1))

@@ -110,8 +110,7 @@ class _StepTimer:
         self.every = 200
         self.log = None
         self.steps = 0  # training steps completed since the loop started
-        self.data_wait_total_ms = 0.0
-        self.waits = []  # data wait mode: each step's wait (ms), for its p50 and p99
+        self.waits = []  # data wait mode: each step's wait (ms), for their total, p50 and p99
         self.ring = [0, 0]  # the process producer's hand-outs, and those that found no batch built (`_ring_timers`)
         self._record = {}
         self._open = []  # names of the phases being timed, innermost last
@@ -135,7 +134,6 @@ class _StepTimer:
         elif self._step_start is not None and self.mode:
             self.steps += 1
             if self.mode == _DATA_WAIT:
-                self.data_wait_total_ms += self._record.get("batch", 0.0)
                 self.waits.append(self._record.get("batch", 0.0))
             if self._due():
                 self.log(self._line(1000.0 * (now - self._step_start)))
@@ -203,7 +201,7 @@ class _StepTimer:
             wait, waits = record.get("batch", 0.0), sorted(self.waits)
             p50, p99 = waits[(len(waits) - 1) // 2], waits[round(0.99 * (len(waits) - 1))]
             ring = f" ring_empty:{self.ring[1]}/{self.ring[0]}" if self.ring[0] else ""
-            return f"step_timing step:{self.steps} data_wait_ms:{wait:.2f} step_ms:{step_ms:.2f} data_wait_total_ms:{self.data_wait_total_ms:.2f} data_wait_p50_ms:{p50:.2f} data_wait_p99_ms:{p99:.2f}{ring}"
+            return f"step_timing step:{self.steps} data_wait_ms:{wait:.2f} step_ms:{step_ms:.2f} data_wait_total_ms:{sum(self.waits):.2f} data_wait_p50_ms:{p50:.2f} data_wait_p99_ms:{p99:.2f}{ring}"
         h2d = record.get("h2d")
         fields = [
             f"batch_cpu_ms:{record.get('batch', 0.0) - (h2d or 0.0):.2f}",

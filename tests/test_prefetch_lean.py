@@ -143,8 +143,10 @@ def cuda_batches(n, monkeypatch, **on_host):
     copies from pinned memory left in flight until something waits for them), all held
     and compared after the block's final synchronize, as a GPU's last step would use
     them. Returns (the batches, the sources of the H2D copies, the registrations made)."""
-    sources = []
-    monkeypatch.setattr(prefetch_lean, "_h2d", lambda t, *a: sources.append(t) or copy_stream._h2d(t, *a))
+    sources = []  # what each H2D reads: the slot, or the pinned copy `_staged_h2d` makes of it
+    record = lambda t, *a: sources.append(t) or copy_stream._h2d(t, *a)
+    monkeypatch.setattr(prefetch_lean, "_h2d", record)
+    monkeypatch.setattr(staging, "_h2d", record)
     with cuda_on_host(**on_host):
         loader = _make_train_loader(lambda d: Stream(d), torch.device("cuda"), queue_depth=2, pinned_slots=True)
         got = [loader.next_batch(*ARGS) for _ in range(n)]

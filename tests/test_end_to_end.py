@@ -2,9 +2,10 @@
 
 Each runnable fixture is patched, then the original and the patched script are run
 as subprocesses on the same synthetic shards; every `step:N train_loss:X` line
-(full float repr) and the final validation loss must match, with TRAIN_PREFETCH=1
-and =0. The runs go in parallel so the whole file stays fast; the original runs are
-shared with test_fixtures.py (fixture_training.py).
+(full float repr) and the final validation loss must match, with TRAIN_PREFETCH=1,
+and with =0 once for each runtime the toggle switches off (`PREFETCH_OFF`). The runs
+go in parallel so the whole file stays fast; the original runs are shared with
+test_fixtures.py (fixture_training.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 NOT_RUN = {name: why for name, why in FIXTURES_NOT_RUN.items() if name != "generator_toplevel"}
 RUNNABLE = runnable(registry.UNITS, NOT_RUN, others=["curriculum", "batch_switch", "wrapped_lzma_raw", "wrapped_lzma_oneline"])
 MODES = {"original": {}, "prefetch_on": {"TRAIN_PREFETCH": "1"}, "prefetch_off": {"TRAIN_PREFETCH": "0"}}
+# TRAIN_PREFETCH=0 makes the patched construction return the script's own loader,
+# `make_loader(device)`, whatever the family: one fixture per runtime that has the
+# toggle runs with it off (the process producer; the thread runtime over a loader's
+# method and over a generator).
+PREFETCH_OFF = ["tokenstream_readable", "curriculum", "generator_toplevel"]
 
 
 def _run(script: Path, env: dict, workdir: Path) -> str:
@@ -50,7 +56,8 @@ def runs(tmp_path_factory):
         patched = out_dir / f"{name}.py"
         patched.write_text(render(script, patch_source(script.source).source))
         jobs[(name, "prefetch_on")] = (patched, run_env(data, **MODES["prefetch_on"]))
-        jobs[(name, "prefetch_off")] = (patched, run_env(data, **MODES["prefetch_off"]))
+        if name in PREFETCH_OFF:
+            jobs[(name, "prefetch_off")] = (patched, run_env(data, **MODES["prefetch_off"]))
     # The patched runs first: meanwhile the other test worker may train the originals.
     with ThreadPoolExecutor(max_workers=workers()) as pool:
         futures = {key: pool.submit(_run, path, env, workdir) for key, (path, env) in jobs.items()}
@@ -66,8 +73,7 @@ def runs(tmp_path_factory):
     return done
 
 
-@pytest.mark.parametrize("name", RUNNABLE)
-@pytest.mark.parametrize("mode", ["prefetch_on", "prefetch_off"])
+@pytest.mark.parametrize("name, mode", [(name, "prefetch_on") for name in RUNNABLE] + [(name, "prefetch_off") for name in PREFETCH_OFF])
 def test_losses_bit_identical(runs, name, mode):
     reference = STEP_LINE.findall(runs[(name, "original")])
     patched = STEP_LINE.findall(runs[(name, mode)])
@@ -75,7 +81,19 @@ def test_losses_bit_identical(runs, name, mode):
     assert patched == reference
 
 
-@pytest.mark.parametrize("name", ["tokenstream_readable", "shuffled_minified"])
+def test_the_toggle_is_off_in_a_runtime_of_each_kind():
+    # Each runtime the toggle switches off is trained with it off: a new runtime's
+    # fixture must be named in PREFETCH_OFF.
+    kinds = {}
+    for name in RUNNABLE:
+        source = patch_source(read_script(FIXTURES / f"{name}.py").source).source
+        kind = "generator" if "def _spawn_generator" in source else "thread" if "class _Worker" in source else "process" if "class _PrefetchLoader" in source else None
+        kinds.setdefault(kind, set()).add(name)
+    assert set(PREFETCH_OFF) <= set(RUNNABLE)
+    assert all(names & set(PREFETCH_OFF) for kind, names in kinds.items() if kind), kinds
+
+
+@pytest.mark.parametrize("name", ["tokenstream_readable", "curriculum"])
 def test_patched_run_logs_its_mode(runs, name):
     assert "patch_prefetch train_prefetch:1 train_copy_stream:1" in runs[(name, "prefetch_on")]
     assert "patch_prefetch train_prefetch:0" in runs[(name, "prefetch_off")]

@@ -57,13 +57,14 @@ def open_files() -> set[str]:
     return out
 
 
-def _with_stat_field(index: int, value: int) -> list[int]:
-    """The pids, zombies included, whose /proc stat field `index` (counted after the
-    command's closing parenthesis: 1 the parent, 3 the session) is `value`."""
+def _with_stat_field(index: int, value: int, alive: bool = False) -> list[int]:
+    """The pids, zombies included unless `alive`, whose /proc stat field `index` (counted
+    after the command's closing parenthesis: 0 the state, 1 the parent, 3 the session) is `value`."""
     found = []
     for entry in os.listdir("/proc"):
         try:
-            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[index]) == value:
+            fields = entry.isdigit() and Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if fields and int(fields[index]) == value and not (alive and fields[0] == "Z"):
                 found.append(int(entry))
         except OSError:  # gone meanwhile
             pass
@@ -75,9 +76,10 @@ def children(pid: int) -> list[int]:
     return _with_stat_field(1, pid)
 
 
-def session(sid: int) -> list[int]:
-    """The pids of the processes, zombies included, of session `sid` (from /proc)."""
-    return _with_stat_field(3, sid)
+def session(sid: int, alive: bool = False) -> list[int]:
+    """The pids of the processes of session `sid` (from /proc): zombies included, or with
+    `alive` only those that have not exited."""
+    return _with_stat_field(3, sid, alive)
 
 
 def read_lines(proc: subprocess.Popen, queued: str) -> tuple[list[str], list[str], queue.Queue, list[threading.Thread]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from patcher.patch import patch_source
-from processes import children, descendants, read_lines
+from processes import children, descendants, read_lines, session
 from patcher.proof.shards import write_shards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +48,13 @@ COUNT_FORKS = ("import os\n", "import os\nFORKS = []\nos.register_at_fork(after_
 COMPILED = (
     "    embeddings = [base_model.wte.weight, base_model.wpe.weight]\n",
     "    model = torch.compile(model)\n    embeddings = [base_model.wte.weight, base_model.wpe.weight]\n",
+)
+# Every rank logs, each line with its rank: the loss of a step is the rank's own loss on
+# its own batch. A line and its newline go in one write, so that the ranks' lines do not
+# interleave on the stdout they share.
+EVERY_RANK_LOGS = (
+    ("master_process = rank == 0", "master_process = True"),
+    ("print(msg, flush=True)", 'print(f"rank{rank} {msg}\\n", end="", flush=True)'),
 )
 # An idle thread of the script's own (a heartbeat), started before the loader is built.
 OWN_THREAD = (
@@ -211,12 +218,28 @@ def test_a_thread_of_the_scripts_own_means_a_producer_thread(env, tmp_path):
 
 
 def test_two_ranks_under_torchrun_each_keep_a_forked_producer(env, tmp_path, one_torchrun_at_a_time):
-    original, patched, held = run_observed(*scripts(tmp_path), env, tmp_path, ranks=2)
+    # Each rank trains on the original's batches of that rank, and at the end no producer
+    # is left running.
+    original, patched, held = run_observed(*scripts(tmp_path, *EVERY_RANK_LOGS), env, tmp_path, ranks=2)
     for rank, (pid, forks, threads, child_pids) in held.items():
         assert child_pids, f"rank {rank}: no producer process half-way through training; threads {threads}"
         assert forks == 1, f"rank {rank}: {forks} forks: the rebuild forked again"
     assert not [line for line in patched.stderr if "prefetch:" in line], patched.stderr[-10:]
-    assert_same_training(original, patched)  # rank 0's lines: it alone logs
+    for run in (original, patched):
+        assert run.finish() == 0, run.stderr[-20:]
+        assert session(run.proc.pid, alive=True) == []
+
+    def per_rank(run: Run) -> dict[str, list[str]]:
+        ranks: dict[str, list[str]] = {}
+        for line in run.stdout:
+            if line.startswith(("rank0 ", "rank1 ")) and line[6:].startswith(("step:", "final ")):
+                ranks.setdefault(line[4], []).append(line[6:])
+        return ranks
+
+    ranks = per_rank(original)
+    assert sorted(ranks) == ["0", "1"] and all(len([line for line in r if line.startswith("step:")]) == ITERATIONS for r in ranks.values()), ranks
+    assert ranks["0"] != ranks["1"]  # the ranks train on different batches
+    assert per_rank(patched) == ranks
 
 
 def test_two_ranks_under_torchrun_each_keep_the_thread_runtimes_producer(env, tmp_path, one_torchrun_at_a_time):

@@ -43,6 +43,44 @@ def test_identical_on_patched_fixtures(tmp_path, name):
     assert result.batches_compared == 2 * (24 + warmup)
 
 
+def test_the_last_loaders_own_pool_ends_with_it_and_is_not_waited_for(tmp_path, monkeypatch):
+    # document_packing's loader keeps a ThreadPoolExecutor(1), whose worker ends when the
+    # loader is collected. verify drops each side's last loader before it waits for the
+    # threads left running: none is left, and no rank waits out the 3 s grace.
+    import patcher.proof.rank_compare as rank_compare
+
+    left = []
+    wait = rank_compare.still_alive
+    monkeypatch.setattr(rank_compare, "still_alive", lambda *a: left.append(sorted(t.name for t in wait(*a))) or [])
+    result = verify(*patched(tmp_path, "document_packing"), batches=4, world_size=2)
+    assert result.identical, result.difference
+    assert left and left == [[]] * len(left), left
+
+
+def test_threads_of_a_kind_the_original_leaves_running_are_not_waited_for():
+    # The original's warm-up loader left one `worker-N` thread running: the patched side's
+    # is excused, and its join never called; a second one of that kind is waited for.
+    import collections
+
+    from patcher.proof.compare import still_alive
+
+    class Thread:
+        def __init__(self, name):
+            self.name, self.joins = name, 0
+
+        def is_alive(self):
+            return True
+
+        def join(self, timeout):
+            self.joins += 1
+
+    excused = collections.Counter({"worker-": 1})  # (`thread_kind`: the name without its digits)
+    one = Thread("worker-1")
+    assert still_alive({one}, 0.2, excused) == [one] and one.joins == 0
+    two = [Thread("worker-1"), Thread("worker-2")]
+    assert len(still_alive(set(two), 0.2, excused)) == 2 and sum(t.joins for t in two) > 0
+
+
 # Anchored where next_batch (templates/prefetch_lean.py) has copied a batch out of
 # its slot and freed the slot (every batch: the producer builds them all).
 # Taking one more: the next message read, its batch copied out and its slot freed.

@@ -188,7 +188,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                 loader = harness_step(lambda: recipe.evaluate(patched_sites[index], ns, recipe.constructions[index].binding), f"building the patched loader (line {recipe.constructions[index].line}'s construction) for rank {rank}")
                 kept = reset_producer(loader) & earlier  # the producer the rebuild reset: it serves the new loader
                 if p > 0:
-                    leaked = unexcused(still_alive(earlier - kept, REBUILD_GRACE_S), reference.leaked)
+                    leaked = unexcused(still_alive(earlier - kept, REBUILD_GRACE_S, reference.leaked), reference.leaked)
                     if leaked and leaks is not None:
                         leaks.extend(f"rank {rank}, {configuration.label}: still alive after the script rebuilt its loader: {describe_leak(t, started)}" for t in sorted(leaked, key=lambda t: t.name))
                 held = None  # (n, batch): the last batch compared, held while the next is drawn and compared again then
@@ -239,7 +239,8 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended{reset}; {len(alive)} more of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
         finally:
             close(loader)
-            still_alive(script_threads() - started_with - set(leaked), REBUILD_GRACE_S)  # those found left running were waited for
+            loader = batch = held = None  # the last loader's threads may end with it (a pool of its own ends when the loader is collected)
+            still_alive(script_threads() - started_with - set(leaked), REBUILD_GRACE_S, reference.leaked)  # those found left running were waited for
     return None
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import time
 
 import numpy as np
@@ -141,8 +142,6 @@ def _failure_isolated(device, problems) -> dict:
 
 
 def _memfd(size: int) -> int:
-    import os
-
     fd = os.memfd_create("registered-proof")
     os.ftruncate(fd, size)
     return fd

@@ -142,7 +142,8 @@ def cuda_batches(n, monkeypatch, **on_host):
     from a registered slot) on CUDA driven with host memory (`cuda_on_host`, the H2D
     copies from pinned memory left in flight until something waits for them), all held
     and compared after the block's final synchronize, as a GPU's last step would use
-    them. Returns (the batches, the sources of the H2D copies, the registrations made)."""
+    them. Returns (the batches, the sources of the H2D copies, whether each source is
+    pinned memory, the registrations made)."""
     sources = []  # what each H2D reads: the slot, or the pinned copy `_staged_h2d` makes of it
     record = lambda t, *a: sources.append(t) or copy_stream._h2d(t, *a)
     monkeypatch.setattr(prefetch_lean, "_h2d", record)

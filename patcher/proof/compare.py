@@ -679,15 +679,15 @@ def queued_batches(loader) -> int | None:
 
 
 def still_alive(threads: set, grace_s: float, excused: collections.Counter | None = None) -> list:
-    """The threads and processes of `threads` still alive after waiting up to `grace_s`
-    seconds in all for those beyond `excused` (`unexcused`: the kinds of thread the
-    original also leaves running, and how many). Those it excuses are not waited for: an
-    idle pool worker that the original's warm-up loader leaves behind never ends, and
-    waiting for it cost verify the whole grace at every rebuild."""
+    """The threads and processes of `threads` still alive beyond `excused` (`unexcused`:
+    the kinds of thread the original also leaves running, and how many) after waiting up
+    to `grace_s` seconds in all for them. Those it excuses are not waited for: an idle
+    pool worker that the original's warm-up loader leaves behind never ends, and waiting
+    for it cost verify the whole grace at every rebuild."""
     deadline = time.monotonic() + grace_s
     while (beyond := unexcused([t for t in threads if t.is_alive()], excused or collections.Counter())) and time.monotonic() < deadline:
         beyond[0].join(min(0.05, max(0.0, deadline - time.monotonic())))  # (a slice: another may end first and excuse this one)
-    return [t for t in threads if t.is_alive()]
+    return beyond
 
 
 def unexcused(threads: list, excused: collections.Counter) -> list:

@@ -442,10 +442,15 @@ class _HostCudart:
     """Stands in for `torch.cuda.cudart()`: `cudaHostRegister` pins host memory in the
     model (`AsyncCopies.register`) and returns 0, or returns `error` and pins nothing
     where it is not 0, or 712 (cudaErrorHostMemoryAlreadyRegistered) for memory that
-    overlaps memory registered before; `registered` counts the calls that pinned."""
+    overlaps memory registered before."""
 
     def __init__(self, model: AsyncCopies, error: int = 0):
-        self.model, self.error, self.registered = model, error, 0
+        self.model, self.error = model, error
+
+    @property
+    def registered(self) -> int:
+        """The calls that pinned memory."""
+        return len(self.model.registered)
 
     def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
         if self.error:
@@ -453,7 +458,6 @@ class _HostCudart:
         if any(lo < address + size and address < hi for lo, hi in self.model.registered):
             return 712
         self.model.register(address, size)
-        self.registered += 1
         return 0
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from patcher.proof import host_cuda
-from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, describe_leak, draw_deadline, first_difference, harness_step, one_line, queued_batches, reset_producer, script_threads, still_alive, thread_kind, thread_starts, unexcused
+from patcher.proof.compare import CannotVerify, ChildProcess, Difference, DrawTimeout, GlobalRng, InFlight, close, compare_phases, copy_batch, describe_leak, draw_deadline, first_difference, harness_step, one_line, queued_batches, reset_producer, script_threads, still_alive, thread_kind, thread_starts
 from patcher.proof.harness import SimulatedDist, environment
 from patcher.proof.host_cuda import cuda_as_host, cuda_on_host, device_for, host_only_pinning
 from patcher.proof.loop_calls import script_seeding, seed
@@ -188,7 +188,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                 loader = harness_step(lambda: recipe.evaluate(patched_sites[index], ns, recipe.constructions[index].binding), f"building the patched loader (line {recipe.constructions[index].line}'s construction) for rank {rank}")
                 kept = reset_producer(loader) & earlier  # the producer the rebuild reset: it serves the new loader
                 if p > 0:
-                    leaked = unexcused(still_alive(earlier - kept, REBUILD_GRACE_S, reference.leaked), reference.leaked)
+                    leaked = still_alive(earlier - kept, REBUILD_GRACE_S, reference.leaked)
                     if leaked and leaks is not None:
                         leaks.extend(f"rank {rank}, {configuration.label}: still alive after the script rebuilt its loader: {describe_leak(t, started)}" for t in sorted(leaked, key=lambda t: t.name))
                 held = None  # (n, batch): the last batch compared, held while the next is drawn and compared again then
@@ -239,7 +239,7 @@ def compare_loader_rank(recipe: LoaderRecipe, patched_sites: list[str], module, 
                     notes.append(f"after the script's rebuild ({configuration.label}): the warm-up loader's threads and child processes ended{reset}; {len(alive)} more of the new loader alive ({', '.join(sorted({t.name for t in alive})) or 'none'})")
         finally:
             close(loader)
-            loader = batch = held = None  # the last loader's threads may end with it (a pool of its own ends when the loader is collected)
+            loader = None  # the last loader's threads may end with it (a pool of its own ends when the loader is collected)
             still_alive(script_threads() - started_with - set(leaked), REBUILD_GRACE_S, reference.leaked)  # those found left running were waited for
     return None
 

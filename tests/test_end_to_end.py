@@ -44,7 +44,13 @@ def _run(script: Path, env: dict, workdir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def patched_sources() -> dict[str, str]:
+    """{fixture: its default patch's source, before rendering (a wrapped fixture's payload)}."""
+    return {name: patch_source(read_script(FIXTURES / f"{name}.py").source).source for name in RUNNABLE}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, patched_sources):
     """{(fixture, mode): stdout}. The patched runs train here, on the shards of the original
     runs; those come from fixture_training.py, trained once for this file and test_fixtures.py."""
     data = shard_dir(tmp_path_factory)
@@ -52,9 +58,8 @@ def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("cwd")
     jobs = {}
     for name in RUNNABLE:
-        script = read_script(FIXTURES / f"{name}.py")
         patched = out_dir / f"{name}.py"
-        patched.write_text(render(script, patch_source(script.source).source))
+        patched.write_text(render(read_script(FIXTURES / f"{name}.py"), patched_sources[name]))
         jobs[(name, "prefetch_on")] = (patched, run_env(data, **MODES["prefetch_on"]))
         if name in PREFETCH_OFF:
             jobs[(name, "prefetch_off")] = (patched, run_env(data, **MODES["prefetch_off"]))
@@ -81,12 +86,11 @@ def test_losses_bit_identical(runs, name, mode):
     assert patched == reference
 
 
-def test_the_toggle_is_off_in_a_runtime_of_each_kind():
+def test_the_toggle_is_off_in_a_runtime_of_each_kind(patched_sources):
     # Each runtime the toggle switches off is trained with it off: a new runtime's
     # fixture must be named in PREFETCH_OFF.
     kinds = {}
-    for name in RUNNABLE:
-        source = patch_source(read_script(FIXTURES / f"{name}.py").source).source
+    for name, source in patched_sources.items():
         kind = "generator" if "def _spawn_generator" in source else "thread" if "class _Worker" in source else "process" if "class _PrefetchLoader" in source else None
         kinds.setdefault(kind, set()).add(name)
     assert set(PREFETCH_OFF) <= set(RUNNABLE)
